@@ -1,0 +1,17 @@
+"""The node's inference engine: `from helexa.engine import LLM, SamplingParams`."""
+
+from helexa.engine.async_engine import AsyncLLM
+from helexa.engine.llm import LLM
+from helexa.engine.llm_engine import ContextLengthExceededError, EngineArgs, LLMEngine
+from helexa.engine.sampling_params import SamplingParams
+from helexa.engine.sequence import RequestOutput
+
+__all__ = [
+    "LLM",
+    "AsyncLLM",
+    "ContextLengthExceededError",
+    "EngineArgs",
+    "LLMEngine",
+    "RequestOutput",
+    "SamplingParams",
+]

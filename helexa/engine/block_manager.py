@@ -1,0 +1,139 @@
+"""Books for the paged KV cache: which blocks each sequence owns, which are free, which
+full blocks hold which token prefix (so a new prompt can reuse them). No tensors here."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+from helexa.engine.sequence import Sequence
+
+
+class Block:
+    __slots__ = ("block_hash", "block_id", "ref_count", "token_ids")
+
+    def __init__(self, block_id: int) -> None:
+        self.block_id = block_id
+        self.ref_count = 0
+        self.block_hash: int | None = None  # set once the block is full and computed
+        self.token_ids: tuple[int, ...] = ()
+
+
+class BlockManager:
+    """Ref-counted KV blocks with a free list and a prefix index over full blocks.
+
+    Freed blocks keep their contents and hash until they are handed out again, least
+    recently freed first, so a later prompt with the same prefix can pick them back up.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        assert num_blocks > 0 and block_size > 0
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self._by_hash: dict[int, int] = {}
+        # Per sequence: how many of its blocks are already registered in the prefix index.
+        self._num_hashed: dict[int, int] = {}
+
+    # -- queries -----------------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
+    @property
+    def usage(self) -> float:
+        """Fraction of blocks held by live sequences."""
+        return 1.0 - self.num_free_blocks / self.num_blocks
+
+    def num_blocks_needed(self, seq: Sequence, num_tokens: int) -> int:
+        want = -(-num_tokens // self.block_size)
+        return max(0, want - len(seq.block_table))
+
+    def can_allocate(self, seq: Sequence, num_tokens: int) -> bool:
+        """Whether `seq` can hold `num_tokens` tokens of KV in total."""
+        return self.num_blocks_needed(seq, num_tokens) <= self.num_free_blocks
+
+    # -- allocation --------------------------------------------------------------
+    def allocate(self, seq: Sequence, num_tokens: int) -> None:
+        """Grow `seq`'s block table so it holds `num_tokens` tokens of KV."""
+        need = self.num_blocks_needed(seq, num_tokens)
+        assert need <= self.num_free_blocks, "allocate() without can_allocate()"
+        for _ in range(need):
+            block_id, _ = self._free.popitem(last=False)
+            block = self.blocks[block_id]
+            if block.block_hash is not None:  # evict its cached prefix
+                if self._by_hash.get(block.block_hash) == block_id:
+                    del self._by_hash[block.block_hash]
+                block.block_hash = None
+                block.token_ids = ()
+            block.ref_count = 1
+            seq.block_table.append(block_id)
+
+    def match_prefix(self, seq: Sequence) -> int:
+        """Attach cached blocks for the longest cached prefix of a new sequence.
+
+        Returns the number of tokens whose KV is reused. At least one token is always
+        left to compute, since the last prompt position must produce logits.
+        """
+        assert not seq.block_table
+        if not self.enable_prefix_caching:
+            return 0
+        bs = self.block_size
+        tokens = seq.token_ids
+        num_full = (len(tokens) - 1) // bs
+        prev_hash: int | None = None
+        for i in range(num_full):
+            chunk = tuple(tokens[i * bs : (i + 1) * bs])
+            h = hash((prev_hash, chunk))
+            block_id = self._by_hash.get(h)
+            if block_id is None or self.blocks[block_id].token_ids != chunk:
+                break
+            block = self.blocks[block_id]
+            if block.ref_count == 0:
+                del self._free[block_id]
+            block.ref_count += 1
+            seq.block_table.append(block_id)
+            prev_hash = h
+        self._num_hashed[seq.seq_id] = len(seq.block_table)
+        return len(seq.block_table) * bs
+
+    def register_computed(self, seq: Sequence) -> None:
+        """Index the full blocks whose KV has been computed, for later prefix reuse."""
+        if not self.enable_prefix_caching:
+            return
+        bs = self.block_size
+        start = self._num_hashed.get(seq.seq_id, 0)
+        end = seq.num_computed_tokens // bs
+        if end <= start:
+            return
+        tokens = seq.token_ids
+        prev_hash = self.blocks[seq.block_table[start - 1]].block_hash if start else None
+        for i in range(start, end):
+            block = self.blocks[seq.block_table[i]]
+            chunk = tuple(tokens[i * bs : (i + 1) * bs])
+            h = hash((prev_hash, chunk))
+            if block.block_hash is None:
+                block.block_hash = h
+                block.token_ids = chunk
+                self._by_hash.setdefault(h, block.block_id)
+            prev_hash = block.block_hash
+        self._num_hashed[seq.seq_id] = end
+
+    def free(self, seq: Sequence) -> None:
+        """Release `seq`'s blocks; cached contents stay reusable until reallocated."""
+        for block_id in reversed(seq.block_table):
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            assert block.ref_count >= 0
+            if block.ref_count == 0:
+                self._free[block_id] = None
+        seq.block_table.clear()
+        self._num_hashed.pop(seq.seq_id, None)
+
+    def reset_prefix_cache(self) -> None:
+        for block in self.blocks:
+            if block.ref_count == 0:
+                block.block_hash = None
+                block.token_ids = ()
+        self._by_hash = {h: b for h, b in self._by_hash.items() if self.blocks[b].block_hash == h}

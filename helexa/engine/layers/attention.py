@@ -1,0 +1,98 @@
+"""Attention over the paged KV cache (pure torch; the CPU path and the reference).
+
+Each layer owns k/v caches shaped [num_blocks, block_size, num_kv_heads, head_dim].
+New tokens' K/V are written to their slots, then prefill segments attend causally
+over their whole context and decode rows attend, batched, over theirs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass(slots=True)
+class PrefillSegment:
+    """One sequence's chunk of new tokens: rows [start, end) of the flat batch."""
+
+    start: int
+    end: int
+    # Slots of the whole context (cached prefix + this chunk), or None when the chunk is
+    # the entire context so far and K/V can be used as computed.
+    context_slots: torch.Tensor | None
+
+
+@dataclass(slots=True)
+class AttentionContext:
+    """Per-step attention metadata, built once by the model runner, shared by all layers."""
+
+    slot_mapping: torch.Tensor  # [num_tokens] cache slot of each new token
+    cos: torch.Tensor  # [num_tokens, 1, head_dim]
+    sin: torch.Tensor
+    prefills: list[PrefillSegment]
+    decode_rows: torch.Tensor | None  # [num_decode] rows of the flat batch, or None
+    decode_slots: torch.Tensor | None  # [num_decode, max_context] (padded with slot 0)
+    decode_mask: torch.Tensor | None  # [num_decode, 1, 1, max_context] bool, None if unpadded
+    all_decode: bool = False  # every row is a decode row, in order
+
+
+class PagedAttention(nn.Module):
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
+        super().__init__()
+        assert num_heads % num_kv_heads == 0
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = scale
+        self.k_cache: torch.Tensor | None = None
+        self.v_cache: torch.Tensor | None = None
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: AttentionContext
+    ) -> torch.Tensor:
+        # q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim]
+        kvh, d = self.num_kv_heads, self.head_dim
+        group = self.num_heads // kvh
+        k_flat = self.k_cache.view(-1, kvh, d)
+        v_flat = self.v_cache.view(-1, kvh, d)
+        k_flat.index_copy_(0, ctx.slot_mapping, k)
+        v_flat.index_copy_(0, ctx.slot_mapping, v)
+        out = q.new_empty(q.shape)
+
+        for seg in ctx.prefills:
+            qs = q[seg.start : seg.end].transpose(0, 1)  # [H, L, D]
+            if seg.context_slots is None:
+                ks, vs = k[seg.start : seg.end], v[seg.start : seg.end]
+            else:
+                ks, vs = k_flat[seg.context_slots], v_flat[seg.context_slots]
+            ks = ks.transpose(0, 1).repeat_interleave(group, 0)  # [H, S, D]
+            vs = vs.transpose(0, 1).repeat_interleave(group, 0)
+            length, span = qs.shape[1], ks.shape[1]
+            if length == span:
+                o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=self.scale)
+            else:  # a later chunk: query i sees keys up to span - length + i
+                mask = torch.ones(length, span, dtype=torch.bool, device=q.device).tril(
+                    span - length
+                )
+                o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=self.scale)
+            out[seg.start : seg.end] = o.transpose(0, 1)
+
+        if ctx.decode_rows is not None:
+            rows = ctx.decode_rows
+            n = rows.shape[0]
+            qd = q if ctx.all_decode else q[rows]
+            # Grouped-query trick: the `group` query heads sharing a kv head become the
+            # query-length axis of that kv head, so no K/V repeat is needed.
+            qd = qd.view(n, kvh, group, d)
+            kd = k_flat[ctx.decode_slots].transpose(1, 2)  # [n, kvh, S, d]
+            vd = v_flat[ctx.decode_slots].transpose(1, 2)
+            o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=ctx.decode_mask, scale=self.scale)
+            o = o.reshape(n, self.num_heads, d)
+            if ctx.all_decode:
+                out = o
+            else:
+                out[rows] = o
+        return out

@@ -1,0 +1,92 @@
+"""Rotary position embeddings (rotate-half layout, as HF stores Llama/Qwen weights)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+
+
+def _inv_freq(head_dim: int, theta: float) -> torch.Tensor:
+    return 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+
+
+def _llama3(inv_freq: torch.Tensor, s: dict) -> torch.Tensor:
+    factor = s["factor"]
+    low, high = s.get("low_freq_factor", 1.0), s.get("high_freq_factor", 4.0)
+    old_ctx = s["original_max_position_embeddings"]
+    low_wavelen, high_wavelen = old_ctx / low, old_ctx / high
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_ctx / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+def _yarn(inv_freq: torch.Tensor, s: dict, head_dim: int, theta: float, max_pos: int):
+    factor = s["factor"]
+    old_ctx = s.get("original_max_position_embeddings") or max_pos
+    beta_fast, beta_slow = s.get("beta_fast", 32), s.get("beta_slow", 1)
+
+    def dim_for(rot: float) -> float:
+        return (head_dim * math.log(old_ctx / (rot * 2 * math.pi))) / (2 * math.log(theta))
+
+    low = max(math.floor(dim_for(beta_fast)), 0)
+    high = min(math.ceil(dim_for(beta_slow)), head_dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    extrapolation = 1 - ramp
+    inv = (inv_freq / factor) * (1 - extrapolation) + inv_freq * extrapolation
+    mscale = s.get("attention_factor") or (0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0)
+    return inv, mscale
+
+
+class RotaryEmbedding:
+    """Precomputed cos/sin tables; `lookup(positions)` once per step serves every layer."""
+
+    def __init__(
+        self,
+        head_dim: int,
+        max_position: int,
+        theta: float,
+        scaling: dict | None = None,
+    ) -> None:
+        inv = _inv_freq(head_dim, theta)
+        mscale = 1.0
+        rope_type = "default"
+        if scaling:
+            rope_type = scaling.get("rope_type") or scaling.get("type") or "default"
+            if rope_type not in SUPPORTED_ROPE_TYPES:
+                raise ValueError(
+                    f"unsupported rope_scaling type {rope_type!r}; supported: "
+                    f"{list(SUPPORTED_ROPE_TYPES)}"
+                )
+            if rope_type == "linear":
+                inv = inv / scaling["factor"]
+            elif rope_type == "llama3":
+                inv = _llama3(inv, scaling)
+            elif rope_type == "yarn":
+                inv, mscale = _yarn(inv, scaling, head_dim, theta, max_position)
+        t = torch.arange(max_position, dtype=torch.int64).float()
+        freqs = torch.outer(t, inv)  # [max_position, head_dim/2]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.cos = emb.cos() * mscale
+        self.sin = emb.sin() * mscale
+
+    def lookup(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+        # -> cos, sin: [num_tokens, 1, head_dim], broadcast over heads
+        if self.cos.device != positions.device:
+            self.cos = self.cos.to(positions.device)
+            self.sin = self.sin.to(positions.device)
+        return self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x: [num_tokens, num_heads, head_dim]
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin

