@@ -1,0 +1,549 @@
+"""Typed configuration: one slots-dataclass per [section]; TOML, then HELEXA_* env overrides.
+
+Read once at start-up by `load_config` and passed down; nothing deeper reads the
+environment. Conversion and validation are driven by the dataclass field types: a
+constraint rides in the type as `Annotated[int, Check(...)]`, so adding a key is adding a
+field. Every problem found is reported at once in one `ConfigError`.
+"""
+
+import difflib
+import os
+import re
+import tomllib
+import types
+from collections.abc import Callable, Mapping
+from dataclasses import MISSING, dataclass, field, fields, is_dataclass
+from functools import cache
+from pathlib import Path
+from typing import Annotated, Any, Literal, Union, get_args, get_origin, get_type_hints
+from urllib.parse import urlsplit
+
+
+class ConfigError(Exception):
+    """Every problem in one configuration; `problems` holds them one per entry."""
+
+    def __init__(self, source: str, problems: list[str]) -> None:
+        self.problems = problems
+        noun = "problem" if len(problems) == 1 else "problems"
+        lines = "\n".join(f"  - {p}" for p in problems)
+        super().__init__(f"{source}: {len(problems)} configuration {noun}:\n{lines}")
+
+
+@dataclass(frozen=True, slots=True)
+class Check:
+    """A constraint carried by a field's type; `expect` completes "expected …, got X"."""
+
+    expect: str
+    ok: Callable[[Any], bool]
+
+
+def split_host_port(listen: str) -> tuple[str, int]:
+    """'0.0.0.0:13131' → ('0.0.0.0', 13131); '[::]:80' → ('::', 80)."""
+    host, _, port = listen.rpartition(":")
+    return host.strip("[]"), int(port)
+
+
+def _is_host_port(v: str) -> bool:
+    host, sep, port = v.rpartition(":")
+    return bool(sep and host and port.isdigit() and 1 <= int(port) <= 65535)
+
+
+def _is_url(v: str) -> bool:
+    try:
+        parts = urlsplit(v)
+        parts.port  # noqa: B018 - raises ValueError on a bad port
+    except ValueError:
+        return False
+    return parts.scheme in ("http", "https") and bool(parts.hostname)
+
+
+PositiveInt = Annotated[int, Check("a positive integer", lambda v: v > 0)]
+NonNegativeInt = Annotated[int, Check("an integer >= 0", lambda v: v >= 0)]
+PositiveFloat = Annotated[float, Check("a positive number", lambda v: v > 0)]
+NonNegativeFloat = Annotated[float, Check("a number >= 0", lambda v: v >= 0)]
+Fraction = Annotated[float, Check("a fraction in (0, 1]", lambda v: 0 < v <= 1)]
+PowerOfTwo = Annotated[int, Check("a power of two", lambda v: v > 0 and v & (v - 1) == 0)]
+HostPort = Annotated[str, Check('"host:port"', _is_host_port)]
+Url = Annotated[str, Check("an http(s) URL", _is_url)]
+NonEmpty = Annotated[str, Check("a non-empty string", lambda v: v.strip() != "")]
+DatabaseUrl = Annotated[str, Check("a SQLAlchemy URL", lambda v: v == "" or "://" in v)]
+Device = Annotated[
+    str,
+    Check('"auto", "cpu", "cuda" or "cuda:N"', lambda v: re.fullmatch(r"auto|cpu|cuda(:\d+)?", v)),
+]
+DType = Literal["auto", "float32", "bfloat16", "float16"]
+
+DERIVED = {"derived": True}  # filled by load_config from the environment; not a TOML key
+HF_DEFAULTS = {"endpoint": "https://huggingface.co", "token_env": "HF_TOKEN"}
+# HELEXA_* variables that are not [section] overrides.
+ENV_NOT_OVERRIDES = frozenset({"HELEXA_CONFIG", "HELEXA_DEBUG_POISON", "HELEXA_ADMIN_PASSWORD"})
+
+
+class _Listens:
+    """`host`/`port` parsed from a section's `listen` key."""
+
+    __slots__ = ()
+    listen: str
+
+    @property
+    def host(self) -> str:
+        return split_host_port(self.listen)[0]
+
+    @property
+    def port(self) -> int:
+        return split_host_port(self.listen)[1]
+
+
+@dataclass(slots=True)
+class NodeConfig(_Listens):
+    """[node]: the inference node (`helexa serve --role node`)."""
+
+    listen: HostPort = "0.0.0.0:13131"
+    default_models: list[str] = field(default_factory=list)
+    default_source: str = "huggingface"
+    gateway_secret: str | None = None
+    state_dir: Path = field(default_factory=lambda: Path.home() / ".local/state/helexa")
+    max_running_requests: PositiveInt = 64
+    max_waiting_requests: NonNegativeInt = 128
+    max_queue_wait_s: PositiveFloat = 30.0
+    per_principal_max: NonNegativeInt = 2
+    drain_timeout_s: NonNegativeFloat = 60.0
+    advertise_endpoint: Url | None = None
+    debug_poison: str | None = field(default=None, metadata=DERIVED)  # HELEXA_DEBUG_POISON
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    """[engine]: how the node runs models."""
+
+    device: Device = "auto"
+    dtype: DType = "auto"
+    quant: Literal["int8", "int4"] | None = None
+    kv_cache_memory_mb: PositiveInt | None = None
+    kv_cache_memory_fraction: Fraction = 0.9
+    kv_cache_cpu_max_mb: PositiveInt = 2048
+    block_size: PowerOfTwo = 16
+    max_num_seqs: PositiveInt = 64
+    max_num_batched_tokens: PositiveInt = 2048
+    max_prefill_chunk: PositiveInt = 512
+    max_model_len: PositiveInt | None = None
+    num_threads: PositiveInt | None = None
+    seed: int = 0
+
+
+@dataclass(slots=True)
+class SourceConfig:
+    """[sources.<scheme>]: where `scheme:org/name` model ids are fetched from."""
+
+    endpoint: Url
+    token_env: str | None = None
+    cache_dir: Path | None = None
+    token: str | None = field(default=None, repr=False, metadata=DERIVED)  # env[token_env]
+
+
+@dataclass(slots=True)
+class GatewayConfig(_Listens):
+    """[gateway]: the fleet gateway (`helexa serve --role gateway`)."""
+
+    listen: HostPort = "0.0.0.0:31313"
+    metrics_listen: HostPort = "0.0.0.0:31314"
+    database_url: DatabaseUrl = ""  # "" → sqlite:///<node.state_dir>/helexa.db
+    require_auth: bool = False
+    poll_interval_s: PositiveFloat = 5.0
+
+    @property
+    def metrics_host(self) -> str:
+        return split_host_port(self.metrics_listen)[0]
+
+    @property
+    def metrics_port(self) -> int:
+        return split_host_port(self.metrics_listen)[1]
+
+
+@dataclass(slots=True)
+class NodeEntry:
+    """One [[nodes]] entry: a node the gateway polls and routes to."""
+
+    name: NonEmpty
+    endpoint: Url
+
+
+@dataclass(slots=True)
+class Cost:
+    """USD per 1M tokens."""
+
+    input: NonNegativeFloat = 0.0
+    output: NonNegativeFloat = 0.0
+
+
+@dataclass(slots=True)
+class ModelEntry:
+    """One [[models]] catalogue entry (seeds the gateway's database)."""
+
+    id: NonEmpty
+    source: str | None = None
+    quant: str | None = None
+    dtype: DType | None = None
+    tensor_parallel: PositiveInt = 1
+    min_devices: PositiveInt | None = None  # None → tensor_parallel
+    min_device_vram_mb: PositiveInt | None = None
+    pinned_on: list[str] = field(default_factory=list)
+    cost: Cost = field(default_factory=Cost)
+
+    @property
+    def required_devices(self) -> int:
+        return self.min_devices or self.tensor_parallel
+
+
+@dataclass(slots=True)
+class AdminConfig:
+    """[admin]: the /admin console login."""
+
+    password_hash: str | None = None
+    session_ttl_s: PositiveInt = 43200
+    # from HELEXA_ADMIN_PASSWORD, never from the file
+    password: str | None = field(default=None, repr=False, metadata=DERIVED)
+
+
+@dataclass(slots=True)
+class LogConfig:
+    """[log]"""
+
+    level: Literal["debug", "info", "warning", "error"] = "info"
+    json: bool = False
+
+
+@dataclass(slots=True)
+class Config:
+    """The whole helexa.toml, both roles."""
+
+    node: NodeConfig = field(default_factory=NodeConfig)
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    sources: dict[str, SourceConfig] = field(
+        default_factory=lambda: {"huggingface": SourceConfig(**HF_DEFAULTS)}
+    )
+    gateway: GatewayConfig = field(default_factory=GatewayConfig)
+    nodes: list[NodeEntry] = field(default_factory=list)
+    models: list[ModelEntry] = field(default_factory=list)
+    aliases: dict[str, str] = field(default_factory=dict)
+    admin: AdminConfig = field(default_factory=AdminConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+    path: Path | None = field(default=None, compare=False, metadata=DERIVED)  # file read
+
+
+def load_config(path: str | Path | None = None, env: Mapping[str, str] | None = None) -> Config:
+    """TOML from `path`, else $HELEXA_CONFIG, else none; then HELEXA_<SECTION>_<KEY> overrides."""
+    env = os.environ if env is None else env
+    if path is None and env.get("HELEXA_CONFIG"):
+        path = env["HELEXA_CONFIG"]
+    path = Path(path).expanduser() if path is not None else None
+    source = str(path) if path else "helexa configuration (no file)"
+    raw = _read_toml(path) if path else {}
+    problems: list[str] = []
+    _set_default(raw, "node", "state_dir", str(_default_state_dir(env)))
+    sources = raw.setdefault("sources", {})
+    for key, value in HF_DEFAULTS.items() if isinstance(sources, dict) else ():
+        _set_default(sources, "huggingface", key, value)
+    _apply_env(raw, env, problems)
+    cfg, bad = _build(raw, problems)
+    _resolve(cfg, env, path)
+    _check(cfg, problems, bad)
+    if problems:
+        raise ConfigError(source, problems)
+    return cfg
+
+
+def _build(raw: dict[str, Any], problems: list[str]) -> tuple[Config, set[str]]:
+    """Config from the TOML document; sections that fail stay at their defaults, named in `bad`."""
+    cfg, bad, sections = Config(), set(), _keys(Config)
+    for name in raw.keys() - set(sections):
+        hint = _did_you_mean(name, sections)
+        problems.append(f"unknown section [{name}]{hint}; sections: {', '.join(sections)}")
+    for name in sections:
+        if name in raw:
+            tp = _hints(Config)[name]
+            label = f"[[{name}]]" if get_origin(tp) is list else f"[{name}]"
+            value = _convert(tp, raw[name], label, problems)
+            if value is _BAD:
+                bad.add(name)
+            else:
+                setattr(cfg, name, value)
+    return cfg, bad
+
+
+def _read_toml(path: Path) -> dict[str, Any]:
+    try:
+        with path.open("rb") as f:
+            return tomllib.load(f)
+    except OSError as e:
+        raise ConfigError(str(path), [f"cannot read config file: {e.strerror}"]) from e
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(str(path), [f"invalid TOML: {e}"]) from e
+
+
+def _default_state_dir(env: Mapping[str, str]) -> Path:
+    xdg = env.get("XDG_STATE_HOME")
+    return Path(xdg) / "helexa" if xdg else Path.home() / ".local/state/helexa"
+
+
+def _set_default(raw: dict[str, Any], section: str, key: str, value: Any) -> None:
+    table = raw.setdefault(section, {})
+    if isinstance(table, dict):
+        table.setdefault(key, value)
+
+
+def _apply_env(raw: dict[str, Any], env: Mapping[str, str], problems: list[str]) -> None:
+    """Overlay HELEXA_<SECTION>_<KEY> onto the TOML tables of the plain [sections]."""
+    hints = _hints(Config)
+    sections = {name: tp for name, tp in hints.items() if is_dataclass(tp)}
+    for var in sorted(env):
+        if not var.startswith("HELEXA_") or var in ENV_NOT_OVERRIDES:
+            continue
+        section, _, key = var.removeprefix("HELEXA_").lower().partition("_")
+        if section not in sections:
+            continue
+        cls, keys = sections[section], _keys(sections[section])
+        if key not in keys:
+            hint = _did_you_mean(key, keys)
+            problems.append(
+                f"{var}: [{section}] has no key {key!r}{hint}; valid keys: {', '.join(keys)}"
+            )
+            continue
+        value = _from_env_text(_hints(cls)[key], env[var])
+        if _convert(_hints(cls)[key], value, f"{var} ([{section}] {key})", problems) is not _BAD:
+            table = raw.setdefault(section, {})
+            if isinstance(table, dict):
+                table[key] = value
+
+
+def _resolve(cfg: Config, env: Mapping[str, str], path: Path | None) -> None:
+    """Fill in what defaults to something derived from other keys or the environment."""
+    cfg.path = path
+    cfg.node.debug_poison = env.get("HELEXA_DEBUG_POISON") or None
+    cfg.admin.password = env.get("HELEXA_ADMIN_PASSWORD") or None
+    if not cfg.gateway.database_url:
+        cfg.gateway.database_url = f"sqlite:///{cfg.node.state_dir / 'helexa.db'}"
+    hf = cfg.sources["huggingface"]
+    if hf.cache_dir is None and env.get("HF_HUB_CACHE"):
+        hf.cache_dir = Path(env["HF_HUB_CACHE"])
+    elif hf.cache_dir is None and env.get("HF_HOME"):
+        hf.cache_dir = Path(env["HF_HOME"]) / "hub"
+    for src in cfg.sources.values():
+        src.token = (env.get(src.token_env) or None) if src.token_env else None
+
+
+def _check(cfg: Config, problems: list[str], bad: set[str]) -> None:
+    """Rules that span keys; each runs only when the sections it reads converted cleanly."""
+    e, g = cfg.engine, cfg.gateway
+    if "engine" not in bad and e.max_prefill_chunk > e.max_num_batched_tokens:
+        problems.append(
+            f"[engine] max_prefill_chunk: {e.max_prefill_chunk} exceeds "
+            f"max_num_batched_tokens {e.max_num_batched_tokens}"
+        )
+    if "engine" not in bad and e.max_num_seqs > e.max_num_batched_tokens:
+        problems.append(
+            f"[engine] max_num_seqs: {e.max_num_seqs} exceeds max_num_batched_tokens "
+            f"{e.max_num_batched_tokens} (every running sequence needs a token per step)"
+        )
+    if "gateway" not in bad and g.port == g.metrics_port:
+        problems.append(
+            f"[gateway] metrics_listen: {g.metrics_listen!r} uses the API port {g.port}"
+        )
+    if not bad & {"node", "sources"} and cfg.node.default_source not in cfg.sources:
+        problems.append(
+            f"[node] default_source: {cfg.node.default_source!r} is not a [sources.*] table; "
+            f"known: {', '.join(cfg.sources)}"
+        )
+    for name in cfg.sources:
+        if not re.fullmatch(r"[a-z0-9][a-z0-9_-]*", name):
+            problems.append(f"[sources.{name}]: a source name is a lowercase scheme like 'helexa'")
+    node_names = [n.name for n in cfg.nodes]
+    for name in _duplicates(node_names):
+        problems.append(f"[[nodes]] name: {name!r} is used by more than one node")
+    for model_id in _duplicates([m.id for m in cfg.models]):
+        problems.append(f"[[models]] id: {model_id!r} is listed more than once")
+    for i, m in enumerate(cfg.models, 1):  # a bad [[models]] leaves this list empty
+        where = f"[[models]] #{i} ({m.id})"
+        if m.min_devices is not None and m.min_devices < m.tensor_parallel:
+            problems.append(
+                f"{where} min_devices: {m.min_devices} is below tensor_parallel {m.tensor_parallel}"
+            )
+        for name in m.pinned_on:
+            if node_names and name not in node_names:
+                hint = _did_you_mean(name, node_names)
+                problems.append(f"{where} pinned_on: {name!r} is not a [[nodes]] name{hint}")
+    for alias in cfg.aliases:
+        seen, target = [alias], cfg.aliases[alias]
+        while target in cfg.aliases and target not in seen:
+            seen.append(target)
+            target = cfg.aliases[target]
+        if target in seen:
+            loop = " → ".join([*seen, target])
+            problems.append(f'[aliases] "{alias}": points back at itself ({loop})')
+
+
+def _duplicates(items: list[str]) -> list[str]:
+    return sorted({x for x in items if items.count(x) > 1})
+
+
+# --- generic conversion, driven by field types -------------------------------------------
+
+_BAD = object()  # a value that failed conversion; its problem is already recorded
+_NAMES = {
+    str: "a string",
+    int: "an integer",
+    float: "a number",
+    bool: "true or false",
+    Path: "a path",
+}
+_BOOLS = {"true": True, "1": True, "yes": True, "on": True}
+_BOOLS |= {"false": False, "0": False, "no": False, "off": False}
+
+
+@cache
+def _hints(cls: type) -> dict[str, Any]:
+    return get_type_hints(cls, include_extras=True)
+
+
+@cache
+def _keys(cls: type) -> tuple[str, ...]:
+    return tuple(f.name for f in fields(cls) if not f.metadata.get("derived"))
+
+
+def _unwrap(tp: Any) -> tuple[Any, tuple[Check, ...]]:
+    if get_origin(tp) is Annotated:
+        base, *meta = get_args(tp)
+        return base, tuple(m for m in meta if isinstance(m, Check))
+    return tp, ()
+
+
+def _optional(tp: Any) -> Any:
+    """X for `X | None`, else None."""
+    args = get_args(tp)
+    if get_origin(tp) in (Union, types.UnionType) and len(args) == 2 and type(None) in args:
+        return args[0] if args[1] is type(None) else args[1]
+    return None
+
+
+def _describe(tp: Any) -> str:
+    base, checks = _unwrap(tp)
+    if checks:
+        return checks[0].expect
+    origin, args = get_origin(base), get_args(base)
+    if origin is Literal:
+        return "one of " + ", ".join(map(repr, args))
+    if origin is list:
+        return "an array of tables" if is_dataclass(args[0]) else "a list of strings"
+    if origin is dict:
+        return "a table of tables" if is_dataclass(args[1]) else "a table of strings"
+    return _NAMES.get(base, "a table")
+
+
+def _did_you_mean(word: str, options: Any) -> str:
+    close = difflib.get_close_matches(str(word), [str(o) for o in options], n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def _from_env_text(tp: Any, text: str) -> Any:
+    """An environment string as the TOML value it stands for; left as text when it is not one."""
+    inner = _optional(tp)
+    if inner is not None:
+        return None if text.strip().lower() in ("", "none") else _from_env_text(inner, text)
+    base, _ = _unwrap(tp)
+    if base is bool:
+        return _BOOLS.get(text.strip().lower(), text)
+    if base in (int, float):
+        try:
+            return base(text.strip())
+        except ValueError:
+            return text
+    if get_origin(base) is list:
+        return [item.strip() for item in text.split(",") if item.strip()]
+    return text
+
+
+def _convert(tp: Any, value: Any, label: str, problems: list[str]) -> Any:
+    """A TOML value as type `tp`, or _BAD with the reason appended to `problems`."""
+    inner = _optional(tp)
+    if inner is not None:
+        if value is None or (isinstance(value, str) and value.strip().lower() in ("", "none")):
+            return None
+        return _convert(inner, value, label, problems)
+    base, checks = _unwrap(tp)
+    origin, args = get_origin(base), get_args(base)
+
+    def bad(expect: str | None = None, hint: str = "") -> object:
+        problems.append(f"{label}: expected {expect or _describe(tp)}, got {value!r}{hint}")
+        return _BAD
+
+    if is_dataclass(base):
+        return _from_table(base, value, label, problems)
+    if origin is list:
+        if not isinstance(value, list):
+            return bad()
+        items = [
+            _convert(args[0], v, _item_label(label, i, args[0]), problems)
+            for i, v in enumerate(value)
+        ]
+        return _BAD if _BAD in items else items
+    if origin is dict:
+        if not isinstance(value, dict):
+            return bad()
+        out = {
+            k: _convert(args[1], v, _entry_label(label, k, args[1]), problems)
+            for k, v in value.items()
+        }
+        return _BAD if _BAD in out.values() else out
+    if origin is Literal:
+        ok = isinstance(value, str) and value in args
+        return value if ok else bad(hint=_did_you_mean(value, args))
+    if base is bool:
+        ok = isinstance(value, bool)
+    elif base is int:
+        ok = isinstance(value, int) and not isinstance(value, bool)
+    elif base is float:
+        ok = isinstance(value, int | float) and not isinstance(value, bool)
+        value = float(value) if ok else value
+    else:  # str, Path
+        ok = isinstance(value, str) and (base is not Path or value != "")
+    if not ok:
+        return bad()
+    for check in checks:
+        if not check.ok(value):
+            return bad(check.expect)
+    return Path(value).expanduser() if base is Path else value
+
+
+def _from_table(cls: type, table: Any, label: str, problems: list[str]) -> Any:
+    """Build dataclass `cls` from a TOML table: unknown keys, missing keys and bad values noted."""
+    if not isinstance(table, dict):
+        problems.append(f"{label}: expected a table, got {table!r}")
+        return _BAD
+    keys, values, ok = _keys(cls), {}, True
+    for key, raw in table.items():
+        if key not in keys:  # reported, then ignored so that later checks still run
+            hint = _did_you_mean(key, keys)
+            problems.append(f"{label} {key}: unknown key{hint}; valid keys: {', '.join(keys)}")
+            continue
+        value = _convert(_hints(cls)[key], raw, _field_label(label, key), problems)
+        ok = ok and value is not _BAD
+        values[key] = value
+    for f in fields(cls):
+        required = f.default is MISSING and f.default_factory is MISSING
+        if required and f.name not in table:
+            problems.append(f"{label}: missing required key {f.name!r}")
+            ok = False
+    return cls(**values) if ok else _BAD
+
+
+def _field_label(label: str, key: str) -> str:
+    last = label.rsplit(" ", 1)[-1]
+    return f"{label} {key}" if last.startswith(("[", "#", "(")) else f"{label}.{key}"
+
+
+def _item_label(label: str, i: int, item_type: Any) -> str:
+    return f"{label} #{i + 1}" if is_dataclass(item_type) else f"{label}[{i}]"
+
+
+def _entry_label(label: str, key: str, value_type: Any) -> str:
+    return f"{label[:-1]}.{key}]" if is_dataclass(value_type) else f'{label} "{key}"'

@@ -1,0 +1,321 @@
+"""Load a GGUF file: HF-named (still quantized) tensors, an HF-style config and the tokenizer.
+
+The file is memory-mapped through `gguf.GGUFReader`; tensors are torch views of that map and
+are only dequantized when a layer asks for them.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import gguf
+import numpy as np
+import tokenizers
+import torch
+from tokenizers import decoders, models, normalizers, pre_tokenizers
+
+from helexa.engine.loader.dequant import check_format, dequantize
+from helexa.engine.tokenizer import Tokenizer
+
+SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3")
+
+# GGUF tensor stem -> HF module name; suffixes (.weight/.bias) carry over unchanged.
+GLOBAL_NAMES = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+}
+BLOCK_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+_GLOBAL_RE = re.compile(r"(\w+)\.(weight|bias)")
+
+
+@dataclass(slots=True)
+class GGUFTensor:
+    """One tensor as stored in the file: raw bytes plus how to read them."""
+
+    name: str  # HF name, e.g. "model.layers.0.self_attn.q_proj.weight"
+    qtype: str  # a key of dequant.FORMATS: "F32", "F16", "BF16", "Q8_0", "Q4_1", "Q4_K", ...
+    shape: tuple[int, ...]  # torch/HF order, e.g. (out_features, in_features)
+    data: torch.Tensor  # uint8 [prod(shape[:-1]), bytes_per_row]; 1-D tensors: [1, bytes]
+
+    def dequantize(
+        self, dtype: torch.dtype = torch.float32, device: torch.device | str | None = None
+    ) -> torch.Tensor:
+        """The weights as `dtype`, of `shape`; with `device`, the raw bytes move there first."""
+        data = self.data if device is None else self.data.to(device)
+        return dequantize(data, self.qtype, self.shape).to(dtype)
+
+
+@dataclass(slots=True)
+class GGUFModel:
+    """Everything a GGUF file holds that the engine needs to build and run the model."""
+
+    config: dict[str, Any]  # an HF config.json equivalent
+    tensors: dict[str, GGUFTensor]  # keyed by HF name
+    tokenizer: Tokenizer
+
+
+def load_gguf(path: str | os.PathLike[str]) -> GGUFModel:
+    """Read `path` (memory-mapped) into HF-named tensors, an HF config and a tokenizer."""
+    # copy-on-write: tensors are writable views for torch, yet the file is never modified
+    reader = gguf.GGUFReader(path, "c")
+    meta = {name: field.contents() for name, field in reader.fields.items()}
+    arch = meta["general.architecture"]
+    if arch not in SUPPORTED_ARCHS:
+        raise ValueError(
+            f"unsupported GGUF architecture {arch!r}; supported: {list(SUPPORTED_ARCHS)}"
+        )
+    tensors = {t.name: t for t in map(_raw_tensor, reader.tensors)}
+    config = _config(meta, arch, tensors)
+    if arch == "llama":  # only llama.cpp's llama converter permutes Q/K
+        for tensor in tensors.values():
+            _unpermute_qk(tensor, config)
+    return GGUFModel(config=config, tensors=tensors, tokenizer=_tokenizer(meta, Path(path)))
+
+
+def hf_name(gguf_name: str) -> str:
+    """The HF name of a GGUF tensor; names the table does not know (rope_freqs) stay as is."""
+    if (m := _BLOCK_RE.fullmatch(gguf_name)) and m[2] in BLOCK_NAMES:
+        return f"model.layers.{m[1]}.{BLOCK_NAMES[m[2]]}.{m[3]}"
+    if (m := _GLOBAL_RE.fullmatch(gguf_name)) and m[1] in GLOBAL_NAMES:
+        return f"{GLOBAL_NAMES[m[1]]}.{m[2]}"
+    return gguf_name
+
+
+def _raw_tensor(t: Any) -> GGUFTensor:
+    qtype = t.tensor_type.name
+    shape = tuple(int(n) for n in reversed(t.shape))  # GGUF lists dims innermost first
+    check_format(qtype, shape)
+    rows = math.prod(shape[:-1])
+    data = torch.from_numpy(t.data.view(np.uint8)).reshape(rows, -1)
+    return GGUFTensor(name=hf_name(t.name), qtype=qtype, shape=shape, data=data)
+
+
+def unpermute_qk_rows(data: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Undo llama.cpp's Q/K row permutation: rows [head, dim/2, 2] -> [head, 2, dim/2].
+
+    llama.cpp's converter interleaves each head's rotary halves (its rope rotates adjacent
+    pairs); HF rotates halves. Rows are whole quant blocks, so this works on raw bytes too.
+    """
+    rows = data.shape[0]
+    assert rows % (2 * num_heads) == 0, f"{rows} rows do not split into {num_heads} heads"
+    heads = data.reshape(num_heads, rows // num_heads // 2, 2, *data.shape[1:])
+    return heads.transpose(1, 2).reshape(data.shape).contiguous()
+
+
+def _unpermute_qk(tensor: GGUFTensor, config: dict[str, Any]) -> None:
+    module = tensor.name.rsplit(".", 2)[-2]
+    if module not in ("q_proj", "k_proj"):
+        return
+    heads = config["num_attention_heads" if module == "q_proj" else "num_key_value_heads"]
+    rows = tensor.shape[0]
+    # a bias is a single row of bytes; give each element its own row so it permutes too
+    by_rows = tensor.data.reshape(rows, -1)
+    tensor.data = unpermute_qk_rows(by_rows, heads).reshape(tensor.data.shape)
+
+
+def _f32(value: float) -> float:
+    """A float32 metadata value as the decimal it was written from (1e-05, not 9.99999974e-06)."""
+    return float(str(np.float32(value)))
+
+
+def _config(meta: dict[str, Any], arch: str, tensors: dict[str, GGUFTensor]) -> dict[str, Any]:
+    def key(name: str, default: Any = None) -> Any:
+        return meta.get(f"{arch}.{name}", default)
+
+    hidden, heads = key("embedding_length"), key("attention.head_count")
+    return {
+        "model_type": arch,
+        "hidden_size": hidden,
+        "intermediate_size": key("feed_forward_length"),
+        "num_hidden_layers": key("block_count"),
+        "num_attention_heads": heads,
+        "num_key_value_heads": key("attention.head_count_kv", heads),
+        "head_dim": key("attention.key_length", hidden // heads),
+        "rms_norm_eps": _f32(key("attention.layer_norm_rms_epsilon")),
+        "rope_theta": _f32(key("rope.freq_base", 10000.0)),
+        "max_position_embeddings": key("context_length"),
+        # the embedding's rows, not the token list: converters pad the vocab to this
+        "vocab_size": tensors["model.embed_tokens.weight"].shape[0],
+        # llama.cpp writes output.weight only when it is not the embedding matrix
+        "tie_word_embeddings": "lm_head.weight" not in tensors,
+        "attention_bias": "model.layers.0.self_attn.q_proj.bias" in tensors,
+        "rope_scaling": _rope_scaling(meta, arch),
+        "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
+        "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),
+        "pad_token_id": meta.get("tokenizer.ggml.padding_token_id"),
+    }
+
+
+def _rope_scaling(meta: dict[str, Any], arch: str) -> dict[str, Any] | None:
+    """HF `rope_scaling` from `{arch}.rope.scaling.*`; None when the file states none.
+
+    Llama 3.1-style files state no keys: they ship the scaled frequencies as `rope_freqs.weight`.
+    """
+    prefix = f"{arch}.rope.scaling."
+    kind = meta.get(prefix + "type", "none")
+    if kind == "none" and prefix + "factor" not in meta:
+        return None
+    scaling: dict[str, Any] = {"rope_type": "linear" if kind == "none" else kind}
+    for gguf_key, hf_key in (
+        ("factor", "factor"),
+        ("original_context_length", "original_max_position_embeddings"),
+        ("attn_factor", "attention_factor"),
+        ("yarn_beta_fast", "beta_fast"),
+        ("yarn_beta_slow", "beta_slow"),
+    ):
+        if (value := meta.get(prefix + gguf_key)) is not None:
+            scaling[hf_key] = _f32(value) if isinstance(value, float) else value
+    return scaling
+
+
+# ---- tokenizer -------------------------------------------------------------------------------
+
+# Split regexes of the pre-tokenizers llama.cpp names in `tokenizer.ggml.pre` (from llama-vocab.cpp
+# and the models' tokenizer.json files).
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_TEKKEN_SPLIT = (
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
+    r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
+
+@dataclass(frozen=True, slots=True)
+class _PreTokenizer:
+    split: str | None = None  # None: GPT-2's own regex inside ByteLevel
+    individual_digits: bool = False  # SmolLM: every digit its own pre-token
+    ignore_merges: bool = False  # a pre-token already in the vocab is one token (Llama 3)
+    nfc: bool = False  # Qwen2's tokenizer.json normalizes to NFC first
+
+    def apply(self, backend: tokenizers.Tokenizer) -> None:
+        steps: list[pre_tokenizers.PreTokenizer] = []
+        if self.individual_digits:
+            steps.append(pre_tokenizers.Digits(individual_digits=True))
+        if self.split:
+            steps.append(pre_tokenizers.Split(tokenizers.Regex(self.split), behavior="isolated"))
+        steps.append(
+            pre_tokenizers.ByteLevel(
+                add_prefix_space=False, trim_offsets=False, use_regex=self.split is None
+            )
+        )
+        backend.pre_tokenizer = pre_tokenizers.Sequence(steps)
+        if self.nfc:
+            backend.normalizer = normalizers.NFC()
+
+
+_LLAMA3 = _PreTokenizer(split=_LLAMA3_SPLIT, ignore_merges=True)
+_QWEN2 = _PreTokenizer(split=_QWEN2_SPLIT, nfc=True)
+PRE_TOKENIZERS = {
+    "default": _PreTokenizer(),
+    "gpt2": _PreTokenizer(),
+    "smollm": _PreTokenizer(individual_digits=True),
+    "llama-bpe": _LLAMA3,
+    "llama3": _LLAMA3,
+    "llama-v3": _LLAMA3,
+    "smaug-bpe": _LLAMA3,
+    "qwen2": _QWEN2,
+    "deepseek-r1-qwen": _QWEN2,
+    "tekken": _PreTokenizer(split=_TEKKEN_SPLIT, ignore_merges=True),
+}
+
+_CONTROL, _USER_DEFINED = 3, 4  # llama.cpp token types
+
+
+def _tokenizer(meta: dict[str, Any], gguf_path: Path) -> Tokenizer:
+    """The tokenizer the metadata describes; a tokenizer.json beside the file wins for the vocab."""
+    tokens: list[str] = meta["tokenizer.ggml.tokens"]
+    beside = gguf_path.with_name("tokenizer.json")
+    backend = tokenizers.Tokenizer.from_file(str(beside)) if beside.is_file() else _bpe(meta)
+
+    def token(key: str) -> str | None:
+        token_id = meta.get(f"tokenizer.ggml.{key}")
+        return tokens[token_id] if token_id is not None and token_id < len(tokens) else None
+
+    stop_keys = ("eos_token_id", "eot_token_id", "eom_token_id")
+    return Tokenizer(
+        backend=backend,
+        bos_token=token("bos_token_id"),
+        eos_token=token("eos_token_id"),
+        pad_token=token("padding_token_id"),
+        unk_token=token("unknown_token_id"),
+        add_bos_token=bool(meta.get("tokenizer.ggml.add_bos_token", False)),
+        chat_template=_chat_template(meta),
+        eos_token_ids={
+            meta[f"tokenizer.ggml.{k}"] for k in stop_keys if f"tokenizer.ggml.{k}" in meta
+        },
+    )
+
+
+def _chat_template(meta: dict[str, Any]) -> str | dict[str, str] | None:
+    """`tokenizer.chat_template`, or {name: template} when `tokenizer.chat_template.<name>` exist."""
+    prefix = "tokenizer.chat_template."
+    named = {k.removeprefix(prefix): v for k, v in meta.items() if k.startswith(prefix)}
+    default = meta.get("tokenizer.chat_template")
+    if not named:
+        return default
+    return named if default is None else {"default": default, **named}
+
+
+def _bpe(meta: dict[str, Any]) -> tokenizers.Tokenizer:
+    """Byte-level BPE from `tokenizer.ggml.tokens`/`merges`, split the way `pre` says."""
+    kind = meta.get("tokenizer.ggml.model")
+    if kind != "gpt2":
+        raise ValueError(
+            f"cannot build a tokenizer from GGUF tokenizer model {kind!r} (supported: ['gpt2']); "
+            "put the model's tokenizer.json beside the .gguf file"
+        )
+    pre = meta.get("tokenizer.ggml.pre", "default")
+    if pre not in PRE_TOKENIZERS:
+        raise ValueError(
+            f"unknown GGUF pre-tokenizer {pre!r}; supported: {sorted(PRE_TOKENIZERS)}; "
+            "put the model's tokenizer.json beside the .gguf file"
+        )
+    spec = PRE_TOKENIZERS[pre]
+    tokens: list[str] = meta["tokenizer.ggml.tokens"]
+    # byte-level tokens contain no spaces (a space is spelled "Ġ"), so each merge splits once
+    merges = [tuple(m.split(" ", 1)) for m in meta["tokenizer.ggml.merges"]]
+    vocab = {tok: i for i, tok in enumerate(tokens)}
+    backend = tokenizers.Tokenizer(
+        models.BPE(vocab=vocab, merges=merges, ignore_merges=spec.ignore_merges)
+    )
+    spec.apply(backend)
+    backend.decoder = decoders.ByteLevel()
+    # control and user-defined tokens are matched whole, before any splitting
+    typed = list(zip(tokens, meta.get("tokenizer.ggml.token_type", ()), strict=False))
+    backend.add_special_tokens(
+        [
+            tokenizers.AddedToken(t, special=True, normalized=False)
+            for t, k in typed
+            if k == _CONTROL
+        ]
+    )
+    backend.add_tokens(
+        [tokenizers.AddedToken(t, normalized=False) for t, k in typed if k == _USER_DEFINED]
+    )
+    return backend

@@ -1,0 +1,84 @@
+"""Shared test fixtures: the read-only upstream model-metadata folders, and tiny tokenizers."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+FIXTURES_DIR = (REPO_ROOT / ".." / "shared" / "fixtures").resolve()
+
+# transformers (the parity reference) must never reach the Hub; huggingface_hub reads this
+# at import time, so it is set before any test module imports it.
+os.environ["HF_HUB_OFFLINE"] = "1"
+
+
+@pytest.fixture(scope="session")
+def fixtures_dir() -> Path:
+    """`<repo>/../shared/fixtures` (models/ holds real upstream configs and tokenizers)."""
+    if not FIXTURES_DIR.is_dir():
+        pytest.skip(f"shared fixtures not found at {FIXTURES_DIR} (expected beside the repo)")
+    return FIXTURES_DIR
+
+
+def write_byte_tokenizer_json(
+    path: Path, added: dict[int, dict], *, prepend: str | None = None
+) -> None:
+    """A tiny byte-level BPE tokenizer.json: 256 byte tokens (ids 0-255, no merges) plus the
+    `added` tokens at their own ids; `prepend` makes the post-processor put that token in front
+    (as Llama 3's tokenizer.json does with `<|begin_of_text|>`)."""
+    from tokenizers import AddedToken, Tokenizer, decoders, pre_tokenizers, processors
+    from tokenizers.models import BPE
+
+    byte_chars = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {ch: i for i, ch in enumerate(sorted(byte_chars))}
+    for token_id, spec in added.items():
+        vocab[spec["content"]] = token_id
+    tok = Tokenizer(BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    for token_id in sorted(added):
+        spec = added[token_id]
+        token = AddedToken(spec["content"], special=spec.get("special", True), normalized=False)
+        tok.add_special_tokens([token]) if token.special else tok.add_tokens([token])
+    if prepend is not None:
+        tok.post_processor = processors.TemplateProcessing(
+            single=f"{prepend}:0 $A:0",
+            pair=f"{prepend}:0 $A:0 {prepend}:1 $B:1",
+            special_tokens=[(prepend, vocab[prepend])],
+        )
+    tok.save(str(path))
+
+
+@pytest.fixture(scope="session")
+def byte_tokenizer_dir(
+    fixtures_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Callable[..., Path]:
+    """Factory: a temp copy of a fixture model's JSON files plus a tiny byte-level tokenizer.json
+    holding its special tokens at their real ids, for models whose tokenizer.json is absent.
+
+    `specials` are tokens to add when tokenizer_config has no `added_tokens_decoder` entry for
+    them (ids from 256 up); `prepend` is a token the post-processor puts in front.
+    """
+
+    def make(model: str, *, specials: Sequence[str] = (), prepend: str | None = None) -> Path:
+        src = fixtures_dir / "models" / model
+        dst = tmp_path_factory.mktemp(model)
+        for f in src.glob("*.json"):
+            shutil.copyfile(f, dst / f.name)
+        config = json.loads((src / "tokenizer_config.json").read_text(encoding="utf-8"))
+        added = {int(i): spec for i, spec in config.get("added_tokens_decoder", {}).items()}
+        next_id = max(added, default=255) + 1
+        for content in specials:
+            if all(spec["content"] != content for spec in added.values()):
+                added[next_id] = {"content": content, "special": True}
+                next_id += 1
+        write_byte_tokenizer_json(dst / "tokenizer.json", added, prepend=prepend)
+        return dst
+
+    return make
