@@ -28,6 +28,11 @@ class ModelConfig:
     @classmethod
     def from_hf(cls, cfg: dict[str, Any]) -> ModelConfig:
         heads = cfg["num_attention_heads"]
+        # transformers >= 5 writes rope settings under "rope_parameters".
+        rope = cfg.get("rope_parameters") or {}
+        scaling = cfg.get("rope_scaling")
+        if scaling is None and rope.get("rope_type", "default") != "default":
+            scaling = rope
         hidden = cfg["hidden_size"]
         return cls(
             model_type=cfg["model_type"],
@@ -39,8 +44,8 @@ class ModelConfig:
             num_kv_heads=cfg.get("num_key_value_heads") or heads,
             head_dim=cfg.get("head_dim") or hidden // heads,
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
-            rope_theta=cfg.get("rope_theta", 10000.0),
-            rope_scaling=cfg.get("rope_scaling"),
+            rope_theta=cfg.get("rope_theta") or rope.get("rope_theta") or 10000.0,
+            rope_scaling=scaling,
             max_position_embeddings=cfg.get("max_position_embeddings", 4096),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=bool(cfg.get("attention_bias", False)),

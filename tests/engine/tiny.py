@@ -1,0 +1,60 @@
+"""Tiny random HF checkpoints built from the real fixture configs, for parity tests."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import torch
+
+FIXTURE_MODELS = (Path(__file__).resolve().parents[2] / ".." / "shared" / "fixtures" / "models").resolve()
+
+# Fixture config → what it exercises.
+FAMILIES = {
+    "smollm2": "SmolLM2-135M-Instruct",  # llama, GQA 9/3 → shrunk 4/2, tied
+    "llama3": "Llama-3.2-3B-Instruct",  # llama, rope_scaling llama3, tied
+    "qwen2": "Qwen2.5-0.5B-Instruct",  # qkv bias, tied
+    "qwen2_untied": "DeepSeek-R1-Distill-Qwen-32B",  # qkv bias, untied lm_head
+    "qwen3": "Qwen3-0.6B",  # q/k RMSNorm, explicit head_dim
+}
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+
+
+def shrunk_config(family: str, **overrides) -> dict:
+    cfg = json.loads((FIXTURE_MODELS / FAMILIES[family] / "config.json").read_text())
+    cfg.update(
+        num_hidden_layers=2,
+        hidden_size=64,
+        intermediate_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=512,
+        initializer_range=0.2,  # peaked logits: greedy ties become rare
+    )
+    if "head_dim" in cfg:
+        cfg["head_dim"] = 32  # != hidden/heads, as in Qwen3
+    cfg.pop("torch_dtype", None)
+    cfg.update(overrides)
+    return cfg
+
+
+def make_tiny_model(family: str, root: Path, *, seed: int = 0, shard: bool = False, **overrides):
+    """Write an HF-layout dir (config, safetensors, SmolLM2 tokenizer); return (dir, hf_model)."""
+    import transformers
+
+    cfg_dict = shrunk_config(family, **overrides)
+    config = transformers.AutoConfig.for_model(**cfg_dict)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
+    # Random norms too, so a misplaced norm weight cannot hide.
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name or name.endswith("bias"):
+                p.add_(torch.randn_like(p) * 0.1)
+    model.eval()
+    out = root / family
+    model.save_pretrained(out, safe_serialization=True, max_shard_size="200KB" if shard else "2GB")
+    for f in TOKENIZER_FILES:
+        shutil.copyfile(FIXTURE_MODELS / "SmolLM2-135M-Instruct" / f, out / f)
+    return out, model
