@@ -21,6 +21,13 @@ class LLM:
         self.engine = LLMEngine(EngineArgs(model=model, dtype=dtype, **kwargs))
         self.tokenizer = self.engine.tokenizer
 
+    @classmethod
+    def from_args(cls, args: EngineArgs) -> LLM:
+        llm = cls.__new__(cls)
+        llm.engine = LLMEngine(args)
+        llm.tokenizer = llm.engine.tokenizer
+        return llm
+
     def generate(
         self,
         prompts: str | list[int] | list[str] | list[list[int]],

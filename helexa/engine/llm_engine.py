@@ -7,7 +7,8 @@ scheduler.postprocess(batch, tokens).
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -22,6 +23,9 @@ from helexa.engine.model_runner import ModelRunner
 from helexa.engine.sampling_params import SamplingParams
 from helexa.engine.scheduler import Scheduler, SchedulerConfig
 from helexa.engine.sequence import RequestOutput, Sequence
+
+if TYPE_CHECKING:
+    from helexa.config import EngineConfig
 
 MiB = 1 << 20
 # When nothing else says: generation stops after this many tokens (SPEC: at most 8192).
@@ -57,8 +61,10 @@ class EngineArgs:
     device: str = "auto"
     dtype: str | torch.dtype | None = None  # None/"auto" → f32 on CPU, bf16 on GPU
     quant: str | None = None
-    kv_cache_memory_mb: int | None = None
-    kv_cache_memory_fraction: float = 0.1
+    kv_cache_memory_mb: int | None = None  # explicit pool size wins
+    kv_cache_memory_fraction: float = 0.9  # else this share of free memory...
+    kv_cache_cpu_max_mb: int = 2048  # ...capped on CPU, where RAM is shared with everything
+    num_kv_blocks: int | None = None  # fixes the pool size in blocks (tests, tuning)
     block_size: int = 16
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
@@ -66,8 +72,15 @@ class EngineArgs:
     max_model_len: int | None = None
     num_threads: int | None = None
     enable_prefix_caching: bool = True
+    seed: int = 0  # global sampling state; a request's own seed still wins
     cache_dir: str | None = None
-    extra: dict = field(default_factory=dict)
+
+    @classmethod
+    def from_config(cls, engine: EngineConfig, model: str | None = None, **kw) -> EngineArgs:
+        """Map `[engine]` of helexa.toml onto engine arguments."""
+        names = {f.name for f in fields(cls)}
+        values = {f.name: getattr(engine, f.name) for f in fields(engine) if f.name in names}
+        return cls(model=model, **{**values, **kw})
 
     def torch_device(self) -> torch.device:
         if self.device in ("auto", "", None):
@@ -107,6 +120,7 @@ class LLMEngine:
         device = args.torch_device()
         if args.num_threads and device.type == "cpu":
             torch.set_num_threads(args.num_threads)
+        torch.manual_seed(args.seed)
         if loaded is None:
             ref = args.model or _bundled_or_fail()
             loaded = load_model(
@@ -123,12 +137,8 @@ class LLMEngine:
         self.dtype = dtype
 
         per_token = ModelRunner.kv_bytes_per_token(model, dtype)
-        budget = (
-            args.kv_cache_memory_mb * MiB
-            if args.kv_cache_memory_mb
-            else int(_available_memory_bytes(device) * args.kv_cache_memory_fraction)
-        )
-        num_blocks = max(1, budget // (per_token * args.block_size))
+        budget = self._kv_budget_bytes(device)
+        num_blocks = args.num_kv_blocks or max(1, budget // (per_token * args.block_size))
         self.max_model_len = min(
             loaded.config.max_position_embeddings,
             num_blocks * args.block_size,
@@ -147,6 +157,15 @@ class LLMEngine:
             model, device=device, dtype=dtype, num_blocks=num_blocks, block_size=args.block_size
         )
         self._seqs: dict[str, Sequence] = {}
+
+    def _kv_budget_bytes(self, device: torch.device) -> int:
+        args = self.args
+        if args.kv_cache_memory_mb:
+            return args.kv_cache_memory_mb * MiB
+        budget = int(_available_memory_bytes(device) * args.kv_cache_memory_fraction)
+        if device.type == "cpu":
+            budget = min(budget, args.kv_cache_cpu_max_mb * MiB)
+        return budget
 
     # -- requests ------------------------------------------------------------------
     def make_sequence(

@@ -82,14 +82,14 @@ class Scheduler:
         # Then admit waiting sequences while budget, slots and blocks allow.
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
-            if not seq.block_table and seq.num_computed_tokens == 0:
-                cached = bm.match_prefix(seq)
-                seq.num_computed_tokens = cached
-                if seq.num_output_tokens == 0:
-                    seq.num_cached_tokens = cached
-            n = min(seq.num_tokens - seq.num_computed_tokens, chunk, budget)
-            if not bm.can_allocate(seq, seq.num_computed_tokens + n):
+            cached = bm.match_prefix(seq)
+            n = min(seq.num_tokens - cached, chunk, budget)
+            if not bm.can_allocate(seq, cached + n):
+                bm.free(seq)  # waiting sequences never hold blocks, or they could deadlock
                 break
+            seq.num_computed_tokens = cached
+            if seq.num_output_tokens == 0:
+                seq.num_cached_tokens = cached
             bm.allocate(seq, seq.num_computed_tokens + n)
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING

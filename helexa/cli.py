@@ -1,0 +1,118 @@
+"""`helexa`: the one command. Subcommands grow with the roles (serve, keys, bench, db)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Sequence
+
+from helexa import __version__
+from helexa.config import Config, ConfigError, load_config
+
+
+def _add_config_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--config",
+        metavar="FILE",
+        help="helexa.toml to read (default: $HELEXA_CONFIG, else built-in defaults)",
+    )
+
+
+def _engine_args(cfg: Config, model: str | None):
+    from helexa.engine import EngineArgs
+
+    model = model or (cfg.node.default_models[0] if cfg.node.default_models else None)
+    return EngineArgs.from_config(cfg.engine, model)
+
+
+def cmd_chat(args: argparse.Namespace, cfg: Config) -> int:
+    """One-shot chat: render the model's template, generate, print the answer."""
+    from helexa.engine import LLM, SamplingParams
+
+    t0 = time.perf_counter()
+    llm = LLM.from_args(_engine_args(cfg, args.model))
+    t1 = time.perf_counter()
+    messages = []
+    if args.system:
+        messages.append({"role": "system", "content": args.system})
+    messages.append({"role": "user", "content": args.message})
+    params = SamplingParams(
+        temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed
+    )
+    out = llm.chat(messages, params)[0]
+    t2 = time.perf_counter()
+    print(out.text.strip())
+    if args.verbose:
+        n = len(out.token_ids)
+        print(
+            f"[model {llm.engine.loaded.path.name}: loaded in {t1 - t0:.1f}s; "
+            f"{out.num_prompt_tokens} prompt + {n} completion tokens in {t2 - t1:.2f}s; "
+            f"finish_reason={out.finish_reason}]",
+            file=sys.stderr,
+        )
+    return 0
+
+
+def cmd_bench(args: argparse.Namespace, cfg: Config) -> int:
+    from helexa.bench.engine import main as bench_engine
+
+    return bench_engine(args, cfg)
+
+
+def cmd_config(args: argparse.Namespace, cfg: Config) -> int:
+    """Print the effective configuration (file + environment), secrets left out."""
+    print(cfg)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="helexa",
+        description="Self-hosted serving of open-weight LLMs: inference nodes and a fleet gateway.",
+    )
+    parser.add_argument("--version", action="version", version=f"helexa {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    chat = sub.add_parser("chat", help="one-shot chat with a model (default: the bundled SmolLM2)")
+    _add_config_arg(chat)
+    chat.add_argument("message", nargs="?", default="What is the capital of France? Answer in one word.")
+    chat.add_argument("--model", help="local dir, .gguf file or hub id (default: bundled SmolLM2)")
+    chat.add_argument("--system", help="system message")
+    chat.add_argument("--max-tokens", type=int, default=256)
+    chat.add_argument("--temperature", type=float, default=0.0)
+    chat.add_argument("--seed", type=int)
+    chat.add_argument("-v", "--verbose", action="store_true", help="print timing to stderr")
+    chat.set_defaults(func=cmd_chat)
+
+    bench = sub.add_parser("bench", help="benchmarks")
+    bench_sub = bench.add_subparsers(dest="bench_command", required=True, metavar="SUITE")
+    eng = bench_sub.add_parser("engine", help="TTFT and decode throughput of the in-process engine")
+    _add_config_arg(eng)
+    from helexa.bench.engine import add_arguments
+
+    add_arguments(eng)
+    eng.set_defaults(func=cmd_bench)
+
+    show = sub.add_parser("config", help="print the effective configuration")
+    _add_config_arg(show)
+    show.set_defaults(func=cmd_config)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        cfg = load_config(getattr(args, "config", None))
+    except ConfigError as e:
+        print(f"helexa: {e}", file=sys.stderr)
+        return 2
+    try:
+        return args.func(args, cfg)
+    except (FileNotFoundError, ValueError) as e:
+        print(f"helexa: {e}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
