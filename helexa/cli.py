@@ -76,7 +76,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     chat = sub.add_parser("chat", help="one-shot chat with a model (default: the bundled SmolLM2)")
     _add_config_arg(chat)
-    chat.add_argument("message", nargs="?", default="What is the capital of France? Answer in one word.")
+    chat.add_argument(
+        "message", nargs="?", default="What is the capital of France? Answer in one word."
+    )
     chat.add_argument("--model", help="local dir, .gguf file or hub id (default: bundled SmolLM2)")
     chat.add_argument("--system", help="system message")
     chat.add_argument("--max-tokens", type=int, default=256)

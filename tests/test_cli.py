@@ -8,7 +8,11 @@ import sys
 
 def helexa(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "helexa.cli", *args], capture_output=True, text=True, timeout=120, env=env
+        [sys.executable, "-m", "helexa.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
     )
 
 

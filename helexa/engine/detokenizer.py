@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from helexa.engine.tokenizer import Tokenizer
 
+
 class IncrementalDetokenizer:
     """Turns a growing list of token ids into text deltas.
 
@@ -34,7 +35,9 @@ class IncrementalDetokenizer:
     def flush(self, ids: list[int]) -> str:
         """Whatever is still held back at the end (a dangling partial character)."""
         skip = self.skip_special_tokens
-        prefix_text = self.tokenizer.decode(ids[self._prefix : self._read], skip_special_tokens=skip)
+        prefix_text = self.tokenizer.decode(
+            ids[self._prefix : self._read], skip_special_tokens=skip
+        )
         full_text = self.tokenizer.decode(ids[self._prefix :], skip_special_tokens=skip)
         self._read = len(ids)
         return full_text[len(prefix_text) :] if len(full_text) > len(prefix_text) else ""

@@ -95,7 +95,9 @@ class EngineArgs:
         try:
             return _DTYPES[self.dtype.lower()]
         except KeyError:
-            raise ValueError(f"unknown dtype {self.dtype!r}; supported: {sorted(_DTYPES)}") from None
+            raise ValueError(
+                f"unknown dtype {self.dtype!r}; supported: {sorted(_DTYPES)}"
+            ) from None
 
 
 def _available_memory_bytes(device: torch.device) -> int:
@@ -175,7 +177,11 @@ class LLMEngine:
         request_id: str | None = None,
     ) -> Sequence:
         """Tokenize and size a request; raises ContextLengthExceededError before any work."""
-        ids = self.tokenizer.encode(prompt, add_special_tokens=True) if isinstance(prompt, str) else list(prompt)
+        ids = (
+            self.tokenizer.encode(prompt, add_special_tokens=True)
+            if isinstance(prompt, str)
+            else list(prompt)
+        )
         if not ids:
             raise ValueError("prompt is empty")
         room = self.max_model_len - len(ids)
@@ -190,7 +196,11 @@ class LLMEngine:
         params: SamplingParams | None = None,
         request_id: str | None = None,
     ) -> Sequence:
-        seq = prompt if isinstance(prompt, Sequence) else self.make_sequence(prompt, params or SamplingParams(), request_id)
+        seq = (
+            prompt
+            if isinstance(prompt, Sequence)
+            else self.make_sequence(prompt, params or SamplingParams(), request_id)
+        )
         if seq.request_id in self._seqs:
             raise ValueError(f"duplicate request id {seq.request_id!r}")
         self._seqs[seq.request_id] = seq

@@ -45,7 +45,9 @@ class ModelRunner:
         pos = torch.arange(start, end)
         return table[pos // bs] * bs + pos % bs
 
-    def prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionContext, list[int]]:
+    def prepare(
+        self, batch: ScheduledBatch
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionContext, list[int]]:
         """Flat inputs for the step; returns ids, positions, context and sampling rows."""
         ids: list[int] = []
         positions: list[torch.Tensor] = []
@@ -75,7 +77,11 @@ class ModelRunner:
         dev = self.device
         input_ids = torch.tensor(ids, dtype=torch.long, device=dev)
         pos = torch.cat(positions).to(dev)
-        cos, sin = self.model.rotary.lookup(pos, self.dtype) if hasattr(self.model, "rotary") else (None, None)
+        cos, sin = (
+            self.model.rotary.lookup(pos, self.dtype)
+            if hasattr(self.model, "rotary")
+            else (None, None)
+        )
         ctx = AttentionContext(
             slot_mapping=torch.cat(slots).to(dev),
             cos=cos,

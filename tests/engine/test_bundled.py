@@ -24,7 +24,9 @@ def smollm2() -> LLM:
 
 
 def test_greedy_chat_answer_names_paris(smollm2):
-    out = smollm2.chat([{"role": "user", "content": QUESTION}], SamplingParams(temperature=0, max_tokens=16))[0]
+    out = smollm2.chat(
+        [{"role": "user", "content": QUESTION}], SamplingParams(temperature=0, max_tokens=16)
+    )[0]
     assert "Paris" in out.text
     assert out.finish_reason == "stop"
 

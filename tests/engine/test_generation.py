@@ -135,7 +135,9 @@ def test_same_seed_gives_the_same_sample_alone_or_batched(tiny):
 
 
 def test_top_k_one_and_tiny_top_p_reduce_to_greedy(tiny):
-    greedy = tiny.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    greedy = tiny.generate(
+        [[1, 2, 3]], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    )
     for p in (
         SamplingParams(temperature=1.5, top_k=1, max_tokens=12, ignore_eos=True, seed=1),
         SamplingParams(temperature=1.5, top_p=1e-6, max_tokens=12, ignore_eos=True, seed=1),
@@ -149,11 +151,18 @@ def test_penalties_discourage_repeats(tiny):
     plain = tiny.generate([[4, 4, 4]], base)[0].token_ids
     penalised = tiny.generate(
         [[4, 4, 4]],
-        SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, presence_penalty=2.0, frequency_penalty=2.0),
+        SamplingParams(
+            temperature=0,
+            max_tokens=40,
+            ignore_eos=True,
+            presence_penalty=2.0,
+            frequency_penalty=2.0,
+        ),
     )[0].token_ids
     assert len(set(penalised)) > len(set(plain))
     rep = tiny.generate(
-        [[4, 4, 4]], SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, repetition_penalty=5.0)
+        [[4, 4, 4]],
+        SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, repetition_penalty=5.0),
     )[0].token_ids
     assert rep != plain
 
@@ -170,7 +179,9 @@ def test_logprobs_report_the_chosen_token_and_top_alternatives(tiny):
 def test_unsupported_model_type_names_it_and_the_supported_set(tmp_path):
     d = scripted_dir(tmp_path, "x")
     (d / "config.json").write_text(json.dumps({"model_type": "mamba"}))
-    with pytest.raises(UnsupportedModelError, match=r"unsupported model_type 'mamba'; supported: \["):
+    with pytest.raises(
+        UnsupportedModelError, match=r"unsupported model_type 'mamba'; supported: \["
+    ):
         LLM(str(d))
 
 
@@ -186,9 +197,13 @@ def test_a_hub_id_resolves_offline_from_the_hf_cache(tmp_path):
         "print(len(llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4, ignore_eos=True))[0].token_ids))\n"
     )
     env = {"HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(tmp_path / "hub"), "PATH": "/usr/bin:/bin"}
-    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip() == "4"
     env["HF_HUB_CACHE"] = str(tmp_path / "empty")
-    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300
+    )
     assert done.returncode != 0 and "not in the local cache" in done.stderr

@@ -8,7 +8,9 @@ from pathlib import Path
 
 import torch
 
-FIXTURE_MODELS = (Path(__file__).resolve().parents[2] / ".." / "shared" / "fixtures" / "models").resolve()
+FIXTURE_MODELS = (
+    Path(__file__).resolve().parents[2] / ".." / "shared" / "fixtures" / "models"
+).resolve()
 
 # Fixture config → what it exercises.
 FAMILIES = {

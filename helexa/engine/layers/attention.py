@@ -89,7 +89,9 @@ class PagedAttention(nn.Module):
             qd = qd.view(n, kvh, group, d)
             kd = k_flat[ctx.decode_slots].transpose(1, 2)  # [n, kvh, S, d]
             vd = v_flat[ctx.decode_slots].transpose(1, 2)
-            o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=ctx.decode_mask, scale=self.scale)
+            o = F.scaled_dot_product_attention(
+                qd, kd, vd, attn_mask=ctx.decode_mask, scale=self.scale
+            )
             o = o.reshape(n, self.num_heads, d)
             if ctx.all_decode:
                 out = o

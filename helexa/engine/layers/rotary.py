@@ -82,7 +82,9 @@ class RotaryEmbedding:
         if self.cos.device != positions.device:
             self.cos = self.cos.to(positions.device)
             self.sin = self.sin.to(positions.device)
-        return self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype)
+        return self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(
+            dtype
+        )
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
