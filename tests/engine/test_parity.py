@@ -65,3 +65,17 @@ def test_logits_and_greedy_tokens_match_transformers_for_a_mixed_batch(family, t
         diff = (ours - ref_logits).abs().max().item()
         assert diff <= 1e-4, f"{family} prompt len {len(prompt)}: max |Δlogits| {diff:.2e}"
         assert out.token_ids == ref_tokens, f"{family} prompt len {len(prompt)}"
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_half_precision_runs_close_to_float32(dtype, tmp_path):
+    model_dir, _ = make_tiny_model("qwen3", tmp_path)
+    ref = LLM(str(model_dir), kv_cache_memory_mb=8)
+    half = LLM(str(model_dir), dtype=dtype, kv_cache_memory_mb=8)
+    assert half.engine.dtype == getattr(torch, dtype)
+    seen_ref, seen_half = _record_logits(ref), _record_logits(half)
+    params = SamplingParams(temperature=0, max_tokens=1)
+    a = ref.generate([[5, 6, 7, 8]], params)[0]
+    b = half.generate([[5, 6, 7, 8]], params)[0]
+    la, lb = seen_ref[a.request_id][0], seen_half[b.request_id][0].float()
+    assert torch.allclose(la, lb, atol=0.1, rtol=0.05), (la - lb).abs().max()

@@ -75,7 +75,10 @@ class RotaryEmbedding:
         freqs = torch.outer(t, inv)  # [max_position, head_dim/2]
         emb = torch.cat((freqs, freqs), dim=-1)
         self.cos = emb.cos() * mscale
-        self.sin = emb.sin() * mscale
+        # sin with the rotate-half sign folded in: rotate_half(x) * sin == flip(x) * signed_sin
+        sin = emb.sin() * mscale
+        half = head_dim // 2
+        self.sin = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)
 
     def lookup(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
         # -> cos, sin: [num_tokens, 1, head_dim], broadcast over heads
@@ -87,8 +90,9 @@ class RotaryEmbedding:
         )
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # x: [num_tokens, num_heads, head_dim]
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """x * cos + rotate_half(x) * sin, with the sign already in `signed_sin`."""
+    # x: [num_tokens, num_heads, head_dim]; cos, signed_sin: [num_tokens, 1, head_dim]
+    n, heads, d = x.shape
+    swapped = x.reshape(n, heads, 2, d // 2).flip(2).view(n, heads, d)  # [x2, x1]
+    return torch.addcmul(x * cos, swapped, signed_sin)

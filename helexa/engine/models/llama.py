@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from helexa.engine.layers.attention import AttentionContext, PagedAttention
-from helexa.engine.layers.linear import Linear
+from helexa.engine.layers.linear import Linear, fuse
 from helexa.engine.layers.norm import RMSNorm
 from helexa.engine.layers.rotary import RotaryEmbedding, apply_rotary
 from helexa.engine.models.config import ModelConfig
@@ -40,16 +40,36 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
         self.attn = PagedAttention(h, kvh, d, scale=d**-0.5)
 
+    def fuse_projections(self) -> None:
+        """Replace q/k/v by one matmul when their weights are held alike."""
+        try:
+            self.qkv_proj = fuse([self.q_proj, self.k_proj, self.v_proj])
+        except ValueError:
+            return
+        del self.q_proj, self.k_proj, self.v_proj
+
     def forward(self, x: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
         # x: [num_tokens, hidden]
         n = x.shape[0]
-        q = self.q_proj(x).view(n, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(n, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(n, self.num_kv_heads, self.head_dim)
+        h, kvh, d = self.num_heads, self.num_kv_heads, self.head_dim
+        if hasattr(self, "qkv_proj"):
+            qkv = self.qkv_proj(x).view(n, h + 2 * kvh, d)
+            q, k, v = qkv.split([h, kvh, kvh], dim=1)
+        else:
+            q = self.q_proj(x).view(n, h, d)
+            k = self.k_proj(x).view(n, kvh, d)
+            v = self.v_proj(x).view(n, kvh, d)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q = apply_rotary(q, ctx.cos, ctx.sin)
-        k = apply_rotary(k, ctx.cos, ctx.sin)
+            q = apply_rotary(q, ctx.cos, ctx.sin)
+            k = apply_rotary(k, ctx.cos, ctx.sin)
+        else:  # q and k side by side in qkv: rotate both in one pass
+            qk = apply_rotary(
+                qkv[:, : h + kvh] if hasattr(self, "qkv_proj") else torch.cat((q, k), 1),
+                ctx.cos,
+                ctx.sin,
+            )
+            q, k = qk.split([h, kvh], dim=1)
         o = self.attn(q, k, v, ctx)  # [num_tokens, num_heads, head_dim]
         return self.o_proj(o.reshape(n, -1))
 
@@ -61,8 +81,19 @@ class MLP(nn.Module):
         self.up_proj = Linear(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias)
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, cfg.mlp_bias)
 
+    def fuse_projections(self) -> None:
+        try:
+            self.gate_up_proj = fuse([self.gate_proj, self.up_proj])
+        except ValueError:
+            return
+        del self.gate_proj, self.up_proj
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if hasattr(self, "gate_up_proj"):
+            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        return self.down_proj(F.silu(gate).mul_(up))
 
 
 class DecoderLayer(nn.Module):
@@ -168,6 +199,12 @@ class LlamaForCausalLM(nn.Module):
         missing = sorted(set(self._expected_weights()) - loaded)
         if missing:
             raise ValueError(f"checkpoint is missing {len(missing)} weights, e.g. {missing[:3]}")
+
+    def post_load(self) -> None:
+        """Fuse same-input projections (q/k/v, gate/up) into single matmuls."""
+        for layer in self.layers:
+            layer.self_attn.fuse_projections()
+            layer.mlp.fuse_projections()
 
     def _expected_weights(self) -> list[str]:
         names = []
