@@ -39,51 +39,48 @@ class ModelRunner:
         elem = torch.empty((), dtype=dtype).element_size()
         return sum(2 * a.num_kv_heads * a.head_dim * elem for a in model.attention_layers)
 
-    def _slots(self, seq: Sequence, start: int, end: int) -> torch.Tensor:
-        bs = self.block_size
-        table = torch.tensor(seq.block_table, dtype=torch.long)
-        pos = torch.arange(start, end)
-        return table[pos // bs] * bs + pos % bs
+    def _slots(self, seq: Sequence, start: int, end: int) -> list[int]:
+        """Cache slots of positions [start, end) of `seq`."""
+        bs, table = self.block_size, seq.block_table
+        return [table[p // bs] * bs + p % bs for p in range(start, end)]
 
     def prepare(
         self, batch: ScheduledBatch
     ) -> tuple[torch.Tensor, torch.Tensor, AttentionContext, list[int]]:
         """Flat inputs for the step; returns ids, positions, context and sampling rows."""
         ids: list[int] = []
-        positions: list[torch.Tensor] = []
-        slots: list[torch.Tensor] = []
+        positions: list[int] = []
+        slots: list[int] = []
         prefills: list[PrefillSegment] = []
         decode_rows: list[int] = []
         decode_seqs: list[Sequence] = []
         sample_rows: list[int] = []
+        dev = self.device
         row = 0
         for i, seq in enumerate(batch.seqs):
             n = batch.num_new_tokens[i]
             start = seq.num_computed_tokens
             ids.extend(seq.token_ids[start : start + n])
-            positions.append(torch.arange(start, start + n))
+            positions.extend(range(start, start + n))
             if n == 1 and start > 0:
                 decode_rows.append(row)
                 decode_seqs.append(seq)
-                slots.append(self._slots(seq, start, start + 1))
+                slots.extend(self._slots(seq, start, start + 1))
             else:
                 context = self._slots(seq, 0, start + n)
-                slots.append(context[start:])
-                prefills.append(PrefillSegment(row, row + n, context if start else None))
+                slots.extend(context[start:])
+                ctx_slots = torch.tensor(context, dtype=torch.long, device=dev) if start else None
+                prefills.append(PrefillSegment(row, row + n, ctx_slots))
             row += n
             if batch.samples(i):
                 sample_rows.append(row - 1)
 
-        dev = self.device
         input_ids = torch.tensor(ids, dtype=torch.long, device=dev)
-        pos = torch.cat(positions).to(dev)
-        cos, sin = (
-            self.model.rotary.lookup(pos, self.dtype)
-            if hasattr(self.model, "rotary")
-            else (None, None)
-        )
+        pos = torch.tensor(positions, dtype=torch.long, device=dev)
+        rotary = getattr(self.model, "rotary", None)
+        cos, sin = rotary.lookup(pos, self.dtype) if rotary is not None else (None, None)
         ctx = AttentionContext(
-            slot_mapping=torch.cat(slots).to(dev),
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
             cos=cos,
             sin=sin,
             prefills=prefills,
@@ -102,10 +99,10 @@ class ModelRunner:
         lengths = [s.num_computed_tokens + 1 for s in seqs]
         max_len = max(lengths)
         max_blocks = -(-max_len // bs)
-        table = torch.zeros(len(seqs), max_blocks, dtype=torch.long)
-        for j, seq in enumerate(seqs):
-            bt = seq.block_table[:max_blocks]
-            table[j, : len(bt)] = torch.tensor(bt, dtype=torch.long)
+        table = torch.tensor(
+            [s.block_table[:max_blocks] + [0] * (max_blocks - len(s.block_table)) for s in seqs],
+            dtype=torch.long,
+        )
         pos = torch.arange(max_len)
         dev = self.device
         ctx.decode_slots = (table[:, pos // bs] * bs + pos % bs).to(dev)
