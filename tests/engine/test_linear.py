@@ -1,0 +1,208 @@
+"""Linear: every weight representation computes x @ W.T for the W its source describes."""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from helexa.engine.layers.linear import Linear, _q4_as_int4, _q8_0_as_int4, fuse
+from helexa.engine.loader.gguf import GGUFTensor
+
+# Packed kernels run in bf16 (activations and scales): ~0.3% rms error on a matmul.
+BF16_RTOL = 1e-2
+F32_RTOL = 1e-5
+
+
+def quantized(w: torch.Tensor, qtype: str) -> tuple[GGUFTensor, torch.Tensor]:
+    """`w` encoded by gguf's reference quantizer, and gguf's reference dequantization of it."""
+    kind = gguf.GGMLQuantizationType[qtype]
+    raw = gguf.quants.quantize(w.numpy(), kind)
+    ref = torch.from_numpy(gguf.quants.dequantize(raw, kind).copy())
+    data = torch.from_numpy(raw.view(np.uint8)).reshape(w.shape[0], -1)
+    return GGUFTensor("w", qtype, tuple(w.shape), data), ref
+
+
+def weight(out: int, inp: int, seed: int = 0) -> torch.Tensor:
+    return torch.randn(out, inp, generator=torch.Generator().manual_seed(seed)) * 0.05
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+def loaded(src, dtype=torch.float32, quant=None, bias: torch.Tensor | None = None) -> Linear:
+    lin = Linear(src.shape[1], src.shape[0], bias=bias is not None)
+    lin.load_weight(src, dtype=dtype, quant=quant)
+    if bias is not None:
+        lin.load_bias(bias, dtype=dtype)
+    return lin
+
+
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1"])
+def test_q4_blocks_are_exactly_the_int4_kernel_formula(qtype):
+    src, ref = quantized(weight(64, 1536), qtype)
+    q, scale, zero = _q4_as_int4(src.data, qtype, src.shape)
+    groups = (q.float() - 8).reshape(64, -1, 32) * scale[..., None] + zero[..., None]
+    torch.testing.assert_close(groups.reshape(ref.shape), ref, rtol=1e-6, atol=1e-7)
+    # and torch's kernel computes exactly that when it is given float32 scales
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 2)
+    scales = torch.stack([scale.t(), zero.t()], dim=-1).contiguous()
+    x = torch.randn(3, 1536)
+    y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, 32, scales)
+    torch.testing.assert_close(y, F.linear(x, ref), rtol=1e-4, atol=1e-4)
+
+
+def test_q8_0_blocks_are_exactly_two_int4_halves():
+    src, ref = quantized(weight(48, 576), "Q8_0")
+    q, scale, zero = _q8_0_as_int4(src.data, src.shape)
+    halves = (q.float() - 8).reshape(48, -1, 32) * scale[..., None] + zero[..., None]
+    halves = halves.reshape(48, 2, 576)
+    assert torch.equal(halves[:, 0] + halves[:, 1], ref)
+
+
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0"])
+@pytest.mark.parametrize(("inp", "out"), [(576, 192), (1536, 64), (576, 1040)])
+def test_gguf_blocks_stay_packed_and_match_the_reference_dequantization(qtype, inp, out):
+    src, ref = quantized(weight(out, inp), qtype)
+    lin = loaded(src)
+    assert lin.format == "int4"
+    for m in (1, 3, 17):
+        x = torch.randn(m, inp)
+        y = lin(x)
+        assert y.dtype == torch.float32
+        assert rel_err(y, F.linear(x, ref)) < BF16_RTOL
+    assert rel_err(lin.dequantize(), ref) < BF16_RTOL
+
+
+def test_q4_blocks_stay_int4_whatever_quant_asks():
+    src, _ = quantized(weight(192, 576), "Q4_0")
+    assert [loaded(src, quant=q).format for q in (None, "int8", "int4")] == ["int4"] * 3
+
+
+def test_packed_weights_are_a_fraction_of_float():
+    src, _ = quantized(weight(192, 576), "Q4_1")
+    lin = loaded(src)
+    # half a byte per weight, plus a bf16 (scale, zero) pair per 32
+    assert lin.memory_bytes == 192 * 576 // 2 + 192 * 576 // 32 * 4
+    assert lin.memory_bytes < loaded(weight(192, 576)).memory_bytes / 5
+
+
+def test_q8_0_as_int8_is_opt_in_and_lossy_but_close():
+    src, ref = quantized(weight(256, 576), "Q8_0")
+    lin = loaded(src, quant="int8")
+    assert lin.format == "int8"
+    assert lin.memory_bytes < loaded(src).memory_bytes
+    x = torch.randn(5, 576)
+    assert rel_err(lin(x), F.linear(x, ref)) < 3e-2
+
+
+@pytest.mark.parametrize(("quant", "bound"), [("int8", 2e-2), ("int4", 0.15)])
+def test_float_weights_quantize_on_request(quant, bound):
+    w = weight(208, 1536)
+    lin = loaded(w, quant=quant)
+    assert lin.format == quant
+    x = torch.randn(3, 1536)
+    # the layer computes with the weight it holds, and that weight is close to w
+    assert rel_err(lin(x), F.linear(x, lin.dequantize())) < BF16_RTOL
+    assert rel_err(lin.dequantize(), w) < bound
+
+
+def test_float_weights_without_quant_stay_exact():
+    w = weight(192, 576)
+    x = torch.randn(17, 576)
+    torch.testing.assert_close(loaded(w)(x), F.linear(x, w), rtol=F32_RTOL, atol=1e-6)
+
+
+@pytest.mark.parametrize("qtype", ["Q5_0", "F16"])
+def test_other_qtypes_are_dequantized_to_the_load_dtype(qtype):
+    src, ref = quantized(weight(64, 576), qtype)
+    lin = loaded(src)
+    assert lin.format == "float"
+    assert lin.weight.dtype == torch.float32
+    x = torch.randn(3, 576)
+    torch.testing.assert_close(lin(x), F.linear(x, ref), rtol=F32_RTOL, atol=1e-5)
+
+
+def test_shapes_the_kernels_reject_fall_back_to_float():
+    src, ref = quantized(weight(40, 576), "Q4_1")  # 40 rows: int4 packing needs multiples of 16
+    assert loaded(src).format == "float"
+    assert loaded(src, quant="int8").format == "float"  # Q4 blocks go int4 or nowhere
+    assert loaded(weight(64, 48), quant="int8").format == "float"  # in_features not 32-aligned
+    x = torch.randn(2, 576)
+    torch.testing.assert_close(loaded(src)(x), F.linear(x, ref), rtol=F32_RTOL, atol=1e-5)
+
+
+def test_weights_off_the_cpu_are_kept_float():
+    lin = loaded(torch.empty(64, 576, device="meta"), quant="int4")
+    assert lin.format == "float"
+    assert lin.weight.device.type == "meta"
+
+
+def test_moving_a_packed_layer_off_the_cpu_dequantizes_it():
+    src, ref = quantized(weight(64, 576), "Q4_1")
+    lin = loaded(src, dtype=torch.bfloat16)
+    dense = lin.dequantize()
+    lin.to("meta")
+    assert lin.format == "float"
+    assert (lin.weight.device.type, lin.weight.dtype) == ("meta", torch.bfloat16)
+    assert rel_err(dense, ref) < BF16_RTOL
+
+
+@pytest.mark.parametrize("quant", [None, "int8", "int4"])
+def test_bias_and_leading_dims(quant):
+    w, b = weight(192, 576), torch.randn(192)
+    lin = loaded(w, quant=quant, bias=b)
+    x = torch.randn(2, 5, 576)
+    y = lin(x)
+    assert y.shape == (2, 5, 192)
+    assert rel_err(y, F.linear(x, lin.dequantize(), b)) < BF16_RTOL
+    torch.testing.assert_close(y[1], lin(x[1]))
+
+
+def test_bf16_activations_come_back_bf16():
+    src, ref = quantized(weight(192, 576), "Q4_1")
+    lin = loaded(src, dtype=torch.bfloat16)
+    x = torch.randn(4, 576, dtype=torch.bfloat16)
+    y = lin(x)
+    assert y.dtype == torch.bfloat16
+    assert rel_err(y, F.linear(x.float(), ref)) < BF16_RTOL
+
+
+def make_linears(kind: str, outs: list[int], with_bias: bool) -> list[Linear]:
+    lins = []
+    for i, out in enumerate(outs):
+        w = weight(out, 576, seed=i)
+        bias = torch.randn(out) if with_bias and i != 1 else None  # one part without a bias
+        if kind in ("Q4_1", "Q8_0"):
+            lins.append(loaded(quantized(w, kind)[0], bias=bias))
+        else:
+            lins.append(loaded(w, quant=kind, bias=bias))
+    return lins
+
+
+@pytest.mark.parametrize("kind", [None, "int8", "int4", "Q4_1", "Q8_0"])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_fused_equals_separate(kind, with_bias):
+    outs = [576, 192, 208]  # q, k, v; the last part need not fill a packing block
+    parts = make_linears(kind, outs, with_bias)
+    fused = fuse(parts)
+    assert fused.split_sizes == outs
+    assert fused.memory_bytes == sum(p.memory_bytes for p in parts)
+    x = torch.randn(3, 7, 576)
+    for got, part in zip(fused(x).split(fused.split_sizes, dim=-1), parts, strict=True):
+        torch.testing.assert_close(got, part(x), rtol=1e-5, atol=1e-5)
+
+
+def test_fuse_refuses_what_it_cannot_concatenate():
+    with pytest.raises(ValueError, match="held differently"):
+        fuse(make_linears(None, [64], False) + make_linears("int8", [64], False))
+    with pytest.raises(ValueError, match="64-row multiples"):
+        fuse(make_linears("Q4_1", [208, 192], False))
+
+
+def test_unknown_quant_is_rejected():
+    with pytest.raises(ValueError, match="unknown quant 'fp8'"):
+        loaded(weight(64, 576), quant="fp8")
