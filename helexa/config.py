@@ -129,6 +129,8 @@ class EngineConfig:
     max_model_len: PositiveInt | None = None
     num_threads: PositiveInt | None = None
     seed: int = 0
+    enable_prefix_caching: bool = True
+    cpu_dense_copy: bool = True
 
 
 @dataclass(slots=True)

@@ -72,6 +72,8 @@ class EngineArgs:
     max_model_len: int | None = None
     num_threads: int | None = None
     enable_prefix_caching: bool = True
+    # CPU: keep a bf16 copy of packed weights for prefill and wide batches (+2 bytes/weight)
+    cpu_dense_copy: bool = True
     seed: int = 0  # global sampling state; a request's own seed still wins
     cache_dir: str | None = None
 
@@ -131,6 +133,7 @@ class LLMEngine:
                 dtype=args.torch_dtype(device),
                 quant=args.quant,
                 cache_dir=args.cache_dir,
+                dense_copies=args.cpu_dense_copy,
             )
         self.loaded = loaded
         self.tokenizer = loaded.tokenizer

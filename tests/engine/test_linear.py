@@ -206,3 +206,21 @@ def test_fuse_refuses_what_it_cannot_concatenate():
 def test_unknown_quant_is_rejected():
     with pytest.raises(ValueError, match="unknown quant 'fp8'"):
         loaded(weight(64, 576), quant="fp8")
+
+
+@pytest.mark.parametrize("kind", ["Q4_1", "Q8_0", "int4"])
+def test_a_dense_copy_serves_many_row_calls_with_the_same_weights(kind):
+    from helexa.engine.layers.linear import DENSE_MIN_ROWS
+
+    parts = make_linears(kind, [576, 192], with_bias=True)
+    for p in parts:
+        p.add_dense_copy()
+    fused = fuse(parts)
+    assert fused.dense is not None and fused.dense.dtype == torch.bfloat16
+    few, many = torch.randn(DENSE_MIN_ROWS - 1, 576), torch.randn(DENSE_MIN_ROWS + 20, 576)
+    for x in (few, many):
+        ref = torch.nn.functional.linear(x, fused.dequantize(), fused.bias)
+        assert rel_err(fused(x), ref) < 1e-2  # both paths compute in bf16
+    via_dense = fused(many)
+    fused.dense = None
+    assert rel_err(via_dense, fused(many)) < 1e-2

@@ -98,6 +98,7 @@ def load_model(
     quant: str | None = None,
     max_position: int | None = None,
     cache_dir: str | None = None,
+    dense_copies: bool = True,
 ) -> LoadedModel:
     """Load weights, config and tokenizer; raise with a clear message when unsupported."""
     path = resolve_model(ref, cache_dir=cache_dir)
@@ -111,7 +112,14 @@ def load_model(
         if not (path / "config.json").exists():
             ggufs = sorted(path.glob("*.gguf"))
             if len(ggufs) == 1:
-                return load_model(str(ggufs[0]), device=device, dtype=dtype, quant=quant)
+                return load_model(
+                    str(ggufs[0]),
+                    device=device,
+                    dtype=dtype,
+                    quant=quant,
+                    max_position=max_position,
+                    dense_copies=dense_copies,
+                )
             raise ModelNotFoundError(f"{path}: no config.json (and not exactly one .gguf file)")
         hf_cfg = read_json(path / "config.json")
         tokenizer = load_hf_tokenizer(path)
@@ -134,9 +142,13 @@ def load_model(
     if weights is None:
         weights = iter_safetensors(safetensors_files(path))
     model = MODEL_REGISTRY[model_type](cfg, max_position=max_position)
-    model.load_weights(((n, _to(w, device)) for n, w in weights), dtype=dtype, quant=quant)
-    if hasattr(model, "post_load"):
-        model.post_load()
+    model.load_weights(
+        ((n, _to(w, device)) for n, w in weights),
+        dtype=dtype,
+        quant=quant,
+        dense_copies=dense_copies and device.type == "cpu",
+    )
+    model.post_load()
     return LoadedModel(model.to(device).eval(), tokenizer, cfg, path, fmt)
 
 

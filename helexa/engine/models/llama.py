@@ -172,6 +172,7 @@ class LlamaForCausalLM(nn.Module):
         *,
         dtype: torch.dtype,
         quant: str | None = None,
+        dense_copies: bool = False,
     ) -> None:
         """Place HF-named tensors: `model.layers.0.self_attn.q_proj.weight` → module path."""
         modules = dict(self.named_modules())
@@ -189,12 +190,12 @@ class LlamaForCausalLM(nn.Module):
             mod = modules.get(mod_path)
             if mod is None:
                 raise ValueError(f"unexpected weight {name!r} for {self.config.model_type}")
-            _load_one(mod, kind, src, dtype, quant)
+            _load_one(mod, kind, src, dtype, quant, dense_copies)
             loaded.add(path)
         if self.config.tie_word_embeddings:
             if embed_src is None:
                 raise ValueError("tied embeddings but no model.embed_tokens.weight")
-            self.lm_head.load_weight(embed_src, dtype=dtype, quant=quant)
+            self.lm_head.load_weight(embed_src, dtype=dtype, quant=quant, dense_copy=dense_copies)
             loaded.add("lm_head.weight")
         missing = sorted(set(self._expected_weights()) - loaded)
         if missing:
@@ -218,10 +219,12 @@ class LlamaForCausalLM(nn.Module):
         return names
 
 
-def _load_one(mod: nn.Module, kind: str, src, dtype: torch.dtype, quant: str | None) -> None:
+def _load_one(
+    mod: nn.Module, kind: str, src, dtype: torch.dtype, quant: str | None, dense: bool
+) -> None:
     if isinstance(mod, Linear):
         if kind == "weight":
-            mod.load_weight(src, dtype=dtype, quant=quant)
+            mod.load_weight(src, dtype=dtype, quant=quant, dense_copy=dense)
         else:
             mod.load_bias(_dense(src), dtype=dtype)
     elif isinstance(mod, Embedding):
