@@ -25,7 +25,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0  # OpenAI semantics, over output tokens
     presence_penalty: float = 0.0
     seed: int | None = None
-    max_tokens: int | None = 16  # None = whatever the context leaves
+    max_tokens: int | None = None  # None: what the context leaves, at most 8192
     min_tokens: int = 0
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
