@@ -69,8 +69,12 @@ class ModelRunner:
             else:
                 context = self._slots(seq, 0, start + n)
                 slots.extend(context[start:])
-                ctx_slots = torch.tensor(context, dtype=torch.long, device=dev) if start else None
-                prefills.append(PrefillSegment(row, row + n, ctx_slots))
+                seg = PrefillSegment(row, row + n, None)
+                if start:
+                    seg.context_slots = torch.tensor(context, dtype=torch.long, device=dev)
+                    span = start + n
+                    seg.mask = torch.ones(n, span, dtype=torch.bool, device=dev).tril(span - n)
+                prefills.append(seg)
             row += n
             if batch.samples(i):
                 sample_rows.append(row - 1)
@@ -85,7 +89,7 @@ class ModelRunner:
             sin=sin,
             prefills=prefills,
             decode_rows=None,
-            decode_slots=None,
+            decode_blocks=None,
             decode_mask=None,
         )
         if decode_seqs:
@@ -97,16 +101,15 @@ class ModelRunner:
     ) -> None:
         bs = self.block_size
         lengths = [s.num_computed_tokens + 1 for s in seqs]
-        max_len = max(lengths)
-        max_blocks = -(-max_len // bs)
-        table = torch.tensor(
-            [s.block_table[:max_blocks] + [0] * (max_blocks - len(s.block_table)) for s in seqs],
-            dtype=torch.long,
-        )
-        pos = torch.arange(max_len)
+        max_blocks = -(-max(lengths) // bs)
+        table = [s.block_table[:max_blocks] for s in seqs]
         dev = self.device
-        ctx.decode_slots = (table[:, pos // bs] * bs + pos % bs).to(dev)
-        if min(lengths) != max_len:
+        ctx.decode_blocks = torch.tensor(
+            [t + [0] * (max_blocks - len(t)) for t in table], dtype=torch.long, device=dev
+        )
+        span = max_blocks * bs
+        if any(n != span for n in lengths):
+            pos = torch.arange(span)
             mask = pos.unsqueeze(0) < torch.tensor(lengths).unsqueeze(1)
             ctx.decode_mask = mask[:, None, None, :].to(dev)
         ctx.decode_rows = torch.tensor(rows, dtype=torch.long, device=dev)

@@ -23,6 +23,8 @@ class PrefillSegment:
     # Slots of the whole context (cached prefix + this chunk), or None when the chunk is
     # the entire context so far and K/V can be used as computed.
     context_slots: torch.Tensor | None
+    # For a later chunk: query i sees keys up to span - length + i (built once per step).
+    mask: torch.Tensor | None = None
 
 
 @dataclass(slots=True)
@@ -34,8 +36,10 @@ class AttentionContext:
     sin: torch.Tensor
     prefills: list[PrefillSegment]
     decode_rows: torch.Tensor | None  # [num_decode] rows of the flat batch, or None
-    decode_slots: torch.Tensor | None  # [num_decode, max_context] (padded with slot 0)
-    decode_mask: torch.Tensor | None  # [num_decode, 1, 1, max_context] bool, None if unpadded
+    # [num_decode, max_blocks] block tables padded with block 0: whole blocks are gathered
+    # (a few long contiguous copies rather than one short copy per token).
+    decode_blocks: torch.Tensor | None
+    decode_mask: torch.Tensor | None  # [num_decode, 1, 1, max_blocks * block_size] bool
     all_decode: bool = False  # every row is a decode row, in order
 
 
@@ -70,14 +74,10 @@ class PagedAttention(nn.Module):
                 ks, vs = k_flat[seg.context_slots], v_flat[seg.context_slots]
             ks = ks.transpose(0, 1).repeat_interleave(group, 0)  # [H, S, D]
             vs = vs.transpose(0, 1).repeat_interleave(group, 0)
-            length, span = qs.shape[1], ks.shape[1]
-            if length == span:
+            if seg.mask is None:
                 o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=self.scale)
-            else:  # a later chunk: query i sees keys up to span - length + i
-                mask = torch.ones(length, span, dtype=torch.bool, device=q.device).tril(
-                    span - length
-                )
-                o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=self.scale)
+            else:
+                o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=seg.mask, scale=self.scale)
             out[seg.start : seg.end] = o.transpose(0, 1)
 
         if ctx.decode_rows is not None:
@@ -87,8 +87,9 @@ class PagedAttention(nn.Module):
             # Grouped-query trick: the `group` query heads sharing a kv head become the
             # query-length axis of that kv head, so no K/V repeat is needed.
             qd = qd.view(n, kvh, group, d)
-            kd = k_flat[ctx.decode_slots].transpose(1, 2)  # [n, kvh, S, d]
-            vd = v_flat[ctx.decode_slots].transpose(1, 2)
+            kd = self.k_cache[ctx.decode_blocks].view(n, -1, kvh, d).transpose(1, 2)
+            vd = self.v_cache[ctx.decode_blocks].view(n, -1, kvh, d).transpose(1, 2)
+            # kd, vd: [n, kvh, max_blocks * block_size, d]
             o = F.scaled_dot_product_attention(
                 qd, kd, vd, attn_mask=ctx.decode_mask, scale=self.scale
             )
