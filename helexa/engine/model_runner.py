@@ -110,7 +110,9 @@ class ModelRunner:
         span = max_blocks * bs
         if any(n != span for n in lengths):
             pos = torch.arange(span)
-            mask = pos.unsqueeze(0) < torch.tensor(lengths).unsqueeze(1)
+            visible = pos.unsqueeze(0) < torch.tensor(lengths).unsqueeze(1)
+            # additive float mask: SDPA would convert a bool one again in every layer
+            mask = torch.zeros(visible.shape, dtype=self.dtype).masked_fill_(~visible, -torch.inf)
             ctx.decode_mask = mask[:, None, None, :].to(dev)
         ctx.decode_rows = torch.tensor(rows, dtype=torch.long, device=dev)
         ctx.all_decode = all_decode

@@ -39,7 +39,7 @@ class AttentionContext:
     # [num_decode, max_blocks] block tables padded with block 0: whole blocks are gathered
     # (a few long contiguous copies rather than one short copy per token).
     decode_blocks: torch.Tensor | None
-    decode_mask: torch.Tensor | None  # [num_decode, 1, 1, max_blocks * block_size] bool
+    decode_mask: torch.Tensor | None  # [num_decode, 1, 1, max_blocks * block_size], 0 / -inf
     all_decode: bool = False  # every row is a decode row, in order
 
 
