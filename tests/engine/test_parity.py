@@ -79,3 +79,22 @@ def test_half_precision_runs_close_to_float32(dtype, tmp_path):
     b = half.generate([[5, 6, 7, 8]], params)[0]
     la, lb = seen_ref[a.request_id][0], seen_half[b.request_id][0].float()
     assert torch.allclose(la, lb, atol=0.1, rtol=0.05), (la - lb).abs().max()
+
+
+def test_unfused_projections_give_the_same_logits(tmp_path, monkeypatch):
+    model_dir, _ = make_tiny_model("qwen2", tmp_path)
+    fused = LLM(str(model_dir), kv_cache_memory_mb=8)
+
+    def refuse(linears):
+        raise ValueError("held differently")
+
+    monkeypatch.setattr("helexa.engine.models.llama.fuse", refuse)
+    unfused = LLM(str(model_dir), kv_cache_memory_mb=8)
+    assert not hasattr(unfused.engine.runner.model.layers[0].self_attn, "qkv_proj")
+    seen_f, seen_u = _record_logits(fused), _record_logits(unfused)
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    a = fused.generate([[3, 4, 5]], params)[0]
+    b = unfused.generate([[3, 4, 5]], params)[0]
+    assert a.token_ids == b.token_ids
+    diff = (torch.stack(seen_f[a.request_id]) - torch.stack(seen_u[b.request_id])).abs().max()
+    assert diff <= 1e-5

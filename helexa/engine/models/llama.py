@@ -53,23 +53,17 @@ class Attention(nn.Module):
         n = x.shape[0]
         h, kvh, d = self.num_heads, self.num_kv_heads, self.head_dim
         if hasattr(self, "qkv_proj"):
-            qkv = self.qkv_proj.forward(x).view(n, h + 2 * kvh, d)
-            q, k, v = qkv.split([h, kvh, kvh], dim=1)
-        else:
-            q = self.q_proj(x).view(n, h, d)
-            k = self.k_proj(x).view(n, kvh, d)
-            v = self.v_proj(x).view(n, kvh, d)
+            qkv = self.qkv_proj.forward(x)
+        else:  # weights held differently could not be fused (rare)
+            qkv = torch.cat((self.q_proj(x), self.k_proj(x), self.v_proj(x)), dim=-1)
+        qkv = qkv.view(n, h + 2 * kvh, d)
+        q, k, v = qkv.split([h, kvh, kvh], dim=1)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
             q = apply_rotary(q, ctx.cos, ctx.sin)
             k = apply_rotary(k, ctx.cos, ctx.sin)
-        else:  # q and k side by side in qkv: rotate both in one pass
-            qk = apply_rotary(
-                qkv[:, : h + kvh] if hasattr(self, "qkv_proj") else torch.cat((q, k), 1),
-                ctx.cos,
-                ctx.sin,
-            )
-            q, k = qk.split([h, kvh], dim=1)
+        else:  # q and k sit side by side in qkv: rotate both in one pass
+            q, k = apply_rotary(qkv[:, : h + kvh], ctx.cos, ctx.sin).split([h, kvh], dim=1)
         o = self.attn.forward(q, k, v, ctx)  # [num_tokens, num_heads, head_dim]
         return self.o_proj.forward(o.reshape(n, -1))
 
