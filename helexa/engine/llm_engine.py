@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, fields
-from typing import TYPE_CHECKING
 
 import torch
 
+from helexa.config import EngineConfig
 from helexa.engine.block_manager import BlockManager
 from helexa.engine.loader.load import (
     LoadedModel,
@@ -23,9 +23,6 @@ from helexa.engine.model_runner import ModelRunner
 from helexa.engine.sampling_params import SamplingParams
 from helexa.engine.scheduler import Scheduler, SchedulerConfig
 from helexa.engine.sequence import RequestOutput, Sequence
-
-if TYPE_CHECKING:
-    from helexa.config import EngineConfig
 
 MiB = 1 << 20
 # When nothing else says: generation stops after this many tokens (SPEC: at most 8192).
@@ -54,35 +51,18 @@ class ContextLengthExceededError(ValueError):
 
 
 @dataclass(slots=True)
-class EngineArgs:
-    """How to build an engine; `[engine]` in helexa.toml maps onto these."""
+class EngineArgs(EngineConfig):
+    """How to build an engine: `[engine]` of helexa.toml (defaults and meanings live
+    there) plus what only a caller knows."""
 
-    model: str | None = None  # None → the bundled SmolLM2
-    device: str = "auto"
-    dtype: str | torch.dtype | None = None  # None/"auto" → f32 on CPU, bf16 on GPU
-    quant: str | None = None
-    kv_cache_memory_mb: int | None = None  # explicit pool size wins
-    kv_cache_memory_fraction: float = 0.9  # else this share of free memory...
-    kv_cache_cpu_max_mb: int = 2048  # ...capped on CPU, where RAM is shared with everything
+    model: str | None = None  # local dir, .gguf file or hub id; None → the bundled SmolLM2
     num_kv_blocks: int | None = None  # fixes the pool size in blocks (tests, tuning)
-    block_size: int = 16
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
-    max_prefill_chunk: int = 512
-    max_model_len: int | None = None
-    num_threads: int | None = None
-    enable_prefix_caching: bool = True
-    # CPU: keep a bf16 copy of packed weights for prefill and wide batches (+2 bytes/weight)
-    cpu_dense_copy: bool = True
-    seed: int = 0  # global sampling state; a request's own seed still wins
-    cache_dir: str | None = None
+    cache_dir: str | None = None  # hub download cache; None → HF_HUB_CACHE / HF_HOME
 
     @classmethod
     def from_config(cls, engine: EngineConfig, model: str | None = None, **kw) -> EngineArgs:
-        """Map `[engine]` of helexa.toml onto engine arguments."""
-        names = {f.name for f in fields(cls)}
-        values = {f.name: getattr(engine, f.name) for f in fields(engine) if f.name in names}
-        return cls(model=model, **{**values, **kw})
+        """`[engine]` of helexa.toml as engine arguments."""
+        return cls(**{f.name: getattr(engine, f.name) for f in fields(engine)}, model=model, **kw)
 
     def torch_device(self) -> torch.device:
         if self.device in ("auto", "", None):
