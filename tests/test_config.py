@@ -412,3 +412,12 @@ def test_the_example_documents_every_key():
     sections += (Cost, AdminConfig, LogConfig)
     keys = {f.name for cls in sections for f in fields(cls) if not f.metadata.get("derived")}
     assert keys - documented == set()
+
+
+def test_engine_section_becomes_engine_args_with_overrides(tmp_path):
+    from helexa.engine import EngineArgs
+
+    path = tmp_path / "helexa.toml"
+    path.write_text("[engine]\nblock_size = 32\nnum_threads = 4\n")
+    args = EngineArgs.from_config(load_config(path, env={}).engine, "m", num_threads=2)
+    assert (args.model, args.block_size, args.num_threads) == ("m", 32, 2)

@@ -61,8 +61,9 @@ class EngineArgs(EngineConfig):
 
     @classmethod
     def from_config(cls, engine: EngineConfig, model: str | None = None, **kw) -> EngineArgs:
-        """`[engine]` of helexa.toml as engine arguments."""
-        return cls(**{f.name: getattr(engine, f.name) for f in fields(engine)}, model=model, **kw)
+        """`[engine]` of helexa.toml as engine arguments; keyword arguments override it."""
+        values = {f.name: getattr(engine, f.name) for f in fields(engine)}
+        return cls(**{**values, "model": model, **kw})
 
     def torch_device(self) -> torch.device:
         if self.device in ("auto", "", None):
