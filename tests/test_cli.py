@@ -36,3 +36,24 @@ def test_a_missing_model_is_a_clear_error(tmp_path):
     done = helexa("chat", "hi", "--model", str(tmp_path / "nope.gguf"))
     assert done.returncode == 1
     assert "does not exist" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_bench_engine_prints_its_table(tmp_path):
+    from tests.engine.tiny import FIXTURE_MODELS, make_tiny_model
+
+    if not FIXTURE_MODELS.is_dir():
+        import pytest
+
+        pytest.skip("shared fixtures absent")
+    model_dir, _ = make_tiny_model("llama3", tmp_path)
+    args = "--skip-hf --prompt-lengths 8 --concurrency 2 --decode-tokens 4 --repeats 1"
+    args += f" --kv-cache-mb 8 --model {model_dir} --json {tmp_path / 'out.json'}"
+    done = subprocess.run(
+        [sys.executable, "-m", "helexa.cli", "bench", "engine", *args.split()],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "| decode, batch 1 (tok/s) |" in done.stdout
+    assert (tmp_path / "out.json").exists()
