@@ -202,7 +202,16 @@ def test_a_hub_id_resolves_offline_from_the_hf_cache(tmp_path):
     )
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip() == "4"
-    env["HF_HUB_CACHE"] = str(tmp_path / "empty")
+    env = {
+        "HF_HUB_OFFLINE": "1",
+        "HF_HOME": str(tmp_path),
+        "PATH": "/usr/bin:/bin",
+    }  # → HF_HOME/hub
+    done = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    env["HF_HOME"] = str(tmp_path / "elsewhere")
     done = subprocess.run(
         [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300
     )
@@ -245,3 +254,13 @@ def test_concurrent_async_requests_match_the_sync_results_and_leave_the_loop_fre
     # The loop kept ticking while the engine thread ran forward passes (generous bound:
     # a step of this tiny model takes milliseconds; a blocked loop would stall for all 24).
     assert len(gaps) > 5 and max(gaps) < 1.0
+
+
+def test_scripted_model_takes_token_ids_too(tmp_path):
+    d = scripted_dir(tmp_path, "unused")
+    (d / "config.json").write_text(
+        json.dumps({"model_type": "helexa_scripted", "script_ids": [40, 41, 42]})
+    )
+    llm = LLM(str(d), kv_cache_memory_mb=4)
+    out = llm.generate("q", SamplingParams(max_tokens=10))[0]
+    assert out.token_ids[:3] == [40, 41, 42] and out.token_ids[3] in llm.tokenizer.eos_token_ids
