@@ -1,0 +1,502 @@
+"""OpenAI chat/completions request bodies: parsed into typed dataclasses, no I/O.
+
+Strict about types, lenient about unknown fields (ignored, never refused). Every validation
+failure is a 400 `invalid_request_error` whose `param` is the field path
+(`messages[2].content`, `temperature`) and whose message says what was expected and got.
+A `null` optional field means the same as an absent one.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, NoReturn
+
+from helexa.engine.sampling_params import SamplingParams, SamplingParamsError
+from helexa.errors import HelexaError, invalid_request
+
+ROLES = ("system", "developer", "user", "assistant", "tool")
+MAX_N = 16
+MAX_STOP = 16
+MAX_TOP_LOGPROBS = 20
+_SEED_RANGE = (-(2**63), 2**64 - 1)
+_FLOAT_FIELDS = (
+    "temperature",
+    "top_p",
+    "min_p",
+    "repetition_penalty",
+    "frequency_penalty",
+    "presence_penalty",
+)
+
+
+@dataclass(slots=True)
+class ToolCall:
+    id: str
+    name: str
+    arguments: str | dict[str, Any]  # as sent; render_chat parses JSON strings itself
+    type: str = "function"
+
+
+@dataclass(slots=True)
+class ChatMessage:
+    role: str
+    content: str | list[dict[str, Any]] | None  # parts: {type:"text"|"image_url"|...}
+    name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+    reasoning_content: str | None = None
+
+
+@dataclass(slots=True)
+class Tool:
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+
+
+@dataclass(slots=True)
+class _Sampling:
+    """Fields shared by chat and completions requests."""
+
+    model: str
+    stream: bool = False
+    include_usage: bool = False
+    n: int = 1
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    skip_special_tokens: bool = True
+    user: str | None = None
+
+
+@dataclass(slots=True)
+class ChatCompletionRequest(_Sampling):
+    messages: list[ChatMessage] = field(default_factory=list)
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    tools: list[Tool] = field(default_factory=list)
+    tool_choice: str | dict[str, Any] = "auto"  # "none"|"auto"|"required"|{type, function}
+    parallel_tool_calls: bool = True
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    response_format: dict[str, Any] | None = None
+    reasoning_effort: str | None = None
+
+    @property
+    def output_limit(self) -> int | None:
+        """max_completion_tokens, else max_tokens."""
+        return self.max_completion_tokens or self.max_tokens
+
+
+@dataclass(slots=True)
+class CompletionRequest(_Sampling):
+    prompt: str | list[int] = ""
+    echo: bool = False
+    logprobs: int | None = None  # legacy completions: number of alternatives
+
+    @property
+    def output_limit(self) -> int | None:
+        return self.max_tokens
+
+
+# --- the parsers -----------------------------------------------------------------------------
+
+
+def parse_chat_request(body: object) -> ChatCompletionRequest:
+    """Validate a decoded `/v1/chat/completions` body; raises only the 400 `HelexaError`."""
+    d = _object(body, "body")
+    req = ChatCompletionRequest(model=_str(d, "model", required=True))
+    _parse_sampling(d, req)
+    messages = _list(d, "messages", required=True)
+    if not messages:
+        _fail("messages", "a non-empty array", messages)
+    req.messages = [_message(m, f"messages[{i}]") for i, m in enumerate(messages)]
+    req.max_completion_tokens = _int(d, "max_completion_tokens", low=1)
+    req.logprobs = _bool(d, "logprobs", False)
+    req.top_logprobs = _int(d, "top_logprobs", low=0, high=MAX_TOP_LOGPROBS)
+    if req.top_logprobs is not None and not req.logprobs:
+        raise invalid_request("top_logprobs: requires logprobs to be true", "top_logprobs")
+    req.tools = [_tool(t, f"tools[{i}]") for i, t in enumerate(_list(d, "tools") or [])]
+    req.tool_choice = _tool_choice(d.get("tool_choice"), req.tools)
+    req.parallel_tool_calls = _bool(d, "parallel_tool_calls", True)
+    req.chat_template_kwargs = _dict(d, "chat_template_kwargs") or {}
+    req.response_format = _dict(d, "response_format")
+    req.reasoning_effort = _str(d, "reasoning_effort")
+    return req
+
+
+def parse_completion_request(body: object) -> CompletionRequest:
+    """Validate a decoded `/v1/completions` body; raises only the 400 `HelexaError`."""
+    d = _object(body, "body")
+    req = CompletionRequest(model=_str(d, "model", required=True))
+    _parse_sampling(d, req)
+    req.prompt = _prompt(d.get("prompt"))
+    if d.get("suffix") is not None:
+        raise invalid_request("suffix is not supported; send it as part of the prompt", "suffix")
+    req.echo = _bool(d, "echo", False)
+    req.logprobs = _int(d, "logprobs", low=0, high=MAX_TOP_LOGPROBS)
+    return req
+
+
+def to_sampling_params(
+    req: ChatCompletionRequest | CompletionRequest, *, max_tokens_default: int | None = None
+) -> SamplingParams:
+    """The engine's SamplingParams for `req`; a range error is the 400 naming its field."""
+    if isinstance(req, ChatCompletionRequest):
+        logprobs = (req.top_logprobs or 0) if req.logprobs else None
+    else:
+        logprobs = req.logprobs
+    given = {name: getattr(req, name) for name in (*_FLOAT_FIELDS, "top_k")}
+    try:
+        return SamplingParams(
+            **{k: v for k, v in given.items() if v is not None},
+            seed=req.seed,
+            max_tokens=req.output_limit or max_tokens_default,
+            min_tokens=req.min_tokens,
+            stop=list(req.stop),
+            stop_token_ids=list(req.stop_token_ids),
+            ignore_eos=req.ignore_eos,
+            logprobs=logprobs,
+            skip_special_tokens=req.skip_special_tokens,
+        )
+    except SamplingParamsError as e:
+        raise invalid_request(str(e), e.param) from None
+
+
+def template_messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
+    """Plain message dicts for `render_chat`: all-text part lists joined with "\\n" (as vLLM
+    does), lists with other parts kept for multimodal templates; None fields left out."""
+    out = []
+    for m in req.messages:
+        msg: dict[str, Any] = {"role": m.role, "content": _template_content(m.content)}
+        if m.name is not None:
+            msg["name"] = m.name
+        if m.tool_calls is not None:
+            msg["tool_calls"] = [
+                {"id": c.id, "type": c.type, "function": {"name": c.name, "arguments": c.arguments}}
+                for c in m.tool_calls
+            ]
+        if m.tool_call_id is not None:
+            msg["tool_call_id"] = m.tool_call_id
+        if m.reasoning_content is not None:
+            msg["reasoning_content"] = m.reasoning_content
+        out.append(msg)
+    return out
+
+
+def template_tools(req: ChatCompletionRequest) -> list[dict[str, Any]] | None:
+    """The tools in OpenAI shape for `render_chat`, or None when there are none (or "none")."""
+    if not req.tools or req.tool_choice == "none":
+        return None
+    tools = []
+    for t in req.tools:
+        function: dict[str, Any] = {"name": t.name}
+        if t.description is not None:
+            function["description"] = t.description
+        if t.parameters is not None:
+            function["parameters"] = t.parameters
+        tools.append({"type": "function", "function": function})
+    return tools
+
+
+def has_image_parts(req: ChatCompletionRequest) -> bool:
+    return any(
+        isinstance(m.content, list) and any(p["type"] == "image_url" for p in m.content)
+        for m in req.messages
+    )
+
+
+# --- pieces ----------------------------------------------------------------------------------
+
+
+def _parse_sampling(d: dict[str, Any], req: _Sampling) -> None:
+    req.stream = _bool(d, "stream", False)
+    options = _dict(d, "stream_options") or {}
+    req.include_usage = _bool(options, "include_usage", False, "stream_options.")
+    req.n = _int(d, "n", low=1, high=MAX_N) or 1
+    req.max_tokens = _int(d, "max_tokens", low=1)
+    for name in _FLOAT_FIELDS:
+        setattr(req, name, _float(d, name))
+    req.top_k = _int(d, "top_k")
+    req.seed = _int(d, "seed", low=_SEED_RANGE[0], high=_SEED_RANGE[1])
+    req.stop = _stop(d.get("stop"))
+    ids = _list(d, "stop_token_ids") or []
+    req.stop_token_ids = [_int_value(v, f"stop_token_ids[{i}]", 0) for i, v in enumerate(ids)]
+    req.ignore_eos = _bool(d, "ignore_eos", False)
+    req.min_tokens = _int(d, "min_tokens", low=0) or 0
+    req.skip_special_tokens = _bool(d, "skip_special_tokens", True)
+    req.user = _str(d, "user")
+
+
+def _message(value: object, path: str) -> ChatMessage:
+    d = _object(value, path)
+    role = _str(d, "role", required=True, prefix=f"{path}.")
+    if role == "function":
+        raise invalid_request(
+            f"{path}.role: the legacy 'function' role is not supported; send tool results "
+            "with role 'tool' and a tool_call_id",
+            f"{path}.role",
+        )
+    if role not in ROLES:
+        _fail(f"{path}.role", f"one of {list(ROLES)}", role)
+    p = f"{path}."
+    msg = ChatMessage(role=role, content=None)
+    calls = _list(d, "tool_calls", p)
+    if calls is not None:
+        if role != "assistant":
+            raise invalid_request(
+                f"{p}tool_calls: only assistant messages carry tool_calls", f"{p}tool_calls"
+            )
+        msg.tool_calls = [_tool_call(c, f"{p}tool_calls[{i}]") for i, c in enumerate(calls)]
+    msg.content = _content(d.get("content"), f"{p}content", null_ok=msg.tool_calls is not None)
+    msg.name = _str(d, "name", prefix=p)
+    msg.tool_call_id = _str(d, "tool_call_id", prefix=p)
+    msg.reasoning_content = _str(d, "reasoning_content", prefix=p)
+    return msg
+
+
+def _content(value: object, path: str, *, null_ok: bool) -> str | list[dict[str, Any]] | None:
+    if value is None:
+        if null_ok:
+            return None
+        _fail(path, "a string or an array of content parts", value)
+    if isinstance(value, str):
+        return value
+    if not isinstance(value, list):
+        _fail(path, "a string or an array of content parts", value)
+    parts = []
+    for i, part in enumerate(value):
+        pp = f"{path}[{i}]"
+        d = _object(part, pp)
+        kind = _str(d, "type", required=True, prefix=f"{pp}.")
+        if kind == "text":
+            parts.append({"type": "text", "text": _str(d, "text", required=True, prefix=f"{pp}.")})
+        elif kind == "image_url":
+            image = _object(d.get("image_url"), f"{pp}.image_url")
+            url = _str(image, "url", required=True, prefix=f"{pp}.image_url.")
+            parts.append({"type": "image_url", "image_url": {**image, "url": url}})
+        else:
+            parts.append(dict(d))  # audio, files, ...: kept for templates that know them
+    return parts
+
+
+def _template_content(content: str | list[dict[str, Any]] | None) -> Any:
+    if isinstance(content, list) and all(p["type"] == "text" for p in content):
+        return "\n".join(p["text"] for p in content)
+    return content
+
+
+def _tool_call(value: object, path: str) -> ToolCall:
+    d = _object(value, path)
+    p = f"{path}."
+    kind = _str(d, "type", prefix=p) or "function"
+    if kind != "function":
+        _fail(f"{p}type", "'function'", kind)
+    function = _object(d.get("function"), f"{p}function")
+    arguments = function.get("arguments", "")
+    if not isinstance(arguments, str | dict):
+        _fail(f"{p}function.arguments", "a JSON string or an object", arguments)
+    return ToolCall(
+        id=_str(d, "id", prefix=p) or "",
+        name=_str(function, "name", required=True, prefix=f"{p}function."),
+        arguments=arguments,
+    )
+
+
+def _tool(value: object, path: str) -> Tool:
+    d = _object(value, path)
+    p = f"{path}."
+    kind = _str(d, "type", prefix=p) or "function"
+    if kind != "function":
+        _fail(f"{p}type", "'function'", kind)
+    function = _object(d.get("function"), f"{p}function")
+    fp = f"{p}function."
+    return Tool(
+        name=_str(function, "name", required=True, prefix=fp),
+        description=_str(function, "description", prefix=fp),
+        parameters=_dict(function, "parameters", fp),
+    )
+
+
+def _tool_choice(value: object, tools: list[Tool]) -> str | dict[str, Any]:
+    if value is None:
+        return "auto"
+    if isinstance(value, str):
+        if value not in ("none", "auto", "required"):
+            _fail("tool_choice", "'none', 'auto', 'required' or a function object", value)
+        if value == "required" and not tools:
+            raise invalid_request(
+                "tools: tool_choice 'required' needs a non-empty tools array", "tools"
+            )
+        return value
+    d = _object(value, "tool_choice")
+    if d.get("type", "function") != "function":
+        _fail("tool_choice.type", "'function'", d.get("type"))
+    function = _object(d.get("function"), "tool_choice.function")
+    name = _str(function, "name", required=True, prefix="tool_choice.function.")
+    if name not in {t.name for t in tools}:
+        raise invalid_request(
+            f"tool_choice.function.name: {name!r} is not among the tools "
+            f"{sorted(t.name for t in tools)}",
+            "tool_choice.function.name",
+        )
+    return {"type": "function", "function": {"name": name}}
+
+
+def _stop(value: object) -> list[str]:
+    if value is None:
+        return []
+    if isinstance(value, str):
+        return [value]
+    if not isinstance(value, list):
+        _fail("stop", "a string or an array of strings", value)
+    if len(value) > MAX_STOP:
+        raise invalid_request(f"stop: at most {MAX_STOP} stop sequences, got {len(value)}", "stop")
+    for i, s in enumerate(value):
+        if not isinstance(s, str):
+            _fail(f"stop[{i}]", "a string", s)
+    return list(value)
+
+
+def _prompt(value: object) -> str | list[int]:
+    batch = "batch prompts are not supported; send one prompt per request"
+    if value is None:
+        _fail("prompt", "a string or an array of token ids", value)
+    if isinstance(value, str):
+        if not value:
+            raise invalid_request("prompt: must not be empty", "prompt")
+        return value
+    if not isinstance(value, list):
+        _fail("prompt", "a string or an array of token ids", value)
+    if not value:
+        raise invalid_request("prompt: must not be empty", "prompt")
+    if isinstance(value[0], str | list):
+        if len(value) != 1:
+            raise invalid_request(f"prompt: {batch}, got {len(value)} prompts", "prompt")
+        return _prompt(value[0]) if isinstance(value[0], str) else _token_ids(value[0], "[0]")
+    return _token_ids(value, "")
+
+
+def _token_ids(value: list[Any], suffix: str) -> list[int]:
+    if not value:
+        raise invalid_request(f"prompt{suffix}: must not be empty", f"prompt{suffix}")
+    return [_int_value(v, f"prompt{suffix}[{i}]", 0) for i, v in enumerate(value)]
+
+
+# --- typed field readers: `prefix` makes the param path -------------------------------------
+
+
+def _fail(path: str, expected: str, got: object) -> NoReturn:
+    raise invalid_request(f"{path}: expected {expected}, got {_describe(got)}", path)
+
+
+def _describe(value: object) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return f"boolean {str(value).lower()}"
+    if isinstance(value, int | float | str):
+        text = repr(value)
+        kind = "string" if isinstance(value, str) else "number"
+        return f"{kind} {text[:40] + '...' if len(text) > 40 else text}"
+    if isinstance(value, list):
+        return "an array"
+    if isinstance(value, dict):
+        return "an object"
+    return type(value).__name__
+
+
+def _object(value: object, path: str) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        _fail(path, "an object", value)
+    return value
+
+
+def _str(d: dict[str, Any], key: str, *, required: bool = False, prefix: str = "") -> str | None:
+    value = d.get(key)
+    if value is None and not required:
+        return None
+    if not isinstance(value, str):
+        _fail(prefix + key, "a string", value)
+    return value
+
+
+def _bool(d: dict[str, Any], key: str, default: bool, prefix: str = "") -> bool:
+    value = d.get(key)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        _fail(prefix + key, "a boolean", value)
+    return value
+
+
+def _int_value(value: object, path: str, low: int | None = None, high: int | None = None) -> int:
+    if not isinstance(value, int) or isinstance(value, bool):
+        _fail(path, "an integer", value)
+    if (low is not None and value < low) or (high is not None and value > high):
+        bounds = f"{low if low is not None else '-inf'}..{high if high is not None else 'inf'}"
+        _fail(path, f"an integer in {bounds}", value)
+    return value
+
+
+def _int(
+    d: dict[str, Any], key: str, *, low: int | None = None, high: int | None = None
+) -> int | None:
+    value = d.get(key)
+    return None if value is None else _int_value(value, key, low, high)
+
+
+def _float(d: dict[str, Any], key: str) -> float | None:
+    value = d.get(key)
+    if value is None:
+        return None
+    if not isinstance(value, int | float) or isinstance(value, bool):
+        _fail(key, "a number", value)
+    try:
+        number = float(value)
+    except OverflowError:
+        _fail(key, "a finite number", value)
+    if not math.isfinite(number):
+        _fail(key, "a finite number", value)
+    return number
+
+
+def _list(d: dict[str, Any], key: str, prefix: str = "", *, required: bool = False) -> list | None:
+    value = d.get(key)
+    if value is None and not required:
+        return None
+    if not isinstance(value, list):
+        _fail(prefix + key, "an array", value)
+    return value
+
+
+def _dict(d: dict[str, Any], key: str, prefix: str = "") -> dict[str, Any] | None:
+    value = d.get(key)
+    return None if value is None else _object(value, prefix + key)
+
+
+__all__ = [
+    "ChatCompletionRequest",
+    "ChatMessage",
+    "CompletionRequest",
+    "HelexaError",
+    "Tool",
+    "ToolCall",
+    "has_image_parts",
+    "parse_chat_request",
+    "parse_completion_request",
+    "template_messages",
+    "template_tools",
+    "to_sampling_params",
+]
