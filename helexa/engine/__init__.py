@@ -2,7 +2,12 @@
 
 from helexa.engine.async_engine import AsyncLLM
 from helexa.engine.llm import LLM
-from helexa.engine.llm_engine import ContextLengthExceededError, EngineArgs, LLMEngine
+from helexa.engine.llm_engine import (
+    ContextLengthExceededError,
+    EngineArgs,
+    EngineStats,
+    LLMEngine,
+)
 from helexa.engine.sampling_params import SamplingParams
 from helexa.engine.sequence import RequestOutput
 
@@ -11,6 +16,7 @@ __all__ = [
     "AsyncLLM",
     "ContextLengthExceededError",
     "EngineArgs",
+    "EngineStats",
     "LLMEngine",
     "RequestOutput",
     "SamplingParams",

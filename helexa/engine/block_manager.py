@@ -35,6 +35,9 @@ class BlockManager:
         self._by_hash: dict[int, int] = {}
         # Per sequence: how many of its blocks are already registered in the prefix index.
         self._num_hashed: dict[int, int] = {}
+        # Prefix-cache counters (prompt tokens looked up / found), for metrics.
+        self.num_prefix_queries = 0
+        self.num_prefix_hits = 0
 
     # -- queries -----------------------------------------------------------------
     @property
@@ -96,6 +99,8 @@ class BlockManager:
             seq.block_table.append(block_id)
             prev_hash = h
         self._num_hashed[seq.seq_id] = len(seq.block_table)
+        self.num_prefix_queries += len(tokens)
+        self.num_prefix_hits += len(seq.block_table) * bs
         return len(seq.block_table) * bs
 
     def register_computed(self, seq: Sequence) -> None:

@@ -38,6 +38,19 @@ _DTYPES = {
 }
 
 
+@dataclass(slots=True)
+class EngineStats:
+    """A snapshot for /health and /metrics."""
+
+    num_running: int
+    num_waiting: int
+    kv_usage: float  # fraction of KV blocks held by live sequences
+    num_kv_blocks: int
+    num_preemptions: int
+    prefix_cache_queries: int  # prompt tokens looked up in the prefix cache
+    prefix_cache_hits: int  # of those, tokens whose KV was reused
+
+
 class ContextLengthExceededError(ValueError):
     """The prompt does not fit the model's context."""
 
@@ -195,6 +208,18 @@ class LLMEngine:
         """Stop a request now and free its KV blocks."""
         self._seqs.pop(request_id, None)
         return self.scheduler.abort(request_id)
+
+    def stats(self) -> EngineStats:
+        bm, sched = self.block_manager, self.scheduler
+        return EngineStats(
+            num_running=len(sched.running),
+            num_waiting=len(sched.waiting),
+            kv_usage=bm.usage,
+            num_kv_blocks=bm.num_blocks,
+            num_preemptions=sched.num_preemptions,
+            prefix_cache_queries=bm.num_prefix_queries,
+            prefix_cache_hits=bm.num_prefix_hits,
+        )
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()

@@ -264,3 +264,15 @@ def test_scripted_model_takes_token_ids_too(tmp_path):
     llm = LLM(str(d), kv_cache_memory_mb=4)
     out = llm.generate("q", SamplingParams(max_tokens=10))[0]
     assert out.token_ids[:3] == [40, 41, 42] and out.token_ids[3] in llm.tokenizer.eos_token_ids
+
+
+def test_engine_stats_report_queue_kv_and_prefix_reuse(tiny):
+    engine = tiny.engine
+    prompt = list(range(3, 3 + 40))
+    params = SamplingParams(temperature=0, max_tokens=2)
+    before = engine.stats()
+    tiny.generate([prompt], params)
+    tiny.generate([prompt], params)
+    after = engine.stats()
+    assert after.prefix_cache_hits - before.prefix_cache_hits >= 32  # two 16-token blocks
+    assert after.num_running == after.num_waiting == 0 and after.kv_usage == 0.0

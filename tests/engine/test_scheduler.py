@@ -90,6 +90,7 @@ def test_a_repeated_prompt_prefix_reuses_cached_blocks():
     batch = run_step(sched)
     assert again.num_cached_tokens == 8  # two full blocks; the last token is recomputed
     assert batch.num_new_tokens == [2]
+    assert (bm.num_prefix_queries, bm.num_prefix_hits) == (20, 8)
 
 
 def test_a_cached_block_is_evicted_only_when_its_memory_is_needed():
