@@ -241,9 +241,16 @@ class LLMEngine:
     ) -> list[RequestOutput]:
         """Run prompts to completion together; outputs in prompt order."""
         plist = params if isinstance(params, list) else [params] * len(prompts)
-        seqs = [self.add_request(p, sp) for p, sp in zip(prompts, plist, strict=True)]
-        while any(not s.is_finished for s in seqs):
-            self.step()
+        seqs: list[Sequence] = []
+        try:
+            for p, sp in zip(prompts, plist, strict=True):
+                seqs.append(self.add_request(p, sp))
+            while any(not s.is_finished for s in seqs):
+                self.step()
+        except BaseException:
+            for s in seqs:  # a failed run must not keep KV blocks or queue places
+                self.abort(s.request_id)
+            raise
         return [s.to_output() for s in seqs]
 
 

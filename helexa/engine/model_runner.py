@@ -13,6 +13,10 @@ from helexa.engine.scheduler import ScheduledBatch
 from helexa.engine.sequence import Sequence, TokenLogprob
 
 
+class NonFiniteLogitsError(RuntimeError):
+    """The forward pass produced NaN/Inf logits: a sign of a device fault or bad weights."""
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -128,6 +132,13 @@ class ModelRunner:
         if not sampling:
             return [None] * len(batch.seqs), None
         logits = self.model.compute_logits(hidden[sample_rows], sampling)
+        if not torch.isfinite(logits).all():
+            bad = [
+                s.request_id
+                for s, row in zip(sampling, logits, strict=True)
+                if not row.isfinite().all()
+            ]
+            raise NonFiniteLogitsError(f"non-finite logits for requests {bad}")
         tokens, lps = self.sampler(logits, sampling)
         out: list[int | None] = []
         out_lps: list[TokenLogprob | None] = []

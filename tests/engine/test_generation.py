@@ -276,3 +276,27 @@ def test_engine_stats_report_queue_kv_and_prefix_reuse(tiny):
     after = engine.stats()
     assert after.prefix_cache_hits - before.prefix_cache_hits >= 32  # two 16-token blocks
     assert after.num_running == after.num_waiting == 0 and after.kv_usage == 0.0
+
+
+def test_non_finite_logits_fail_the_step_with_a_typed_error(tmp_path):
+    from helexa.engine.model_runner import NonFiniteLogitsError
+
+    llm = scripted(tmp_path, "fine")
+    model = llm.engine.runner.model
+    inner = model.compute_logits
+    model.compute_logits = lambda h, seqs: inner(h, seqs) * float("nan")
+    with pytest.raises(NonFiniteLogitsError, match="non-finite logits"):
+        llm.generate("q", SamplingParams(max_tokens=4))
+
+    async def run():
+        engine = AsyncLLM(llm.engine)
+        try:
+            with pytest.raises(NonFiniteLogitsError):
+                async for _ in engine.generate("q", SamplingParams(max_tokens=4)):
+                    pass
+        finally:
+            engine.shutdown()
+
+    asyncio.run(run())
+    bm = llm.engine.block_manager
+    assert bm.num_free_blocks == bm.num_blocks  # the failed requests gave their KV back
