@@ -50,6 +50,26 @@ def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
     )
 
 
+def _llama3_rope_factors(cfg) -> np.ndarray:
+    """What llama.cpp's converter stores as `rope_freqs` for llama3 rope scaling."""
+    rope = cfg.rope_parameters
+    factor, old = rope["factor"], rope["original_max_position_embeddings"]
+    low, high = rope["low_freq_factor"], rope["high_freq_factor"]
+    inv = 1.0 / rope["rope_theta"] ** (
+        np.arange(0, cfg.head_dim, 2, dtype=np.float32) / cfg.head_dim
+    )
+    out = []
+    for wavelen in 2 * np.pi / inv:
+        if wavelen < old / high:
+            out.append(1.0)
+        elif wavelen > old / low:
+            out.append(factor)
+        else:
+            smooth = (old / wavelen - low) / (high - low)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(out, dtype=np.float32)
+
+
 def write_gguf_from_hf(hf_model, arch: str, path: Path) -> Path:
     cfg = hf_model.config
     w = gguf.GGUFWriter(path, arch)
@@ -70,6 +90,8 @@ def write_gguf_from_hf(hf_model, arch: str, path: Path) -> Path:
     w.add_token_types([1] * len(tokens))
     w.add_token_merges([])
     w.add_eos_token_id(2)
+    if (cfg.rope_parameters or {}).get("rope_type") == "llama3":
+        w.add_tensor("rope_freqs.weight", _llama3_rope_factors(cfg))
     for name, t in hf_model.state_dict().items():
         if name == "lm_head.weight" and cfg.tie_word_embeddings:
             continue
@@ -91,7 +113,8 @@ def write_gguf_from_hf(hf_model, arch: str, path: Path) -> Path:
 
 
 @pytest.mark.parametrize(
-    ("family", "arch"), [("smollm2", "llama"), ("qwen2", "qwen2"), ("qwen3", "qwen3")]
+    ("family", "arch"),
+    [("smollm2", "llama"), ("llama3", "llama"), ("qwen2", "qwen2"), ("qwen3", "qwen3")],
 )
 def test_a_gguf_of_a_tiny_model_matches_transformers(family, arch, tmp_path):
     _, hf = make_tiny_model(family, tmp_path, head_dim=16)
@@ -107,3 +130,18 @@ def test_a_gguf_of_a_tiny_model_matches_transformers(family, arch, tmp_path):
     diff = (torch.stack(seen[out.request_id]) - ref_logits).abs().max().item()
     assert diff <= 1e-4, f"{family} via GGUF: max |Δlogits| {diff:.2e}"
     assert out.token_ids == ref_tokens
+
+
+def test_llama3_rope_freqs_from_gguf_reproduce_the_scaled_rotary_table(tmp_path):
+    _, hf = make_tiny_model("llama3", tmp_path, head_dim=16)
+    (tmp_path / "gguf").mkdir()
+    llm = LLM(
+        str(write_gguf_from_hf(hf, "llama", tmp_path / "gguf" / "l3.gguf")), kv_cache_memory_mb=8
+    )
+    positions = torch.arange(0, 4096, 7).unsqueeze(0)
+    ref_cos, _ = hf.model.rotary_emb(torch.zeros(1, 1, 16), positions)
+    ours = llm.engine.runner.model.rotary.cos[positions[0]]
+    torch.testing.assert_close(ours, ref_cos[0], atol=1e-5, rtol=0)
+    # and the factors matter: without them the table differs at long range
+    plain = 1.0 / 500000.0 ** (torch.arange(0, 16, 2).float() / 16)
+    assert not torch.allclose(ours[-1, :8], torch.cos(positions[0, -1] * plain), atol=1e-3)

@@ -54,8 +54,13 @@ class RotaryEmbedding:
         max_position: int,
         theta: float,
         scaling: dict | None = None,
+        freq_factors: torch.Tensor | None = None,
     ) -> None:
         inv = _inv_freq(head_dim, theta)
+        if freq_factors is not None:  # GGUF `rope_freqs`: llama3 scaling baked per frequency
+            assert freq_factors.shape == inv.shape, (tuple(freq_factors.shape), tuple(inv.shape))
+            inv = inv / freq_factors.float()
+            scaling = None
         mscale = 1.0
         rope_type = "default"
         if scaling:

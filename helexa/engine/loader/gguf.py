@@ -29,6 +29,8 @@ GLOBAL_NAMES = {
     "token_embd": "model.embed_tokens",
     "output_norm": "model.norm",
     "output": "lm_head",
+    # Llama 3.x: per-frequency rope divisors in place of rope_scaling metadata
+    "rope_freqs": "model.rotary_emb.freq_factors",
 }
 BLOCK_NAMES = {
     "attn_norm": "input_layernorm",
@@ -92,7 +94,7 @@ def load_gguf(path: str | os.PathLike[str]) -> GGUFModel:
 
 
 def hf_name(gguf_name: str) -> str:
-    """The HF name of a GGUF tensor; names the table does not know (rope_freqs) stay as is."""
+    """The HF name of a GGUF tensor; names the table does not know stay as they are."""
     if (m := _BLOCK_RE.fullmatch(gguf_name)) and m[2] in BLOCK_NAMES:
         return f"model.layers.{m[1]}.{BLOCK_NAMES[m[2]]}.{m[3]}"
     if (m := _GLOBAL_RE.fullmatch(gguf_name)) and m[1] in GLOBAL_NAMES:

@@ -136,11 +136,9 @@ class LlamaForCausalLM(nn.Module):
         self.layers = nn.ModuleList([self.layer_cls(cfg) for _ in range(cfg.num_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, False)
+        self.max_position = max_position or cfg.max_position_embeddings
         self.rotary = RotaryEmbedding(
-            cfg.head_dim,
-            max_position or cfg.max_position_embeddings,
-            cfg.rope_theta,
-            cfg.rope_scaling,
+            cfg.head_dim, self.max_position, cfg.rope_theta, cfg.rope_scaling
         )
 
     # -- what the runner needs -------------------------------------------------------
@@ -178,6 +176,12 @@ class LlamaForCausalLM(nn.Module):
             if name.endswith(self.ignored_weight_suffixes):
                 continue
             path = name.removeprefix("model.")
+            if path == "rotary_emb.freq_factors.weight":
+                cfg = self.config
+                self.rotary = RotaryEmbedding(
+                    cfg.head_dim, self.max_position, cfg.rope_theta, freq_factors=_dense(src)
+                )
+                continue
             mod_path, _, kind = path.rpartition(".")
             if mod_path == "embed_tokens":
                 embed_src = src
