@@ -71,6 +71,7 @@ class EngineArgs(EngineConfig):
     model: str | None = None  # local dir, .gguf file or hub id; None → the bundled SmolLM2
     num_kv_blocks: int | None = None  # fixes the pool size in blocks (tests, tuning)
     cache_dir: str | None = None  # hub download cache; None → HF_HUB_CACHE / HF_HOME
+    gguf_quant: str | None = None  # which file of a `-GGUF` hub repo, e.g. "Q4_K_M"
 
     @classmethod
     def from_config(cls, engine: EngineConfig, model: str | None = None, **kw) -> EngineArgs:
@@ -128,6 +129,7 @@ class LLMEngine:
                 quant=args.quant,
                 cache_dir=args.cache_dir,
                 dense_copies=args.cpu_dense_copy,
+                gguf_quant=args.gguf_quant,
             )
         self.loaded = loaded
         self.tokenizer = loaded.tokenizer

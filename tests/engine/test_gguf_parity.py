@@ -145,3 +145,39 @@ def test_llama3_rope_freqs_from_gguf_reproduce_the_scaled_rotary_table(tmp_path)
     # and the factors matter: without them the table differs at long range
     plain = 1.0 / 500000.0 ** (torch.arange(0, 16, 2).float() / 16)
     assert not torch.allclose(ours[-1, :8], torch.cos(positions[0, -1] * plain), atol=1e-3)
+
+
+def test_a_gguf_hub_repo_loads_only_the_named_quantization(tmp_path):
+    import subprocess
+    import sys
+
+    _, hf = make_tiny_model("qwen3", tmp_path, head_dim=16)
+    snap = tmp_path / "hub" / "models--acme--tiny-GGUF" / "snapshots" / "abc"
+    snap.mkdir(parents=True)
+    for quant in ("Q4_K_M", "Q8_0"):
+        write_gguf_from_hf(hf, "qwen3", snap / f"tiny-{quant}.gguf")
+    (snap.parents[1] / "refs").mkdir()
+    (snap.parents[1] / "refs" / "main").write_text("abc")
+    code = (
+        "import sys\nfrom helexa.engine import LLM\n"
+        "llm = LLM('acme/tiny-GGUF', gguf_quant=sys.argv[1] or None, kv_cache_memory_mb=4)\n"
+        "print(llm.engine.loaded.path.name)\n"
+    )
+    env = {"HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(tmp_path / "hub"), "PATH": "/usr/bin:/bin"}
+
+    def load(quant: str) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [sys.executable, "-c", code, quant],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+
+    done = load("Q8_0")
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "tiny-Q8_0.gguf"
+    done = load("")
+    assert done.returncode != 0 and "one file per quantization" in done.stderr
+    done = load("Q6_K")
+    assert done.returncode != 0

@@ -40,9 +40,13 @@ def bundled_model_path() -> Path | None:
     return path if path.exists() else None
 
 
-def resolve_model(ref: str, *, cache_dir: str | None = None, quant: str | None = None) -> Path:
+def resolve_model(ref: str, *, cache_dir: str | None = None, gguf_quant: str | None = None) -> Path:
     """A local path for `ref`: an existing dir or .gguf file, else a hub id fetched
-    through huggingface_hub (HF_HUB_CACHE, HF_HOME and HF_HUB_OFFLINE honoured)."""
+    through huggingface_hub (HF_HUB_CACHE, HF_HOME and HF_HUB_OFFLINE honoured).
+
+    A `-GGUF` repository holds one file per quantization: `gguf_quant` (e.g. "Q4_K_M")
+    picks one, so a load never pulls every file of the repo.
+    """
     path = Path(ref).expanduser()
     if path.exists():
         return path
@@ -59,7 +63,12 @@ def resolve_model(ref: str, *, cache_dir: str | None = None, quant: str | None =
     from huggingface_hub.errors import LocalEntryNotFoundError
 
     is_gguf_repo = repo_id.lower().endswith("-gguf")
-    patterns = [f"*{quant}*.gguf" if quant else "*.gguf"] if is_gguf_repo else HUB_PATTERNS
+    if is_gguf_repo and not gguf_quant:
+        raise ModelNotFoundError(
+            f"{repo_id!r} is a GGUF repository with one file per quantization; "
+            "name the quantization to load (gguf_quant, e.g. 'Q4_K_M') or pass a .gguf path"
+        )
+    patterns = [f"*{gguf_quant}*.gguf"] if is_gguf_repo else HUB_PATTERNS
     try:
         local = Path(snapshot_download(repo_id, allow_patterns=patterns, cache_dir=cache_dir))
     except LocalEntryNotFoundError as e:
@@ -70,9 +79,15 @@ def resolve_model(ref: str, *, cache_dir: str | None = None, quant: str | None =
     except Exception as e:  # repository not found, gated, network errors
         raise ModelNotFoundError(f"cannot fetch model {repo_id!r}: {e}") from e
     if is_gguf_repo:
-        files = sorted(local.glob("*.gguf"))
+        # case-insensitive match on the quant name as a whole word of the file name
+        want = gguf_quant.lower()
+        files = sorted(
+            f for f in local.glob("*.gguf") if want in f.stem.lower().replace("-", ".").split(".")
+        )
         if not files:
-            raise ModelNotFoundError(f"{repo_id!r} has no .gguf file matching quant {quant!r}")
+            raise ModelNotFoundError(
+                f"{repo_id!r} has no .gguf file for quantization {gguf_quant!r}"
+            )
         return files[0]
     return local
 
@@ -99,9 +114,10 @@ def load_model(
     max_position: int | None = None,
     cache_dir: str | None = None,
     dense_copies: bool = True,
+    gguf_quant: str | None = None,
 ) -> LoadedModel:
     """Load weights, config and tokenizer; raise with a clear message when unsupported."""
-    path = resolve_model(ref, cache_dir=cache_dir)
+    path = resolve_model(ref, cache_dir=cache_dir, gguf_quant=gguf_quant)
     dtype = dtype or default_dtype(device)
     if path.is_file() and path.suffix == ".gguf":
         from helexa.engine.loader.gguf import load_gguf
