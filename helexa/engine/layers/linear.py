@@ -89,17 +89,17 @@ class Linear(nn.Module):
         as_blocks = qtype in ("Q4_0", "Q4_1") or (qtype == "Q8_0" and quant is None)
         kernel = "int4" if as_blocks else quant  # GGUF blocks map onto int4 groups as they are
         if kernel is None or raw.device.type != "cpu" or not self._can_pack(kernel):
-            self._set_float(_dense(src), dtype)
+            self._set_float(as_dense(src), dtype)
         elif qtype in ("Q4_0", "Q4_1"):
             self._set_int4(*_q4_as_int4(raw, qtype, shape))
         elif qtype == "Q8_0" and quant is None:
             self._set_int4(*_q8_0_as_int4(raw, shape), k_repeat=2)
         elif kernel == "int8":
-            self._set_int8(*_quantize_int8(_dense(src)))
+            self._set_int8(*_quantize_int8(as_dense(src)))
         else:
-            self._set_int4(*_quantize_int4(_dense(src)))
+            self._set_int4(*_quantize_int4(as_dense(src)))
         if dense_copy and self.format != "float":
-            self.dense = _dense(src).to(DENSE_DTYPE).contiguous()
+            self.dense = as_dense(src).to(DENSE_DTYPE).contiguous()
 
     def load_bias(self, b: torch.Tensor, *, dtype: torch.dtype) -> None:
         assert tuple(b.shape) == (self.out_features,), f"bias shape {tuple(b.shape)}"
@@ -232,7 +232,8 @@ def fuse(linears: Sequence[Linear]) -> Linear:
 
 
 # -- weight conversions ------------------------------------------------------------
-def _dense(src: torch.Tensor | GGUFTensor) -> torch.Tensor:
+def as_dense(src: torch.Tensor | GGUFTensor) -> torch.Tensor:
+    """A weight source as a float tensor: itself, or a GGUF tensor dequantized to float32."""
     return src if isinstance(src, torch.Tensor) else src.dequantize(torch.float32)
 
 

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from helexa.engine.layers.attention import AttentionContext, PagedAttention
-from helexa.engine.layers.linear import Linear, fuse
+from helexa.engine.layers.linear import Linear, as_dense, fuse
 from helexa.engine.layers.norm import RMSNorm
 from helexa.engine.layers.rotary import RotaryEmbedding, apply_rotary
 from helexa.engine.models.config import ModelConfig
@@ -114,7 +114,7 @@ class Embedding(nn.Module):
         self.weight: torch.Tensor | None = None
 
     def load_weight(self, src: WeightSource, *, dtype: torch.dtype, quant: str | None = None):
-        w = src if isinstance(src, torch.Tensor) else src.dequantize(torch.float32)
+        w = as_dense(src)
         assert tuple(w.shape) == (self.vocab_size, self.hidden_size), tuple(w.shape)
         self.weight = w.to(dtype).contiguous()
 
@@ -179,7 +179,7 @@ class LlamaForCausalLM(nn.Module):
             if path == "rotary_emb.freq_factors.weight":
                 cfg = self.config
                 self.rotary = RotaryEmbedding(
-                    cfg.head_dim, self.max_position, cfg.rope_theta, freq_factors=_dense(src)
+                    cfg.head_dim, self.max_position, cfg.rope_theta, freq_factors=as_dense(src)
                 )
                 continue
             mod_path, _, kind = path.rpartition(".")
@@ -226,16 +226,12 @@ def _load_one(
         if kind == "weight":
             mod.load_weight(src, dtype=dtype, quant=quant, dense_copy=dense)
         else:
-            mod.load_bias(_dense(src), dtype=dtype)
+            mod.load_bias(as_dense(src), dtype=dtype)
     elif isinstance(mod, Embedding):
         mod.load_weight(src, dtype=dtype)
     elif isinstance(mod, RMSNorm):
-        w = _dense(src)
+        w = as_dense(src)
         assert w.shape == mod.weight.shape, (tuple(w.shape), tuple(mod.weight.shape))
         mod.weight.data = w.to(dtype).contiguous()
     else:
         raise ValueError(f"no loader for {type(mod).__name__}.{kind}")
-
-
-def _dense(src) -> torch.Tensor:
-    return src if isinstance(src, torch.Tensor) else src.dequantize(torch.float32)
