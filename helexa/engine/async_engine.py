@@ -90,14 +90,6 @@ class AsyncLLM:
         self._send(("stop", None, None))
         self._thread.join(timeout)
 
-    @property
-    def num_running(self) -> int:
-        return len(self.engine.scheduler.running)
-
-    @property
-    def num_waiting(self) -> int:
-        return len(self.engine.scheduler.waiting)
-
     def _send(self, cmd: tuple) -> None:
         self._cmds.put(cmd)
         self._wake.set()

@@ -135,10 +135,3 @@ class BlockManager:
                 self._free[block_id] = None
         seq.block_table.clear()
         self._num_hashed.pop(seq.seq_id, None)
-
-    def reset_prefix_cache(self) -> None:
-        for block in self.blocks:
-            if block.ref_count == 0:
-                block.block_hash = None
-                block.token_ids = ()
-        self._by_hash = {h: b for h, b in self._by_hash.items() if self.blocks[b].block_hash == h}
