@@ -21,26 +21,18 @@ class IncrementalDetokenizer:
         self._prefix = 0
         self._read = 0
 
-    def step(self, ids: list[int]) -> str:
-        """New text made available by the ids appended since the last call."""
-        decode = self.tokenizer.decode
-        skip = self.skip_special_tokens
-        prefix_text = decode(ids[self._prefix : self._read], skip_special_tokens=skip)
-        full_text = decode(ids[self._prefix :], skip_special_tokens=skip)
-        if full_text.endswith("\ufffd") or len(full_text) <= len(prefix_text):
-            return ""
-        self._prefix, self._read = self._read, len(ids)
-        return full_text[len(prefix_text) :]
-
-    def flush(self, ids: list[int]) -> str:
-        """Whatever is still held back at the end (a dangling partial character)."""
+    def step(self, ids: list[int], final: bool = False) -> str:
+        """New text made available by the ids appended since the last call; `final`
+        also releases a dangling partial character at the end of generation."""
         skip = self.skip_special_tokens
         prefix_text = self.tokenizer.decode(
             ids[self._prefix : self._read], skip_special_tokens=skip
         )
         full_text = self.tokenizer.decode(ids[self._prefix :], skip_special_tokens=skip)
-        self._read = len(ids)
-        return full_text[len(prefix_text) :] if len(full_text) > len(prefix_text) else ""
+        if len(full_text) <= len(prefix_text) or (full_text.endswith("\ufffd") and not final):
+            return ""
+        self._prefix, self._read = self._read, len(ids)
+        return full_text[len(prefix_text) :]
 
 
 def find_stop(text: str, start: int, stops: list[str]) -> tuple[int, str] | None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import fields
 from typing import Any
 
 from helexa.engine.chat_template import render_chat
@@ -23,10 +24,7 @@ class LLM:
 
     @classmethod
     def from_args(cls, args: EngineArgs) -> LLM:
-        llm = cls.__new__(cls)
-        llm.engine = LLMEngine(args)
-        llm.tokenizer = llm.engine.tokenizer
-        return llm
+        return cls(**{f.name: getattr(args, f.name) for f in fields(args)})
 
     def generate(
         self,

@@ -50,8 +50,9 @@ class ModelRunner:
 
     def prepare(
         self, batch: ScheduledBatch
-    ) -> tuple[torch.Tensor, torch.Tensor, AttentionContext, list[int]]:
-        """Flat inputs for the step; returns ids, positions, context and sampling rows."""
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionContext, list[int], list[int]]:
+        """Flat inputs for the step: ids, positions, attention context, and for the
+        sequences that sample this step their last rows and their batch indices."""
         ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
@@ -59,6 +60,7 @@ class ModelRunner:
         decode_rows: list[int] = []
         decode_seqs: list[Sequence] = []
         sample_rows: list[int] = []
+        sample_seqs: list[int] = []
         dev = self.device
         row = 0
         for i, seq in enumerate(batch.seqs):
@@ -82,6 +84,7 @@ class ModelRunner:
             row += n
             if batch.samples(i):
                 sample_rows.append(row - 1)
+                sample_seqs.append(i)
 
         input_ids = torch.tensor(ids, dtype=torch.long, device=dev)
         pos = torch.tensor(positions, dtype=torch.long, device=dev)
@@ -98,7 +101,7 @@ class ModelRunner:
         )
         if decode_seqs:
             self._prepare_decode(ctx, decode_rows, decode_seqs, all_decode=not prefills)
-        return input_ids, pos, ctx, sample_rows
+        return input_ids, pos, ctx, sample_rows, sample_seqs
 
     def _prepare_decode(
         self, ctx: AttentionContext, rows: list[int], seqs: list[Sequence], all_decode: bool
@@ -126,11 +129,12 @@ class ModelRunner:
         self, batch: ScheduledBatch
     ) -> tuple[list[int | None], list[TokenLogprob | None] | None]:
         """Forward the batch; sample one token for each sequence that reached its end."""
-        input_ids, positions, ctx, sample_rows = self.prepare(batch)
+        input_ids, positions, ctx, sample_rows, sample_seqs = self.prepare(batch)
         hidden = self.model(input_ids, positions, ctx)
-        sampling = [s for i, s in enumerate(batch.seqs) if batch.samples(i)]
-        if not sampling:
-            return [None] * len(batch.seqs), None
+        out: list[int | None] = [None] * len(batch.seqs)
+        if not sample_seqs:
+            return out, None
+        sampling = [batch.seqs[i] for i in sample_seqs]
         logits = self.model.compute_logits(hidden[sample_rows], sampling)
         if not torch.isfinite(logits).all():
             bad = [
@@ -140,15 +144,9 @@ class ModelRunner:
             ]
             raise NonFiniteLogitsError(f"non-finite logits for requests {bad}")
         tokens, lps = self.sampler(logits, sampling)
-        out: list[int | None] = []
-        out_lps: list[TokenLogprob | None] = []
-        it = iter(zip(tokens, lps or [None] * len(tokens), strict=True))
-        for i in range(len(batch.seqs)):
-            if batch.samples(i):
-                t, lp = next(it)
-                out.append(t)
-                out_lps.append(lp)
-            else:
-                out.append(None)
-                out_lps.append(None)
+        out_lps: list[TokenLogprob | None] = [None] * len(batch.seqs)
+        for j, i in enumerate(sample_seqs):
+            out[i] = tokens[j]
+            if lps is not None:
+                out_lps[i] = lps[j]
         return out, (out_lps if lps is not None else None)

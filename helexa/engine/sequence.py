@@ -124,7 +124,7 @@ class Sequence:
                 self._finish("stop", hit[1])
                 return
         if n_out >= self.max_tokens:
-            self.output_text += self._detok.flush(self.output_token_ids)
+            self.output_text += self._detok.step(self.output_token_ids, final=True)
             self._finish("length", None)
 
     def _finish(self, reason: str, stop_reason: str | int | None) -> None:

@@ -79,9 +79,10 @@ class Sampler:
             for i, seq in enumerate(seqs):
                 if not greedy[i]:
                     noise[i].exponential_(generator=seq.generator)
-            noise[torch.tensor(greedy, device=noise.device)] = 1.0
+            is_greedy = torch.tensor(greedy, device=noise.device)
+            noise[is_greedy] = 1.0
             sampled = (probs / noise).argmax(-1)
-            tokens = torch.where(torch.tensor(greedy, device=tokens.device), tokens, sampled)
+            tokens = torch.where(is_greedy, tokens, sampled)
         token_list = tokens.tolist()
         if raw_logprobs is None:
             return token_list, None
