@@ -297,31 +297,30 @@ def _template_content(content: str | list[dict[str, Any]] | None) -> Any:
     return content
 
 
-def _tool_call(value: object, path: str) -> ToolCall:
+def _function_entry(value: object, path: str) -> tuple[dict[str, Any], dict[str, Any], str]:
+    """A `{type: "function", function: {...}}` object: (itself, its function, the
+    function's field-path prefix)."""
     d = _object(value, path)
-    p = f"{path}."
-    kind = _str(d, "type", prefix=p) or "function"
+    kind = _str(d, "type", prefix=f"{path}.") or "function"
     if kind != "function":
-        _fail(f"{p}type", "'function'", kind)
-    function = _object(d.get("function"), f"{p}function")
+        _fail(f"{path}.type", "'function'", kind)
+    return d, _object(d.get("function"), f"{path}.function"), f"{path}.function."
+
+
+def _tool_call(value: object, path: str) -> ToolCall:
+    d, function, fp = _function_entry(value, path)
     arguments = function.get("arguments", "")
     if not isinstance(arguments, str | dict):
-        _fail(f"{p}function.arguments", "a JSON string or an object", arguments)
+        _fail(f"{fp}arguments", "a JSON string or an object", arguments)
     return ToolCall(
-        id=_str(d, "id", prefix=p) or "",
-        name=_str(function, "name", required=True, prefix=f"{p}function."),
+        id=_str(d, "id", prefix=f"{path}.") or "",
+        name=_str(function, "name", required=True, prefix=fp),
         arguments=arguments,
     )
 
 
 def _tool(value: object, path: str) -> Tool:
-    d = _object(value, path)
-    p = f"{path}."
-    kind = _str(d, "type", prefix=p) or "function"
-    if kind != "function":
-        _fail(f"{p}type", "'function'", kind)
-    function = _object(d.get("function"), f"{p}function")
-    fp = f"{p}function."
+    _, function, fp = _function_entry(value, path)
     return Tool(
         name=_str(function, "name", required=True, prefix=fp),
         description=_str(function, "description", prefix=fp),
