@@ -5,15 +5,19 @@ from __future__ import annotations
 import asyncio
 import json
 import shutil
-import subprocess
-import sys
 
 import pytest
 import torch
 
 from helexa.engine import LLM, AsyncLLM, ContextLengthExceededError, SamplingParams
 from helexa.engine.models import UnsupportedModelError
-from tests.engine.tiny import FIXTURE_MODELS, TOKENIZER_FILES, make_tiny_model
+from tests.engine.tiny import (
+    FIXTURE_MODELS,
+    TOKENIZER_FILES,
+    hub_snapshot,
+    make_tiny_model,
+    run_offline,
+)
 
 pytestmark = pytest.mark.skipif(not FIXTURE_MODELS.is_dir(), reason="shared fixtures absent")
 
@@ -187,34 +191,20 @@ def test_unsupported_model_type_names_it_and_the_supported_set(tmp_path):
 
 def test_a_hub_id_resolves_offline_from_the_hf_cache(tmp_path):
     model_dir, _ = make_tiny_model("llama3", tmp_path)
-    snap = tmp_path / "hub" / "models--acme--tiny-llama" / "snapshots" / "abc123"
-    shutil.copytree(model_dir, snap)
-    (snap.parents[1] / "refs").mkdir()
-    (snap.parents[1] / "refs" / "main").write_text("abc123")
+    shutil.copytree(
+        model_dir, hub_snapshot(tmp_path / "hub", "acme/tiny-llama"), dirs_exist_ok=True
+    )
     code = (
         "from helexa.engine import LLM, SamplingParams\n"
         "llm = LLM('acme/tiny-llama', kv_cache_memory_mb=4)\n"
         "print(len(llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4, ignore_eos=True))[0].token_ids))\n"
     )
-    env = {"HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(tmp_path / "hub"), "PATH": "/usr/bin:/bin"}
-    done = subprocess.run(
-        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300
-    )
+    done = run_offline(code, HF_HUB_CACHE=str(tmp_path / "hub"))
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip() == "4"
-    env = {
-        "HF_HUB_OFFLINE": "1",
-        "HF_HOME": str(tmp_path),
-        "PATH": "/usr/bin:/bin",
-    }  # → HF_HOME/hub
-    done = subprocess.run(
-        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300
-    )
+    done = run_offline(code, HF_HOME=str(tmp_path))  # → HF_HOME/hub
     assert done.returncode == 0, done.stderr[-2000:]
-    env["HF_HOME"] = str(tmp_path / "elsewhere")
-    done = subprocess.run(
-        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300
-    )
+    done = run_offline(code, HF_HOME=str(tmp_path / "elsewhere"))
     assert done.returncode != 0 and "not in the local cache" in done.stderr
 
 

@@ -12,7 +12,7 @@ import torch
 
 from helexa.engine import LLM, SamplingParams
 from tests.engine.test_parity import _hf_greedy, _record_logits
-from tests.engine.tiny import FIXTURE_MODELS, make_tiny_model
+from tests.engine.tiny import FIXTURE_MODELS, hub_snapshot, make_tiny_model, run_offline
 
 pytestmark = pytest.mark.skipif(not FIXTURE_MODELS.is_dir(), reason="shared fixtures absent")
 
@@ -148,31 +148,18 @@ def test_llama3_rope_freqs_from_gguf_reproduce_the_scaled_rotary_table(tmp_path)
 
 
 def test_a_gguf_hub_repo_loads_only_the_named_quantization(tmp_path):
-    import subprocess
-    import sys
-
     _, hf = make_tiny_model("qwen3", tmp_path, head_dim=16)
-    snap = tmp_path / "hub" / "models--acme--tiny-GGUF" / "snapshots" / "abc"
-    snap.mkdir(parents=True)
+    snap = hub_snapshot(tmp_path / "hub", "acme/tiny-GGUF")
     for quant in ("Q4_K_M", "Q8_0"):
         write_gguf_from_hf(hf, "qwen3", snap / f"tiny-{quant}.gguf")
-    (snap.parents[1] / "refs").mkdir()
-    (snap.parents[1] / "refs" / "main").write_text("abc")
     code = (
         "import sys\nfrom helexa.engine import LLM\n"
         "llm = LLM('acme/tiny-GGUF', gguf_quant=sys.argv[1] or None, kv_cache_memory_mb=4)\n"
         "print(llm.engine.loaded.path.name)\n"
     )
-    env = {"HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(tmp_path / "hub"), "PATH": "/usr/bin:/bin"}
 
-    def load(quant: str) -> subprocess.CompletedProcess:
-        return subprocess.run(
-            [sys.executable, "-c", code, quant],
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
+    def load(quant: str):
+        return run_offline(code, quant, HF_HUB_CACHE=str(tmp_path / "hub"))
 
     done = load("Q8_0")
     assert done.returncode == 0, done.stderr[-2000:]

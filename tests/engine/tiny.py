@@ -60,3 +60,28 @@ def make_tiny_model(family: str, root: Path, *, seed: int = 0, shard: bool = Fal
     for f in TOKENIZER_FILES:
         shutil.copyfile(FIXTURE_MODELS / "SmolLM2-135M-Instruct" / f, out / f)
     return out, model
+
+
+def hub_snapshot(hub: Path, repo_id: str, revision: str = "abc123") -> Path:
+    """An empty snapshot dir laid out as huggingface_hub caches `repo_id` under `hub`."""
+    repo = hub / f"models--{repo_id.replace('/', '--')}"
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text(revision)
+    snap = repo / "snapshots" / revision
+    snap.mkdir(parents=True)
+    return snap
+
+
+def run_offline(code: str, *args: str, **env: str):
+    """Run `code` in a fresh interpreter with HF_HUB_OFFLINE=1 plus `env` (hub settings
+    are read at import time, so each case needs its own process)."""
+    import subprocess
+    import sys
+
+    return subprocess.run(
+        [sys.executable, "-c", code, *args],
+        env={"HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin", **env},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
