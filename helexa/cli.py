@@ -60,6 +60,54 @@ def cmd_bench(args: argparse.Namespace, cfg: Config) -> int:
     return bench_engine(args, cfg)
 
 
+def _configure_logging(cfg: Config) -> None:
+    import json
+    import logging
+
+    class _Json(logging.Formatter):
+        def format(self, record: logging.LogRecord) -> str:
+            entry = {
+                "ts": self.formatTime(record),
+                "level": record.levelname.lower(),
+                "logger": record.name,
+                "msg": record.getMessage(),
+            }
+            if record.exc_info:
+                entry["exc"] = self.formatException(record.exc_info)
+            return json.dumps(entry)
+
+    handler = logging.StreamHandler()
+    handler.setFormatter(
+        _Json()
+        if cfg.log.json
+        else logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s")
+    )
+    logging.basicConfig(level=cfg.log.level.upper(), handlers=[handler], force=True)
+
+
+def cmd_serve(args: argparse.Namespace, cfg: Config) -> int:
+    """Run a role's HTTP service until SIGTERM/SIGINT."""
+    _configure_logging(cfg)
+    from helexa.web.server import serve
+
+    if args.role == "node":
+        from helexa.web.node_app import create_node_app
+
+        node = cfg.node
+        node.default_models = list(dict.fromkeys([*node.default_models, *args.model]))
+        host = args.host or node.host
+        port = args.port if args.port is not None else node.port
+        app = create_node_app(cfg)
+        shown = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
+        print(f"helexa node: http://{shown}:{port}/v1  (models load in the background)", flush=True)
+
+        def drain() -> None:
+            app.state.node.draining = True
+
+        return serve(app, host, port, drain_timeout_s=node.drain_timeout_s, on_exit=drain)
+    raise AssertionError(args.role)
+
+
 def cmd_config(args: argparse.Namespace, cfg: Config) -> int:
     """Print the effective configuration (file + environment), secrets left out."""
     print(cfg)
@@ -95,6 +143,20 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_arguments(eng)
     eng.set_defaults(func=cmd_bench)
+
+    serve = sub.add_parser("serve", help="run the node's or the gateway's HTTP service")
+    _add_config_arg(serve)
+    serve.add_argument("--role", choices=["node"], required=True, help="which service to run")
+    serve.add_argument("--host", help="address to bind (default: from [node] listen)")
+    serve.add_argument("--port", type=int, help="port to bind (default: from [node] listen)")
+    serve.add_argument(
+        "--model",
+        action="append",
+        default=[],
+        metavar="ID",
+        help="model to load at start, added to default_models (repeatable)",
+    )
+    serve.set_defaults(func=cmd_serve)
 
     show = sub.add_parser("config", help="print the effective configuration")
     _add_config_arg(show)

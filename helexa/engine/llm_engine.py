@@ -72,6 +72,7 @@ class EngineArgs(EngineConfig):
     num_kv_blocks: int | None = None  # fixes the pool size in blocks (tests, tuning)
     cache_dir: str | None = None  # hub download cache; None → HF_HUB_CACHE / HF_HOME
     gguf_quant: str | None = None  # which file of a `-GGUF` hub repo, e.g. "Q4_K_M"
+    revision: str | None = None  # hub branch, tag or commit; None → main
 
     @classmethod
     def from_config(cls, engine: EngineConfig, model: str | None = None, **kw) -> EngineArgs:
@@ -130,6 +131,7 @@ class LLMEngine:
                 cache_dir=args.cache_dir,
                 dense_copies=args.cpu_dense_copy,
                 gguf_quant=args.gguf_quant,
+                revision=args.revision,
             )
         self.loaded = loaded
         self.tokenizer = loaded.tokenizer

@@ -33,10 +33,13 @@ QUANTS = (None, "int8", "int4")
 GROUP = 32  # int4 group along in_features: one GGUF Q4_0/Q4_1/Q8_0 block
 PACK_BLOCK_N = 64  # rows the CPU int4 packing interleaves (AVX512); fuse concatenates whole ones
 PACKED_DTYPE = torch.bfloat16  # the only activation dtype the CPU packed kernels vectorize
-DENSE_DTYPE = torch.bfloat16
-# From bench/linear.py on a 2-core AMX Xeon: at 16 rows bf16 GEMM is ~1.8x faster than the
-# int4 kernel, at 128 rows ~7x; at 4 rows and below int4 wins (fewer bytes to read).
-DENSE_MIN_ROWS = 12
+# float32, not bfloat16: a whole prefill in bf16 (weights and activations rounded) turns
+# SmolLM2's greedy "The capital of France is Paris." into "L'Étoile, ...". f32 costs ~45%
+# more TTFT than bf16 and 4 bytes a weight, and stays right.
+DENSE_DTYPE = torch.float32
+# From bench/linear.py on a 2-core AMX Xeon: at 16 rows f32 GEMM is level with the int4
+# kernel, at 128 rows ~2x faster; at 4 rows and below int4 wins (fewer bytes to read).
+DENSE_MIN_ROWS = 16
 _HAS_INT4 = hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu")  # torch >= 2.6
 
 
@@ -61,8 +64,8 @@ class Linear(nn.Module):
         self.weight: torch.Tensor | None = None
         self.scales: torch.Tensor | None = None
         self.bias: torch.Tensor | None = None
-        # Optional bf16 copy of a packed weight for calls with many rows (prefill, wide
-        # decode batches), where oneDNN's bf16 GEMM beats the int4 kernel several times over.
+        # Optional f32 copy of a packed weight for calls with many rows (prefill, wide
+        # decode batches), where a dense GEMM beats the int4 kernel (2x at 128 rows).
         self.dense: torch.Tensor | None = None
 
     # -- loading -------------------------------------------------------------------
@@ -172,7 +175,7 @@ class Linear(nn.Module):
         return w.sum(dim=1)
 
     def add_dense_copy(self) -> None:
-        """Keep a bf16 copy of a packed weight for many-row calls (costs 2 bytes a weight)."""
+        """Keep an f32 copy of a packed weight for many-row calls (costs 4 bytes a weight)."""
         if self.format != "float" and self.dense is None:
             self.dense = self.dequantize().to(DENSE_DTYPE).contiguous()
 

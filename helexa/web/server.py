@@ -1,0 +1,54 @@
+"""Run a Litestar app under uvicorn with helexa's shutdown contract: on SIGTERM/SIGINT stop
+accepting, let in-flight responses finish within `drain_timeout_s`, run the app's shutdown
+(unload models, flush state), and exit 0 rather than die by the signal."""
+
+from __future__ import annotations
+
+import logging
+import signal
+from collections.abc import Callable
+from types import FrameType
+
+import uvicorn
+from litestar import Litestar
+
+log = logging.getLogger(__name__)
+
+
+class _Server(uvicorn.Server):
+    def __init__(self, config: uvicorn.Config, on_exit: Callable[[], None] | None) -> None:
+        super().__init__(config)
+        self._on_exit = on_exit
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if not self.should_exit:
+            log.info("%s: draining in-flight requests", signal.Signals(sig).name)
+        super().handle_exit(sig, frame)
+        # The drain was the graceful answer to the signal: exit 0, not re-raise it.
+        self._captured_signals.clear()
+        if self._on_exit is not None:
+            self._on_exit()
+
+
+def serve(
+    app: Litestar,
+    host: str,
+    port: int,
+    *,
+    drain_timeout_s: float,
+    on_exit: Callable[[], None] | None = None,
+) -> int:
+    """Serve until a signal; returns the process exit code."""
+    config = uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        log_config=None,  # helexa configures logging once, in the CLI
+        access_log=False,
+        timeout_graceful_shutdown=max(1, round(drain_timeout_s)),
+        timeout_keep_alive=30,
+        lifespan="on",
+    )
+    server = _Server(config, on_exit)
+    server.run()
+    return 0 if server.started else 1
