@@ -67,15 +67,16 @@ def prepare_prompt(
         ids = tok.encode(req.prompt, add_special_tokens=True)
     else:
         ids = list(req.prompt)
-        vocab = tok.vocab_size
-        bad = next((t for t in ids if t >= vocab), None)
-        if bad is not None:
-            raise HelexaError(
-                400,
-                "invalid_request_error",
-                f"prompt token id {bad} is outside the vocabulary (size {vocab})",
-                param="prompt",
-            )
+    # The embedding table is the bound: a tokenizer may know more ids than the model has.
+    vocab = min(tok.vocab_size, served.engine.loaded.config.vocab_size or tok.vocab_size)
+    bad = next((t for t in ids if t >= vocab), None)
+    if bad is not None:
+        raise HelexaError(
+            400,
+            "invalid_request_error",
+            f"prompt token id {bad} is outside the model's vocabulary (size {vocab})",
+            param="messages" if isinstance(req, ChatCompletionRequest) else "prompt",
+        )
     if not ids:
         raise HelexaError(400, "invalid_request_error", "the prompt is empty", param="prompt")
     if len(ids) >= served.max_model_len:
@@ -125,11 +126,20 @@ class Generation:
         self._params = choice_params(req)
         self._t0 = time.monotonic()
         self._t_last: float | None = None
+        self._recorded = False
 
     # -- running -------------------------------------------------------------------
     async def deltas(self) -> AsyncIterator[tuple[int, RequestOutput]]:
         """(choice index, delta) as the engine produces them; an engine fault becomes the
         HelexaError the client should see."""
+        try:
+            async for item in self._deltas():
+                yield item
+        finally:
+            if not self._recorded:  # aborted: the client left or the engine failed
+                self._record_finish()
+
+    async def _deltas(self) -> AsyncIterator[tuple[int, RequestOutput]]:
         try:
             if self.registry.take_debug_poison(self.served.id):
                 raise NonFiniteLogitsError("fault injected by HELEXA_DEBUG_POISON")
@@ -220,11 +230,12 @@ class Generation:
                 self._record_finish()
 
     def _record_finish(self) -> None:
+        self._recorded = True
         m, model = self.metrics, self.served.id
         m.prompt_tokens.labels(model).inc(len(self.prompt_ids))
         m.generation_tokens.labels(model).inc(sum(c.num_tokens for c in self.choices))
         for c in self.choices:
-            m.success.labels(model, c.finish_reason or "unknown").inc()
+            m.success.labels(model, c.finish_reason or "abort").inc()
 
     @property
     def usage(self) -> dict[str, Any]:

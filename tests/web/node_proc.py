@@ -1,0 +1,138 @@
+"""Real node processes for tests: `helexa serve --role node` on a free loopback port."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+from tests.engine.tiny import make_tiny_model
+
+READY_TIMEOUT_S = 120.0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def scripted_model(root: Path, script: str, name: str = "scripted") -> Path:
+    """A `helexa_scripted` model dir: it answers `script` (then eos) whatever the prompt."""
+    from tests.conftest import FIXTURES_DIR
+
+    d = root / name
+    d.mkdir(parents=True, exist_ok=True)
+    src = FIXTURES_DIR / "models" / "SmolLM2-135M-Instruct"
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        (d / f).write_bytes((src / f).read_bytes())
+    (d / "config.json").write_text(json.dumps({"model_type": "helexa_scripted", "script": script}))
+    return d
+
+
+def tiny_model(root: Path, family: str = "smollm2", **overrides) -> Path:
+    """A tiny random HF-layout model (see tests/engine/tiny.py)."""
+    model_dir, _ = make_tiny_model(family, root, **overrides)
+    return model_dir
+
+
+def _toml(value: object) -> str:
+    return json.dumps(value) if not isinstance(value, bool) else str(value).lower()
+
+
+@dataclass
+class NodeProcess:
+    proc: subprocess.Popen
+    base_url: str
+    log_path: Path
+
+    @property
+    def v1(self) -> str:
+        return self.base_url + "/v1"
+
+    def client(self, **kw) -> httpx.Client:
+        return httpx.Client(base_url=self.base_url, timeout=60, **kw)
+
+    def get(self, path: str) -> httpx.Response:
+        return httpx.get(self.base_url + path, timeout=30)
+
+    def post(self, path: str, body: object = None, **kw) -> httpx.Response:
+        return httpx.post(self.base_url + path, json=body, timeout=120, **kw)
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 60) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode
+
+
+def start_node(
+    tmp: Path,
+    models: list[str | Path],
+    *,
+    node: dict | None = None,
+    engine: dict | None = None,
+    env: dict[str, str] | None = None,
+    wait_ready: bool = True,
+) -> NodeProcess:
+    """Start a node serving `models` and wait until its default models are loaded."""
+    port = free_port()
+    node_cfg = {
+        "listen": f"127.0.0.1:{port}",
+        "default_models": [str(m) for m in models],
+        "state_dir": str(tmp / "state"),
+        **(node or {}),
+    }
+    engine_cfg = {"kv_cache_memory_mb": 16, "num_threads": 1, **(engine or {})}
+    lines = ["[node]", *(f"{k} = {_toml(v)}" for k, v in node_cfg.items())]
+    lines += ["[engine]", *(f"{k} = {_toml(v)}" for k, v in engine_cfg.items())]
+    cfg = tmp / f"node-{port}.toml"
+    cfg.write_text("\n".join(lines) + "\n")
+    log_path = tmp / f"node-{port}.log"
+    proc_env = {**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})}
+    proc_env.pop("HELEXA_CONFIG", None)
+    with log_path.open("wb") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "helexa.cli", "serve", "--role", "node", "--config", str(cfg)],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=proc_env,
+        )
+    node_proc = NodeProcess(proc, f"http://127.0.0.1:{port}", log_path)
+    if wait_ready:
+        wait_ready_or_fail(node_proc)
+    return node_proc
+
+
+def wait_ready_or_fail(node: NodeProcess, timeout: float = READY_TIMEOUT_S) -> dict:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if node.proc.poll() is not None:
+            raise RuntimeError(f"node exited with {node.proc.returncode}:\n{node.log()}")
+        try:
+            health = httpx.get(node.base_url + "/health", timeout=5).json()
+        except httpx.HTTPError:
+            time.sleep(0.2)
+            continue
+        if health["activation"]["state"] == "ready":
+            if health["activation"]["failed"]:
+                raise RuntimeError(f"default models failed: {health['activation']['failed']}")
+            return health
+        time.sleep(0.2)
+    node.stop(signal.SIGKILL)
+    raise TimeoutError(f"node not ready in {timeout}s:\n{node.log()}")
