@@ -143,6 +143,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_arguments(eng)
     eng.set_defaults(func=cmd_bench)
+    node_bench = bench_sub.add_parser("node", help="what the node's HTTP layer costs")
+    _add_config_arg(node_bench)
+    from helexa.bench.node import add_arguments as add_node_arguments
+    from helexa.bench.node import main as bench_node
+
+    add_node_arguments(node_bench)
+    node_bench.set_defaults(func=bench_node)
 
     serve = sub.add_parser("serve", help="run the node's or the gateway's HTTP service")
     _add_config_arg(serve)

@@ -221,9 +221,12 @@ async def model_info(request: Request, rest: str) -> dict[str, Any]:
     wants_endpoint = model_id.endswith("/endpoint")
     if wants_endpoint:
         model_id = model_id.removesuffix("/endpoint")
-    served = node.registry.models.get(model_id)
+    # the router folds `//`, so `/models//srv/m/endpoint` names `/srv/m` as well as `srv/m`
+    models = node.registry.models
+    served = models.get(model_id) or models.get("/" + model_id)
     if served is None:
         raise model_not_found(model_id)
+    model_id = served.id
     if not wants_endpoint:
         return served.describe()
     base = node.cfg.node.advertise_endpoint or str(request.base_url)
