@@ -85,6 +85,26 @@ def _configure_logging(cfg: Config) -> None:
     logging.basicConfig(level=cfg.log.level.upper(), handlers=[handler], force=True)
 
 
+def _print_node_banner(host: str, port: int, models: list[str]) -> None:
+    from helexa.engine.loader.load import BUNDLED_MODEL_ID
+
+    shown = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
+    url = f"http://{shown}:{port}"
+    model = models[0] if models else BUNDLED_MODEL_ID
+    body = (
+        f'{{"model": "{model}", "messages": '
+        '[{"role": "user", "content": "What is the capital of France?"}]}'
+    )
+    print(
+        f"helexa node on {url}  (OpenAI API: {url}/v1)\n"
+        f"  models, loading in the background: {', '.join(models) or model}\n"
+        f"  ready when `curl {url}/health` shows activation state \"ready\"\n"
+        f"  try:  curl {url}/v1/chat/completions -H 'content-type: application/json' "
+        f"-d '{body}'",
+        flush=True,
+    )
+
+
 def cmd_serve(args: argparse.Namespace, cfg: Config) -> int:
     """Run a role's HTTP service until SIGTERM/SIGINT."""
     _configure_logging(cfg)
@@ -98,8 +118,7 @@ def cmd_serve(args: argparse.Namespace, cfg: Config) -> int:
         host = args.host or node.host
         port = args.port if args.port is not None else node.port
         app = create_node_app(cfg)
-        shown = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
-        print(f"helexa node: http://{shown}:{port}/v1  (models load in the background)", flush=True)
+        _print_node_banner(host, port, node.default_models)
 
         def drain() -> None:
             app.state.node.draining = True

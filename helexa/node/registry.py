@@ -343,6 +343,8 @@ class ModelRegistry:
                 self.activation.fail(model_id, f"{type(e).__name__}: {e}")
             else:
                 self.activation.succeed(model_id)
+        failed = len(self.activation.failed)
+        log.info("ready: %d of %d default models loaded", len(ids) - failed, len(ids))
 
     # -- faults ----------------------------------------------------------------------
     def report_fault(self, model_id: str, error: BaseException) -> None:
