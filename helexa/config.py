@@ -101,7 +101,7 @@ class NodeConfig(_Listens):
     listen: HostPort = "0.0.0.0:13131"
     default_models: list[str] = field(default_factory=list)
     default_source: str = "huggingface"
-    gateway_secret: str | None = None
+    gateway_secret: str | None = field(default=None, repr=False)
     state_dir: Path = field(default_factory=lambda: Path.home() / ".local/state/helexa")
     max_running_requests: PositiveInt = 64
     max_waiting_requests: NonNegativeInt = 128

@@ -336,3 +336,18 @@ def test_a_prompt_longer_than_the_context_is_refused_before_any_compute(node, ti
 def test_unknown_routes_and_methods_answer_with_the_envelope(node):
     _error(node.get("/v1/nothing-here"), 404)
     _error(node.get("/v1/chat/completions"), 405)
+
+
+def test_a_client_that_gives_up_on_a_non_streaming_request_frees_it_too(node, long_id):
+    aborted_before = _metric(node, "helexa_request_success_total", long_id, "abort") or 0
+    body = {"model": long_id, "messages": _user(), "max_tokens": 8000, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(node.v1 + "/chat/completions", json=body, timeout=1.0)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        if _health_model(node, long_id)["in_flight"] == 0:
+            break
+        time.sleep(0.05)
+    assert _health_model(node, long_id)["in_flight"] == 0
+    assert _kv_usage(node, long_id) == 0
+    assert _metric(node, "helexa_request_success_total", long_id, "abort") == aborted_before + 1
