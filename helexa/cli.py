@@ -98,7 +98,7 @@ def _print_node_banner(host: str, port: int, models: list[str]) -> None:
     print(
         f"helexa node on {url}  (OpenAI API: {url}/v1)\n"
         f"  models, loading in the background: {', '.join(models) or model}\n"
-        f"  ready when `curl {url}/health` shows activation state \"ready\"\n"
+        f'  ready when `curl {url}/health` shows activation state "ready"\n'
         f"  try:  curl {url}/v1/chat/completions -H 'content-type: application/json' "
         f"-d '{body}'",
         flush=True,

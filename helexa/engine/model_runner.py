@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 
 from helexa.engine.layers.attention import AttentionContext, PrefillSegment
+from helexa.engine.layers.linear import PREFILL_STEP
 from helexa.engine.layers.sampler import Sampler
 from helexa.engine.scheduler import ScheduledBatch
 from helexa.engine.sequence import Sequence, TokenLogprob
@@ -130,7 +131,12 @@ class ModelRunner:
     ) -> tuple[list[int | None], list[TokenLogprob | None] | None]:
         """Forward the batch; sample one token for each sequence that reached its end."""
         input_ids, positions, ctx, sample_rows, sample_seqs = self.prepare(batch)
-        hidden = self.model(input_ids, positions, ctx)
+        has_prompt = any(s.num_computed_tokens < s.num_prompt_tokens for s in batch.seqs)
+        token = PREFILL_STEP.set(has_prompt)
+        try:
+            hidden = self.model(input_ids, positions, ctx)
+        finally:
+            PREFILL_STEP.reset(token)
         out: list[int | None] = [None] * len(batch.seqs)
         if not sample_seqs:
             return out, None

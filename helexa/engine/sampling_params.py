@@ -45,6 +45,8 @@ class SamplingParams:
         def bad(param: str, why: str) -> None:
             raise SamplingParamsError(param, f"{param} {why}, got {getattr(self, param)!r}")
 
+        if self.top_k > 2**31 - 1:
+            bad("top_k", "must be < 2**31")
         if self.temperature < 0:
             bad("temperature", "must be >= 0")
         if not 0 < self.top_p <= 1:

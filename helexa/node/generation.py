@@ -62,9 +62,9 @@ def prepare_prompt(
             )
         except TemplateRenderError as e:
             raise template_render_failed(str(e)) from None
-        ids = tok.encode(text)
+        ids = tok.encode(_utf8(text, "messages"))
     elif isinstance(req.prompt, str):
-        ids = tok.encode(req.prompt, add_special_tokens=True)
+        ids = tok.encode(_utf8(req.prompt, "prompt"), add_special_tokens=True)
     else:
         ids = list(req.prompt)
     # The embedding table is the bound: a tokenizer may know more ids than the model has.
@@ -82,6 +82,20 @@ def prepare_prompt(
     if len(ids) >= served.max_model_len:
         raise context_length_exceeded(served.max_model_len, len(ids))
     return ids
+
+
+def _utf8(text: str, param: str) -> str:
+    """`text` if it is valid Unicode; JSON lets a lone surrogate (\\ud800) through."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise HelexaError(
+            400,
+            "invalid_request_error",
+            f"{param} contains invalid Unicode (a lone surrogate at character {e.start})",
+            param=param,
+        ) from None
+    return text
 
 
 def choice_params(req: ChatCompletionRequest | CompletionRequest) -> list[SamplingParams]:

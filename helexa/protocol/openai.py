@@ -19,6 +19,7 @@ ROLES = ("system", "developer", "user", "assistant", "tool")
 MAX_N = 16
 MAX_STOP = 16
 MAX_TOP_LOGPROBS = 20
+MAX_TOP_K = 2**31 - 1  # any larger value means "off" anyway; beyond int64 breaks tensors
 _SEED_RANGE = (-(2**63), 2**64 - 1)
 _FLOAT_FIELDS = (
     "temperature",
@@ -228,7 +229,7 @@ def _parse_sampling(d: dict[str, Any], req: _Sampling) -> None:
     req.max_tokens = _int(d, "max_tokens", low=1)
     for name in _FLOAT_FIELDS:
         setattr(req, name, _float(d, name))
-    req.top_k = _int(d, "top_k")
+    req.top_k = _int(d, "top_k", high=MAX_TOP_K)
     req.seed = _int(d, "seed", low=_SEED_RANGE[0], high=_SEED_RANGE[1])
     req.stop = _stop(d.get("stop"))
     ids = _list(d, "stop_token_ids") or []

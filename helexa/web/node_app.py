@@ -71,6 +71,8 @@ async def _json_body(request: Request) -> Any:
         return json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise invalid_request(f"the request body is not valid JSON: {e}", "body") from None
+    except RecursionError:
+        raise invalid_request("the request body is nested too deeply", "body") from None
 
 
 def principal_of(request: Request, secret: str | None) -> str | None:

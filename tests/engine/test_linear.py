@@ -210,17 +210,32 @@ def test_unknown_quant_is_rejected():
 
 @pytest.mark.parametrize("kind", ["Q4_1", "Q8_0", "int4"])
 def test_a_dense_copy_serves_many_row_calls_with_the_same_weights(kind):
-    from helexa.engine.layers.linear import DENSE_MIN_ROWS
+    from helexa.engine.layers.linear import DENSE_DTYPE, DENSE_MIN_ROWS
 
     parts = make_linears(kind, [576, 192], with_bias=True)
     for p in parts:
         p.add_dense_copy()
     fused = fuse(parts)
-    assert fused.dense is not None and fused.dense.dtype == torch.bfloat16
+    assert fused.dense is not None and fused.dense.dtype == DENSE_DTYPE
     few, many = torch.randn(DENSE_MIN_ROWS - 1, 576), torch.randn(DENSE_MIN_ROWS + 20, 576)
     for x in (few, many):
         ref = torch.nn.functional.linear(x, fused.dequantize(), fused.bias)
-        assert rel_err(fused(x), ref) < 1e-2  # both paths compute in bf16
+        assert rel_err(fused(x), ref) < 1e-2  # the packed path computes in bf16
     via_dense = fused(many)
     fused.dense = None
     assert rel_err(via_dense, fused(many)) < 1e-2
+
+
+def test_a_prefill_step_takes_the_dense_path_whatever_its_row_count():
+    from helexa.engine.layers.linear import PREFILL_STEP
+
+    (lin,) = make_linears("Q4_1", [576], with_bias=False)
+    lin.add_dense_copy()
+    x = torch.randn(3, 576)
+    exact = torch.nn.functional.linear(x, lin.dense)
+    token = PREFILL_STEP.set(True)
+    try:
+        assert torch.equal(lin(x), exact)  # the f32 copy, not the bf16 packed kernel
+    finally:
+        PREFILL_STEP.reset(token)
+    assert not torch.equal(lin(x), exact)

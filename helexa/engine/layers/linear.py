@@ -20,6 +20,7 @@ reject) is dequantized to `dtype` and runs through F.linear.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from contextvars import ContextVar
 from typing import TYPE_CHECKING
 
 import torch
@@ -40,6 +41,10 @@ DENSE_DTYPE = torch.float32
 # From bench/linear.py on a 2-core AMX Xeon: at 16 rows f32 GEMM is level with the int4
 # kernel, at 128 rows ~2x faster; at 4 rows and below int4 wins (fewer bytes to read).
 DENSE_MIN_ROWS = 16
+# Set by the model runner for steps that carry prompt tokens: they take the dense path
+# whatever their row count, so a prompt's logits do not depend on how much of it came from
+# the prefix cache (a cold 123-token prefill and an 11-token cached one agree).
+PREFILL_STEP: ContextVar[bool] = ContextVar("PREFILL_STEP", default=False)
 _HAS_INT4 = hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu")  # torch >= 2.6
 
 
@@ -144,7 +149,7 @@ class Linear(nn.Module):
             y = self.forward(x.reshape(-1, self.in_features))
             return y.reshape(*x.shape[:-1], self.out_features)
         # decode calls this ~200 times a token: every skipped no-op counts
-        if self.dense is not None and x.shape[0] >= DENSE_MIN_ROWS:
+        if self.dense is not None and (x.shape[0] >= DENSE_MIN_ROWS or PREFILL_STEP.get()):
             y = F.linear(x.to(DENSE_DTYPE), self.dense)
             y = y if y.dtype == x.dtype else y.to(x.dtype)
             return y if self.bias is None else y + self.bias
