@@ -12,7 +12,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from helexa.node.registry import ModelRegistry
+from helexa.engine import EngineStats
+from helexa.node.registry import ModelRegistry, ServedModel
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 _TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1, 2.5, 5, 7.5, 10, 20, 40, 80)
@@ -57,42 +58,58 @@ class NodeMetrics:
         return generate_latest(self.registry)
 
 
+# Read from the engines at scrape time: (name, family, help, value of one served model).
+_ENGINE_METRICS: tuple[tuple[str, type, str, Callable[[ServedModel, EngineStats], float]], ...] = (
+    (
+        "helexa_requests_running",
+        GaugeMetricFamily,
+        "Sequences in the engine's running batch",
+        lambda m, s: s.num_running,
+    ),
+    (
+        "helexa_requests_waiting",
+        GaugeMetricFamily,
+        "Requests waiting: queued for admission or for a place in the running batch",
+        lambda m, s: s.num_waiting + m.admission.queue_depth,
+    ),
+    (
+        "helexa_kv_cache_usage",
+        GaugeMetricFamily,
+        "Fraction of KV cache blocks in use (0-1)",
+        lambda m, s: s.kv_usage,
+    ),
+    (
+        "helexa_prefix_cache_queries",
+        CounterMetricFamily,
+        "Prompt tokens looked up in the prefix cache",
+        lambda m, s: s.prefix_cache_queries,
+    ),
+    (
+        "helexa_prefix_cache_hits",
+        CounterMetricFamily,
+        "Prompt tokens whose KV came from the prefix cache",
+        lambda m, s: s.prefix_cache_hits,
+    ),
+    (
+        "helexa_preemptions",
+        CounterMetricFamily,
+        "Sequences preempted for lack of KV blocks",
+        lambda m, s: s.num_preemptions,
+    ),
+)
+
+
 class _EngineCollector(Collector):
     def __init__(self, get_registry: Callable[[], ModelRegistry]) -> None:
         self._get = get_registry
 
     def collect(self) -> Iterable[GaugeMetricFamily | CounterMetricFamily]:
-        running = GaugeMetricFamily(
-            "helexa_requests_running", "Sequences in the engine's running batch", labels=["model"]
-        )
-        waiting = GaugeMetricFamily(
-            "helexa_requests_waiting",
-            "Requests waiting: queued for admission or for a place in the running batch",
-            labels=["model"],
-        )
-        kv = GaugeMetricFamily(
-            "helexa_kv_cache_usage", "Fraction of KV cache blocks in use (0-1)", labels=["model"]
-        )
-        queries = CounterMetricFamily(
-            "helexa_prefix_cache_queries",
-            "Prompt tokens looked up in the prefix cache",
-            labels=["model"],
-        )
-        hits = CounterMetricFamily(
-            "helexa_prefix_cache_hits",
-            "Prompt tokens whose KV came from the prefix cache",
-            labels=["model"],
-        )
-        preemptions = CounterMetricFamily(
-            "helexa_preemptions", "Sequences preempted for lack of KV blocks", labels=["model"]
-        )
+        families = [
+            (kind(name, text, labels=["model"]), value)
+            for name, kind, text, value in _ENGINE_METRICS
+        ]
         for served in list(self._get().models.values()):
-            s = served.engine.stats()
-            label = [served.id]
-            running.add_metric(label, s.num_running)
-            waiting.add_metric(label, s.num_waiting + served.admission.queue_depth)
-            kv.add_metric(label, s.kv_usage)
-            queries.add_metric(label, s.prefix_cache_queries)
-            hits.add_metric(label, s.prefix_cache_hits)
-            preemptions.add_metric(label, s.num_preemptions)
-        yield from (running, waiting, kv, queries, hits, preemptions)
+            stats = served.engine.stats()
+            for family, value in families:
+                family.add_metric([served.id], value(served, stats))
+        yield from (family for family, _ in families)
