@@ -223,10 +223,9 @@ async def bench_engine(cfg: Config, model: str, args: argparse.Namespace) -> lis
     from helexa.engine import AsyncLLM, EngineArgs, LLMEngine, SamplingParams
     from helexa.engine.chat_template import render_chat
 
-    engine = await asyncio.to_thread(
-        LLMEngine, EngineArgs.from_config(cfg.engine, model, num_threads=args.threads)
-    )
-    llm = AsyncLLM(engine)
+    engine_args = EngineArgs.from_config(cfg.engine, model, num_threads=args.threads)
+    llm = await AsyncLLM.build(lambda: LLMEngine(engine_args))  # as the node builds it
+    engine = llm.engine
     try:
         prompt = engine.tokenizer.encode(render_chat(engine.tokenizer, filler_messages()))
         params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)

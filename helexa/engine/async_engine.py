@@ -11,7 +11,7 @@ import logging
 import queue
 import threading
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from helexa.engine.llm_engine import LLMEngine
@@ -38,14 +38,49 @@ class AsyncLLM:
     """Submit requests, iterate their deltas, abort them; one engine thread underneath."""
 
     def __init__(self, engine: LLMEngine) -> None:
+        self._setup(engine)
+        self._thread = threading.Thread(target=self._loop, name="helexa-engine", daemon=True)
+        self._thread.start()
+
+    def _setup(self, engine: LLMEngine) -> None:
         self.engine = engine
         self.tokenizer = engine.tokenizer
         self._cmds: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
         self._streams: dict[str, _Stream] = {}  # engine thread only
         self._stopping = False
-        self._thread = threading.Thread(target=self._loop, name="helexa-engine", daemon=True)
+
+    @classmethod
+    async def build(cls, make_engine: Callable[[], LLMEngine]) -> AsyncLLM:
+        """Build the engine on the thread that will then run it.
+
+        Measured on CPU (torch 2.13, 2 OpenMP threads): a model stepped on a thread other
+        than the one that loaded it decodes at half the speed (27 vs 53 tok/s for SmolLM2).
+        """
+        loop = asyncio.get_running_loop()
+        built: asyncio.Future[AsyncLLM] = loop.create_future()
+        self = cls.__new__(cls)
+
+        def settle(result: AsyncLLM | BaseException) -> None:
+            if built.done():
+                return
+            if isinstance(result, BaseException):
+                built.set_exception(result)
+            else:
+                built.set_result(result)
+
+        def run() -> None:
+            try:
+                self._setup(make_engine())
+            except BaseException as e:
+                loop.call_soon_threadsafe(settle, e)
+                return
+            loop.call_soon_threadsafe(settle, self)
+            self._loop()
+
+        self._thread = threading.Thread(target=run, name="helexa-engine", daemon=True)
         self._thread.start()
+        return await built
 
     # -- event-loop side -----------------------------------------------------------
     async def generate(

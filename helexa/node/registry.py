@@ -227,7 +227,7 @@ class ModelRegistry:
         t0 = time.monotonic()
         log.info("loading model %s", model_id)
         try:
-            engine = await asyncio.to_thread(LLMEngine, args)
+            llm = await AsyncLLM.build(lambda: LLMEngine(args))
         except (ModelNotFoundError, FileNotFoundError) as e:
             raise LoadError("model_not_found", model_id, str(e), _not_found_hint(model_id)) from e
         except UnsupportedModelError as e:
@@ -246,7 +246,7 @@ class ModelRegistry:
             raise LoadError("load_failed", model_id, f"{type(e).__name__}: {e}") from e
         finally:
             self._loading.pop(model_id, None)
-        served = ServedModel(model_id, options, AsyncLLM(engine), Admission(self._limits))
+        served = ServedModel(model_id, options, llm, Admission(self._limits))
         served.load_seconds = time.monotonic() - t0
         self.models[model_id] = served
         log.info(
