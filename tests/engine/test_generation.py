@@ -290,3 +290,38 @@ def test_non_finite_logits_fail_the_step_with_a_typed_error(tmp_path):
     asyncio.run(run())
     bm = llm.engine.block_manager
     assert bm.num_free_blocks == bm.num_blocks  # the failed requests gave their KV back
+
+
+def test_async_llm_build_loads_on_its_own_thread_and_serves(tmp_path):
+    import threading
+
+    from helexa.engine import EngineArgs, LLMEngine
+
+    model_dir = scripted_dir(tmp_path, "Built here.")
+    threads = []
+
+    def make() -> LLMEngine:
+        threads.append(threading.current_thread())
+        return LLMEngine(EngineArgs(model=str(model_dir), kv_cache_memory_mb=4))
+
+    async def run():
+        engine = await AsyncLLM.build(make)
+        try:
+            text = "".join([d.text async for d in engine.generate("Hi", SamplingParams())])
+            return text, engine._thread
+        finally:
+            engine.shutdown()
+
+    text, engine_thread = asyncio.run(run())
+    assert text == "Built here."
+    assert threads == [engine_thread]  # loaded where it runs
+
+
+def test_async_llm_build_raises_the_load_error(tmp_path):
+    from helexa.engine import EngineArgs, LLMEngine
+
+    async def run():
+        await AsyncLLM.build(lambda: LLMEngine(EngineArgs(model=str(tmp_path / "missing"))))
+
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        asyncio.run(run())
