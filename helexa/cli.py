@@ -124,7 +124,29 @@ def cmd_serve(args: argparse.Namespace, cfg: Config) -> int:
             app.state.node.draining = True
 
         return serve(app, host, port, drain_timeout_s=node.drain_timeout_s, on_exit=drain)
-    raise AssertionError(args.role)
+    from helexa.web.gateway_app import create_gateway_apps
+
+    gw = cfg.gateway
+    host = args.host or gw.host
+    port = args.port if args.port is not None else gw.port
+    if args.model:
+        raise ValueError("--model is a node option; the gateway's models are its [[models]]")
+    api, metrics_app = create_gateway_apps(cfg)
+    shown = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
+    mhost = "127.0.0.1" if gw.metrics_host in ("0.0.0.0", "::", "") else gw.metrics_host
+    print(
+        f"helexa gateway on http://{shown}:{port}  (OpenAI API: http://{shown}:{port}/v1; "
+        f"metrics: http://{mhost}:{gw.metrics_port}/metrics)\n"
+        f"  nodes: {', '.join(f'{n.name}={n.endpoint}' for n in cfg.nodes) or 'none configured'}",
+        flush=True,
+    )
+    return serve(
+        api,
+        host,
+        port,
+        drain_timeout_s=cfg.node.drain_timeout_s,
+        companions=[(metrics_app, gw.metrics_host, gw.metrics_port)],
+    )
 
 
 def cmd_config(args: argparse.Namespace, cfg: Config) -> int:
@@ -172,9 +194,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     serve = sub.add_parser("serve", help="run the node's or the gateway's HTTP service")
     _add_config_arg(serve)
-    serve.add_argument("--role", choices=["node"], required=True, help="which service to run")
-    serve.add_argument("--host", help="address to bind (default: from [node] listen)")
-    serve.add_argument("--port", type=int, help="port to bind (default: from [node] listen)")
+    serve.add_argument(
+        "--role", choices=["node", "gateway"], required=True, help="which service to run"
+    )
+    serve.add_argument("--host", help="address to bind (default: the role's `listen`)")
+    serve.add_argument("--port", type=int, help="port to bind (default: the role's `listen`)")
     serve.add_argument(
         "--model",
         action="append",

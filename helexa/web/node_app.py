@@ -1,6 +1,6 @@
 """The node's HTTP surface (SPEC "Node"): thin handlers over `helexa.node`.
 
-Every error a client can see leaves through `_error_response` as the OpenAI envelope.
+Every error a client can see leaves through `error_response` as the OpenAI envelope.
 """
 
 from __future__ import annotations
@@ -295,7 +295,7 @@ async def metrics(request: Request) -> Response:
 # -- errors and the app -------------------------------------------------------------------
 
 
-def _error_response(request: Request, exc: Exception) -> Response:
+def error_response(request: Request, exc: Exception) -> Response:
     if isinstance(exc, HelexaError):
         err = exc
     elif isinstance(exc, HTTPException):
@@ -345,7 +345,7 @@ def create_node_app(cfg: Config, *, load_defaults: bool = True) -> Litestar:
             unload_model,
             metrics,
         ],
-        exception_handlers={Exception: _error_response},
+        exception_handlers={Exception: error_response},
         lifespan=[lifespan],
         request_max_body_size=MAX_BODY_BYTES,
         openapi_config=None,

@@ -4,9 +4,11 @@ accepting, let in-flight responses finish within `drain_timeout_s`, run the app'
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import signal
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 from types import FrameType
 
 import uvicorn
@@ -30,6 +32,15 @@ class _Server(uvicorn.Server):
             self._on_exit()
 
 
+class _Companion(uvicorn.Server):
+    """A second listener in the same process (the gateway's metrics port): it leaves the
+    signals to the main server and stops when that one does."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Generator[None, None, None]:
+        yield
+
+
 def serve(
     app: Litestar,
     host: str,
@@ -37,9 +48,30 @@ def serve(
     *,
     drain_timeout_s: float,
     on_exit: Callable[[], None] | None = None,
+    companions: list[tuple[Litestar, str, int]] | None = None,
 ) -> int:
     """Serve until a signal; returns the process exit code."""
-    config = uvicorn.Config(
+    main = _Server(_config(app, host, port, drain_timeout_s), on_exit)
+    others = [_Companion(_config(a, h, p, 1.0)) for a, h, p in companions or []]
+    if not others:
+        main.run()
+        return 0 if main.started else 1
+
+    async def run_all() -> None:
+        tasks = [asyncio.create_task(s.serve()) for s in others]
+        try:
+            await main.serve()
+        finally:
+            for s in others:
+                s.should_exit = True
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    asyncio.run(run_all())
+    return 0 if main.started and all(s.started for s in others) else 1
+
+
+def _config(app: Litestar, host: str, port: int, drain_timeout_s: float) -> uvicorn.Config:
+    return uvicorn.Config(
         app,
         host=host,
         port=port,
@@ -49,6 +81,3 @@ def serve(
         timeout_keep_alive=30,
         lifespan="on",
     )
-    server = _Server(config, on_exit)
-    server.run()
-    return 0 if server.started else 1

@@ -1,0 +1,111 @@
+"""What the gateway knows of its nodes: who answers, what each has loaded, how busy it is.
+
+The poller writes it; the router and `/v1/models` read it. Plain data, no I/O.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
+
+LOOPBACK_HOSTS = {"127.0.0.1", "localhost", "::1", "0.0.0.0", "[::1]", "::"}
+
+
+@dataclass(slots=True)
+class NodeState:
+    """One `[[nodes]]` entry and the last answers it gave."""
+
+    name: str
+    endpoint: str  # as configured, no trailing slash
+    up: bool = False
+    last_seen: float | None = None
+    last_error: str | None = None
+    discovery: dict[str, Any] | None = None
+    models: dict[str, dict[str, Any]] = field(default_factory=dict)  # /models by id
+    load: dict[str, int] = field(default_factory=dict)  # id -> in_flight + queue_depth
+    activation: dict[str, Any] | None = None
+    devices: list[dict[str, Any]] = field(default_factory=list)  # /health devices
+    endpoints: dict[str, str] = field(default_factory=dict)  # model id -> inference base URL
+
+    @property
+    def max_prompt_tokens(self) -> int | None:
+        value = (self.discovery or {}).get("max_prompt_tokens")
+        return value if isinstance(value, int) and value > 0 else None
+
+    def loaded(self, model_id: str) -> bool:
+        return self.up and self.models.get(model_id, {}).get("status") == "loaded"
+
+    def status_of(self, model_id: str) -> str | None:
+        return self.models.get(model_id, {}).get("status") if self.up else None
+
+    def inference_url(self, model_id: str) -> str:
+        """Where to send inference for `model_id`: what the node advertised, with a loopback
+        host replaced by the host the gateway reaches the node at."""
+        advertised = self.endpoints.get(model_id)
+        if not advertised:
+            return self.endpoint
+        return with_reachable_host(advertised, self.endpoint)
+
+    def mark_up(
+        self,
+        models: list[dict[str, Any]],
+        health: dict[str, Any],
+    ) -> None:
+        self.up = True
+        self.last_seen = time.time()
+        self.last_error = None
+        self.models = {m["id"]: m for m in models if isinstance(m, dict) and "id" in m}
+        self.load = {
+            m["id"]: int(m.get("in_flight", 0)) + int(m.get("queue_depth", 0))
+            for m in health.get("models", [])
+            if isinstance(m, dict) and "id" in m
+        }
+        self.activation = health.get("activation")
+        self.devices = list(health.get("devices") or [])
+        for gone in set(self.endpoints) - set(self.models):
+            del self.endpoints[gone]
+
+    def mark_down(self, error: str) -> None:
+        self.up = False
+        self.last_error = error
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "endpoint": self.endpoint,
+            "up": self.up,
+            "last_seen": self.last_seen,
+            "last_error": self.last_error,
+            "models": sorted(self.models),
+            "devices": self.devices,
+        }
+
+
+def with_reachable_host(advertised: str, configured: str) -> str:
+    """`advertised` with its host taken from `configured` when it names a loopback address:
+    a node behind NAT or bound to 0.0.0.0 does not know how the gateway reaches it."""
+    adv = urlsplit(advertised.rstrip("/"))
+    if adv.hostname not in LOOPBACK_HOSTS:
+        return advertised.rstrip("/")
+    conf = urlsplit(configured)
+    if conf.hostname in LOOPBACK_HOSTS:
+        return advertised.rstrip("/")
+    port = f":{adv.port}" if adv.port else ""
+    host = conf.hostname if ":" not in (conf.hostname or "") else f"[{conf.hostname}]"
+    return urlunsplit((adv.scheme, f"{host}{port}", adv.path, "", ""))
+
+
+class Fleet:
+    """All configured nodes, by name."""
+
+    def __init__(self, nodes: list[tuple[str, str]]) -> None:
+        self.nodes = {name: NodeState(name, endpoint.rstrip("/")) for name, endpoint in nodes}
+
+    def up(self) -> list[NodeState]:
+        return [n for n in self.nodes.values() if n.up]
+
+    def replicas(self, model_id: str) -> list[NodeState]:
+        """Nodes serving `model_id` now, sorted by name."""
+        return sorted((n for n in self.nodes.values() if n.loaded(model_id)), key=lambda n: n.name)

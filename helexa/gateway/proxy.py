@@ -1,0 +1,178 @@
+"""The pass-through to a node: bytes relayed as they arrive, status and headers intact, the
+upstream request cancelled when the client leaves, token counts read from the upstream's
+own usage (never re-tokenized)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+
+from helexa.errors import service_unavailable
+from helexa.gateway.metrics import GatewayMetrics
+from helexa.gateway.router import NO_NODE_RETRY_AFTER_S, Route, Router
+
+log = logging.getLogger(__name__)
+
+# Request headers that describe one hop, or that the gateway sets itself.
+_DROP_REQUEST = {
+    "host",
+    "content-length",
+    "connection",
+    "keep-alive",
+    "transfer-encoding",
+    "te",
+    "upgrade",
+    "accept-encoding",  # the gateway reads usage from the body: ask for it uncompressed
+    "proxy-authorization",
+}
+_DROP_RESPONSE = {
+    "content-length",
+    "connection",
+    "keep-alive",
+    "transfer-encoding",
+    "server",
+    "date",
+}
+PRINCIPAL_PREFIX = "x-helexa-"
+USAGE_TAIL_BYTES = 64 << 10
+
+
+def forward_headers(headers: Mapping[str, str]) -> dict[str, str]:
+    """The client's headers for the node, less hop-by-hop ones and any client-sent
+    `x-helexa-*` principal claims (the gateway stamps its own)."""
+    return {
+        k: v
+        for k, v in headers.items()
+        if k.lower() not in _DROP_REQUEST and not k.lower().startswith(PRINCIPAL_PREFIX)
+    }
+
+
+def response_headers(headers: Mapping[str, str]) -> dict[str, str]:
+    return {k: v for k, v in headers.items() if k.lower() not in _DROP_RESPONSE}
+
+
+def extract_usage(text: str) -> dict[str, Any] | None:
+    """The last `"usage": {...}` object in an SSE tail or a JSON body, if any."""
+    decoder = json.JSONDecoder()
+    end = len(text)
+    while True:
+        at = text.rfind('"usage"', 0, end)
+        if at < 0:
+            return None
+        brace = text.find("{", at)
+        colon = text.find(":", at)
+        if 0 <= colon < brace and text[colon + 1 : brace].strip() == "":
+            try:
+                value, _ = decoder.raw_decode(text, brace)
+            except ValueError:
+                value = None
+            if isinstance(value, dict) and "completion_tokens" in value:
+                return value
+        end = at
+
+
+@dataclass(slots=True)
+class Exchange:
+    """One proxied request: timing for the metrics, the route for the router's books."""
+
+    route: Route
+    model: str
+    started: float = field(default_factory=time.monotonic)
+    first_byte: float | None = None
+    last_byte: float | None = None
+    tail: bytearray = field(default_factory=bytearray)
+
+
+class Upstream:
+    def __init__(self, session: aiohttp.ClientSession, router: Router, metrics: GatewayMetrics):
+        self.session = session
+        self.router = router
+        self.metrics = metrics
+
+    async def open(
+        self, routes: list[Route], path: str, body: bytes, headers: dict[str, str]
+    ) -> tuple[Route, aiohttp.ClientResponse]:
+        """Send to the best route; when it fails before answering (refused, reset, 503),
+        try the next one once."""
+        last_error = ""
+        for i, route in enumerate(routes[:2]):
+            retry_left = i + 1 < min(2, len(routes))
+            try:
+                resp = await self.session.post(route.base_url + path, data=body, headers=headers)
+            except (aiohttp.ClientConnectionError, TimeoutError) as e:
+                last_error = f"{type(e).__name__}: {e}"
+                log.warning(
+                    "node %s unreachable for %s %s: %s", route.node.name, path, route.model_id, e
+                )
+                route.node.mark_down(last_error)
+                continue
+            if resp.status == 503 and retry_left:
+                log.warning(
+                    "node %s answered 503 for %s; trying the next replica",
+                    route.node.name,
+                    route.model_id,
+                )
+                resp.release()
+                continue
+            return route, resp
+        raise service_unavailable(
+            f"no node could take the request ({last_error or 'all replicas busy'}); retry shortly",
+            NO_NODE_RETRY_AFTER_S,
+        )
+
+    async def relay(self, ex: Exchange, resp: aiohttp.ClientResponse) -> AsyncIterator[bytes]:
+        """Stream the upstream body through; settle metrics and books however it ends."""
+        complete = False
+        try:
+            async for chunk in resp.content.iter_any():
+                self._seen(ex, chunk)
+                yield chunk
+            complete = True
+        finally:
+            if complete:
+                resp.release()
+            else:  # the client left (or the node did): drop the upstream connection too
+                resp.close()
+            self.finish(ex, resp.status)
+
+    async def read(self, ex: Exchange, resp: aiohttp.ClientResponse) -> bytes:
+        try:
+            data = await resp.read()
+        finally:
+            resp.release()
+        self._seen(ex, data)
+        self.finish(ex, resp.status)
+        return data
+
+    def _seen(self, ex: Exchange, chunk: bytes) -> None:
+        now = time.monotonic()
+        if ex.first_byte is None:
+            ex.first_byte = now
+        ex.last_byte = now
+        ex.tail += chunk
+        if len(ex.tail) > USAGE_TAIL_BYTES:
+            del ex.tail[: len(ex.tail) - USAGE_TAIL_BYTES]
+
+    def finish(self, ex: Exchange, status: int) -> None:
+        self.router.end(ex.route)
+        labels = (ex.model, ex.route.node.name)
+        m = self.metrics
+        if ex.first_byte is not None and status == 200:
+            m.ttft.labels(*labels).observe(ex.first_byte - ex.started)
+        usage = extract_usage(ex.tail.decode("utf-8", "replace")) if status == 200 else None
+        if usage:
+            prompt = int(usage.get("prompt_tokens") or 0)
+            completion = int(usage.get("completion_tokens") or 0)
+            m.prompt_tokens.labels(*labels).inc(prompt)
+            m.completion_tokens.labels(*labels).inc(completion)
+            window = (ex.last_byte or 0) - (ex.first_byte or 0)
+            if completion > 1 and window <= 0:
+                window = (ex.last_byte or time.monotonic()) - ex.started
+            if completion > 0 and window > 0:
+                m.tokens_per_second.labels(*labels).observe(completion / window)

@@ -1,0 +1,210 @@
+"""Which node serves a request: aliases, least-busy replicas, cold loads with eviction.
+
+No HTTP in the decisions; the node calls it needs (load, unload) go through `NodeClient`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from helexa.config import Config, ModelEntry
+from helexa.errors import model_not_found, service_unavailable
+from helexa.gateway.fleet import Fleet, NodeState
+
+log = logging.getLogger(__name__)
+
+NO_NODE_RETRY_AFTER_S = 5.0
+RECOVERING_RETRY_AFTER_S = 2.0
+LOAD_FAILED_RETRY_AFTER_S = 30.0
+
+
+class NodeClient(Protocol):
+    async def load(self, node: NodeState, body: dict[str, Any]) -> tuple[int, dict[str, Any]]: ...
+
+    async def unload(self, node: NodeState, model_id: str) -> int: ...
+
+    async def refresh(self, node: NodeState) -> None: ...
+
+
+@dataclass(slots=True, frozen=True)
+class Route:
+    """Where one request goes: the node, the model id the node knows, its base URL."""
+
+    node: NodeState
+    model_id: str
+    base_url: str
+
+
+class Router:
+    def __init__(self, cfg: Config, fleet: Fleet, nodes: NodeClient) -> None:
+        self.fleet = fleet
+        self.nodes = nodes
+        self.catalogue: dict[str, ModelEntry] = {m.id: m for m in cfg.models}
+        self.aliases: dict[str, str] = dict(cfg.aliases)
+        self.in_flight: dict[tuple[str, str], int] = {}  # (node, model) -> proxied by us now
+        self.last_used: dict[tuple[str, str], float] = {}
+        self._cold: dict[str, asyncio.Task[NodeState]] = {}
+
+    # -- naming ----------------------------------------------------------------------
+    def concrete(self, model: str) -> str:
+        return self.aliases.get(model, model)
+
+    def node_model_id(self, model_id: str) -> str:
+        """The id a node loads a catalogue model under (`source:id` when a source is set)."""
+        entry = self.catalogue.get(model_id)
+        if entry is not None and entry.source:
+            return f"{entry.source}:{entry.id}"
+        return model_id
+
+    # -- routing ---------------------------------------------------------------------
+    async def routes(self, model: str) -> list[Route]:
+        """Candidate routes for a request naming `model`, best first (the proxy tries the
+        second only when the first fails before answering). Cold-loads when needed."""
+        if not self.fleet.up():
+            raise service_unavailable(
+                "no healthy node is available; retry shortly", NO_NODE_RETRY_AFTER_S
+            )
+        model_id = self.concrete(model)
+        node_id = self.node_model_id(model_id)
+        replicas = self.fleet.replicas(node_id)
+        if not replicas:
+            if any(n.status_of(node_id) == "recovering" for n in self.fleet.up()):
+                raise service_unavailable(
+                    f"model {model_id!r} is recovering from a device fault; retry shortly",
+                    RECOVERING_RETRY_AFTER_S,
+                    code="model_recovering",
+                )
+            loading = [n for n in self.fleet.up() if n.status_of(node_id) == "loading"]
+            if model_id not in self.catalogue and not loading:
+                raise model_not_found(model)
+            replicas = [await self._cold_load(model_id, loading)]
+        replicas.sort(key=lambda n: (self._busy(n, node_id), n.name))
+        return [Route(n, node_id, n.inference_url(node_id)) for n in replicas]
+
+    def _busy(self, node: NodeState, node_id: str) -> int:
+        return node.load.get(node_id, 0) + self.in_flight.get((node.name, node_id), 0)
+
+    def begin(self, route: Route) -> None:
+        key = (route.node.name, route.model_id)
+        self.in_flight[key] = self.in_flight.get(key, 0) + 1
+        self.last_used[key] = time.monotonic()
+
+    def end(self, route: Route) -> None:
+        key = (route.node.name, route.model_id)
+        self.in_flight[key] = max(0, self.in_flight.get(key, 0) - 1)
+        self.last_used[key] = time.monotonic()
+
+    # -- cold loads ------------------------------------------------------------------
+    async def _cold_load(self, model_id: str, loading: list[NodeState]) -> NodeState:
+        """One load per model however many requests wait for it."""
+        task = self._cold.get(model_id)
+        if task is None:
+            task = asyncio.create_task(self._place(model_id, loading))
+            self._cold[model_id] = task
+            task.add_done_callback(lambda _t: self._cold.pop(model_id, None))
+        return await asyncio.shield(task)
+
+    def feasible(self, entry: ModelEntry, node: NodeState) -> bool:
+        """Whether `node` has the devices `entry` asks for. A CPU-only node can take models
+        that ask for one device and no minimum of VRAM."""
+        gpus = [d for d in node.devices if d.get("kind", "cuda") == "cuda"]
+        if not gpus:
+            gpus = [
+                {"memory_total_mb": d.get("total_mb")}
+                for d in (node.discovery or {}).get("devices", [])
+            ]
+        if not gpus:
+            return entry.required_devices == 1 and entry.min_device_vram_mb is None
+        big = [
+            d
+            for d in gpus
+            if entry.min_device_vram_mb is None
+            or (d.get("memory_total_mb") or 0) >= entry.min_device_vram_mb
+        ]
+        return len(big) >= entry.required_devices
+
+    def placement_order(self, model_id: str) -> list[NodeState]:
+        """Feasible healthy nodes, pinned ones first, then the most free memory."""
+        entry = self.catalogue[model_id]
+        nodes = [n for n in self.fleet.up() if self.feasible(entry, n)]
+
+        def free_mb(n: NodeState) -> int:
+            return sum(d.get("memory_free_mb") or 0 for d in n.devices)
+
+        return sorted(nodes, key=lambda n: (n.name not in entry.pinned_on, -free_mb(n), n.name))
+
+    async def _place(self, model_id: str, loading: list[NodeState]) -> NodeState:
+        node_id = self.node_model_id(model_id)
+        entry = self.catalogue.get(model_id)
+        # a node already loading it (pre-warm, another gateway) is joined, not raced
+        candidates = loading or self.placement_order(model_id)
+        if not candidates:
+            raise service_unavailable(
+                f"no healthy node can hold model {model_id!r}", NO_NODE_RETRY_AFTER_S
+            )
+        body: dict[str, Any] = {"model_id": node_id}
+        if entry is not None:
+            body |= {
+                k: v
+                for k, v in {
+                    "quant": entry.quant,
+                    "dtype": entry.dtype,
+                    "tensor_parallel": entry.tensor_parallel,
+                }.items()
+                if v is not None
+            }
+        errors = []
+        for node in candidates:
+            status, answer = await self._load_evicting(node, body)
+            if status == 200:
+                await self.nodes.refresh(node)
+                if node.loaded(node_id):
+                    return node
+                errors.append(f"{node.name}: loaded but not listed")
+                continue
+            message = (answer.get("error") or {}).get("message") or f"HTTP {status}"
+            errors.append(f"{node.name}: {message}")
+            log.warning("cold load of %s on %s failed: %s", model_id, node.name, message)
+        raise service_unavailable(
+            f"could not load model {model_id!r}: " + "; ".join(errors),
+            LOAD_FAILED_RETRY_AFTER_S,
+            code="insufficient_vram"
+            if all("memory" in e or "vram" in e for e in errors)
+            else "service_unavailable",
+        )
+
+    async def _load_evicting(
+        self, node: NodeState, body: dict[str, Any]
+    ) -> tuple[int, dict[str, Any]]:
+        """Load on `node`; while it answers "not enough memory", unload its least recently
+        used unpinned model (never one serving a request of ours) and try again."""
+        while True:
+            status, answer = await self.nodes.load(node, body)
+            if status != 503 or (answer.get("error") or {}).get("code") != "insufficient_vram":
+                return status, answer
+            victim = self._eviction_victim(node, body["model_id"])
+            if victim is None:
+                return status, answer
+            log.info("evicting %s from %s to make room for %s", victim, node.name, body["model_id"])
+            await self.nodes.unload(node, victim)
+            await self.nodes.refresh(node)
+
+    def _eviction_victim(self, node: NodeState, incoming: str) -> str | None:
+        pinned = {m.id for m in self.catalogue.values() if node.name in m.pinned_on}
+        pinned |= {self.node_model_id(m) for m in pinned}
+        candidates = [
+            m
+            for m, entry in node.models.items()
+            if entry.get("status") == "loaded"
+            and m != incoming
+            and m not in pinned
+            and not self.in_flight.get((node.name, m))
+            and not node.load.get(m)
+        ]
+        if not candidates:
+            return None
+        return min(candidates, key=lambda m: (self.last_used.get((node.name, m), 0.0), m))

@@ -1,0 +1,210 @@
+"""The gateway's HTTP surface (SPEC "Gateway"): one OpenAI API over the fleet, and the
+Prometheus app on its own port. Handlers are thin; decisions live in `helexa.gateway`."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+import msgspec
+from litestar import Litestar, Request, get, post
+from litestar.response import Response, Stream
+
+from helexa.config import Config
+from helexa.errors import HelexaError, invalid_request
+from helexa.gateway.catalogue import model_list, nodes_view
+from helexa.gateway.fleet import Fleet
+from helexa.gateway.metrics import GatewayMetrics
+from helexa.gateway.poller import NodeCalls, Poller
+from helexa.gateway.proxy import Exchange, Upstream, forward_headers, response_headers
+from helexa.gateway.router import Router
+from helexa.web.node_app import MAX_BODY_BYTES, error_response
+
+log = logging.getLogger(__name__)
+
+_decoder = msgspec.json.Decoder()
+_encoder = msgspec.json.Encoder()
+
+
+@dataclass(slots=True)
+class GatewayState:
+    cfg: Config
+    fleet: Fleet
+    metrics: GatewayMetrics
+    router: Router | None = None
+    upstream: Upstream | None = None
+    poller: Poller | None = None
+    started_at: int = field(default_factory=lambda: int(time.time()))
+
+
+def _gw(request: Request) -> GatewayState:
+    return request.app.state.gateway
+
+
+def _body_object(raw: bytes) -> dict[str, Any]:
+    if not raw.strip():
+        raise invalid_request("the request body is empty; expected a JSON object", "body")
+    try:
+        body = _decoder.decode(raw)
+    except (msgspec.DecodeError, RecursionError) as e:
+        raise invalid_request(f"the request body is not valid JSON: {e}", "body") from None
+    if not isinstance(body, dict):
+        raise invalid_request("the request body must be a JSON object", "body")
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise invalid_request("model: expected a non-empty string", "model")
+    return body
+
+
+async def _proxy(request: Request, path: str) -> Response:
+    gw = _gw(request)
+    assert gw.router is not None and gw.upstream is not None
+    raw = await request.body()
+    body = _body_object(raw)
+    model = body["model"]
+    routes = await gw.router.routes(model)
+    if routes[0].model_id != model:  # an alias, or a catalogue id the node knows by source
+        body["model"] = routes[0].model_id
+        raw = _encoder.encode(body)
+    route, resp = await gw.upstream.open(routes, path, raw, forward_headers(request.headers))
+    gw.router.begin(route)
+    ex = Exchange(route, gw.router.concrete(model))
+    headers = response_headers(resp.headers)
+    media_type = resp.headers.get("Content-Type", "application/json")
+    headers.pop("Content-Type", None)
+    headers.pop("content-type", None)
+    if media_type.startswith("text/event-stream"):
+        return Stream(
+            gw.upstream.relay(ex, resp),
+            status_code=resp.status,
+            headers=headers,
+            media_type=media_type,
+        )
+    data = await gw.upstream.read(ex, resp)
+    if resp.status >= 400:
+        log.warning(
+            "node %s answered %d for %s %s: %s",
+            route.node.name,
+            resp.status,
+            path,
+            route.model_id,
+            data[:300].decode("utf-8", "replace"),
+        )
+    return Response(content=data, status_code=resp.status, headers=headers, media_type=media_type)
+
+
+@post("/v1/chat/completions", status_code=200)
+async def chat_completions(request: Request) -> Response:
+    return await _proxy(request, "/v1/chat/completions")
+
+
+@post("/v1/completions", status_code=200)
+async def completions(request: Request) -> Response:
+    return await _proxy(request, "/v1/completions")
+
+
+@post("/v1/responses", status_code=200)
+async def responses(request: Request) -> Response:
+    return await _proxy(request, "/v1/responses")
+
+
+@get("/v1/models")
+async def v1_models(request: Request) -> dict[str, Any]:
+    gw = _gw(request)
+    assert gw.router is not None
+    return {"object": "list", "data": model_list(gw.router, gw.started_at)}
+
+
+@get("/health")
+async def health(request: Request) -> dict[str, Any]:
+    gw = _gw(request)
+    up = gw.fleet.up()
+    return {
+        "status": "ok" if up else "degraded",
+        "nodes": nodes_view(list(gw.fleet.nodes.values())),
+        "nodes_up": len(up),
+    }
+
+
+@get("/metrics")
+async def metrics(request: Request) -> Response:
+    from helexa.node.metrics import CONTENT_TYPE
+
+    return Response(content=request.app.state.metrics.render(), media_type=CONTENT_TYPE)
+
+
+def _count(gw: GatewayState):
+    """ASGI middleware: `helexa_requests_total{route,code}` for every API request."""
+
+    def middleware(app):
+        async def wrapped(scope, receive, send):
+            if scope["type"] != "http":
+                await app(scope, receive, send)
+                return
+            status = 500
+
+            async def counting_send(message):
+                nonlocal status
+                if message["type"] == "http.response.start":
+                    status = message["status"]
+                await send(message)
+
+            try:
+                await app(scope, receive, counting_send)
+            finally:
+                gw.metrics.requests.labels(scope["path"], str(status)).inc()
+
+        return wrapped
+
+    return middleware
+
+
+def create_gateway_apps(cfg: Config) -> tuple[Litestar, Litestar]:
+    """The API app and the metrics app; they share one fleet picture."""
+    fleet = Fleet([(n.name, n.endpoint) for n in cfg.nodes])
+    gw = GatewayState(cfg, fleet, GatewayMetrics(fleet))
+
+    @asynccontextmanager
+    async def lifespan(app: Litestar) -> AsyncIterator[None]:
+        connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300)
+        timeout = aiohttp.ClientTimeout(total=None, sock_connect=10)
+        async with aiohttp.ClientSession(
+            connector=connector, timeout=timeout, auto_decompress=False
+        ) as session:
+            gw.poller = Poller(fleet, session, cfg.gateway.poll_interval_s)
+            gw.router = Router(cfg, fleet, NodeCalls(session, gw.poller))
+            gw.upstream = Upstream(session, gw.router, gw.metrics)
+            gw.poller.start()
+            try:
+                yield
+            finally:
+                await gw.poller.stop()
+
+    def handle(request: Request, exc: Exception) -> Response:
+        if isinstance(exc, HelexaError) and exc.status >= 500:
+            log.warning("%s %s: %d %s", request.method, request.url.path, exc.status, exc.message)
+        return error_response(request, exc)
+
+    api = Litestar(
+        route_handlers=[chat_completions, completions, responses, v1_models, health],
+        exception_handlers={Exception: handle},
+        lifespan=[lifespan],
+        request_max_body_size=MAX_BODY_BYTES,
+        openapi_config=None,
+        logging_config=None,
+        middleware=[_count(gw)],
+    )
+    api.state.gateway = gw
+    metrics_app = Litestar(
+        route_handlers=[metrics],
+        openapi_config=None,
+        logging_config=None,
+        exception_handlers={Exception: error_response},
+    )
+    metrics_app.state.metrics = gw.metrics
+    return api, metrics_app
