@@ -109,6 +109,9 @@ class NodeConfig(_Listens):
     per_principal_max: NonNegativeInt = 2
     drain_timeout_s: NonNegativeFloat = 60.0
     advertise_endpoint: Url | None = None
+    # Memory (weights + KV pools, MiB) all loaded models may hold together; a load past it
+    # is refused with 503 insufficient_vram so a gateway can evict and retry. None: no cap.
+    max_model_memory_mb: PositiveInt | None = None
     debug_poison: str | None = field(default=None, metadata=DERIVED)  # HELEXA_DEBUG_POISON
 
 

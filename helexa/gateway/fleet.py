@@ -79,6 +79,7 @@ class NodeState:
             "last_seen": self.last_seen,
             "last_error": self.last_error,
             "models": sorted(self.models),
+            "load": dict(self.load),
             "devices": self.devices,
         }
 

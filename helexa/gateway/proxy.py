@@ -108,7 +108,11 @@ class Upstream:
             except (aiohttp.ClientConnectionError, TimeoutError) as e:
                 last_error = f"{type(e).__name__}: {e}"
                 log.warning(
-                    "node %s unreachable for %s %s: %s", route.node.name, path, route.model_id, e
+                    "node %s unreachable for %s %s (%s); it leaves routing until it answers",
+                    route.node.name,
+                    path,
+                    route.model_id,
+                    e,
                 )
                 route.node.mark_down(last_error)
                 continue

@@ -116,11 +116,15 @@ class ServedModel:
 
     @property
     def memory_mb(self) -> int:
-        model = self.engine.runner.model
-        tensors = [*model.parameters(), *model.buffers()]
-        for attn in model.attention_layers:
-            tensors += [attn.k_cache, attn.v_cache]
-        return sum(t.numel() * t.element_size() for t in tensors) // MiB
+        """Weights (packed, dense copies), KV pool and buffers: every tensor the model's
+        modules hold, as parameters or as plain attributes, each storage counted once."""
+        storages: dict[int, int] = {}
+        for module in self.engine.runner.model.modules():
+            attrs = (v for v in vars(module).values() if isinstance(v, torch.Tensor))
+            for t in (*module.parameters(recurse=False), *module.buffers(recurse=False), *attrs):
+                storage = t.untyped_storage()
+                storages[storage.data_ptr()] = storage.nbytes()
+        return sum(storages.values()) // MiB
 
     def describe(self) -> dict[str, Any]:
         """One `/models` entry."""
@@ -248,6 +252,19 @@ class ModelRegistry:
             self._loading.pop(model_id, None)
         served = ServedModel(model_id, options, llm, Admission(self._limits))
         served.load_seconds = time.monotonic() - t0
+        cap = self.cfg.node.max_model_memory_mb
+        held = sum(m.memory_mb for m in self.models.values())
+        if cap is not None and held + served.memory_mb > cap:
+            await asyncio.to_thread(llm.shutdown)
+            raise LoadError(
+                "insufficient_vram",
+                model_id,
+                f"{model_id!r} needs {served.memory_mb} MiB; loaded models hold {held} of the "
+                f"node's max_model_memory_mb = {cap}",
+                "unload a model first",
+                status=503,
+                retry_after=10,
+            )
         self.models[model_id] = served
         log.info(
             "loaded model %s in %.1fs (context %d tokens)",

@@ -75,6 +75,7 @@ async def _proxy(request: Request, path: str) -> Response:
     gw.router.begin(route)
     ex = Exchange(route, gw.router.concrete(model))
     headers = response_headers(resp.headers)
+    headers["x-helexa-node"] = route.node.name  # which replica answered
     media_type = resp.headers.get("Content-Type", "application/json")
     headers.pop("Content-Type", None)
     headers.pop("content-type", None)

@@ -91,6 +91,7 @@ def start_node(
     wait_ready: bool = True,
 ) -> NodeProcess:
     """Start a node serving `models` and wait until its default models are loaded."""
+    tmp.mkdir(parents=True, exist_ok=True)
     port = free_port()
     node_cfg = {
         "listen": f"127.0.0.1:{port}",
