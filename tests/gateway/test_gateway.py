@@ -252,3 +252,20 @@ def test_sse_bytes_pass_through_unchanged(small_fleet):
     via_gw, direct = events(gw.base_url), events(node.base_url)
     strip = lambda cs: [{k: v for k, v in c.items() if k not in ("id", "created")} for c in cs]  # noqa: E731
     assert strip(via_gw) == strip(direct)
+
+
+def test_sigterm_lets_a_proxied_stream_finish_then_the_gateway_exits_zero(tmp_path, small_fleet):
+    _, node, (tiny, _, _) = small_fleet
+    gw = start_gateway(tmp_path, {"c": node})
+    body = _chat(tiny, stream=True, max_tokens=150, ignore_eos=True)
+    lines: list[str] = []
+    with httpx.stream("POST", gw.v1 + "/chat/completions", json=body, timeout=60) as r:
+        for line in r.iter_lines():
+            if line:
+                lines.append(line)
+            if len(lines) == 2:
+                gw.proc.send_signal(signal.SIGTERM)
+    assert gw.proc.wait(30) == 0
+    assert lines[-1] == "data: [DONE]"
+    usage = json.loads(next(x for x in reversed(lines) if '"usage"' in x)[6:])["usage"]
+    assert usage["completion_tokens"] == 150
