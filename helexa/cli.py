@@ -60,31 +60,6 @@ def cmd_bench(args: argparse.Namespace, cfg: Config) -> int:
     return bench_engine(args, cfg)
 
 
-def _configure_logging(cfg: Config) -> None:
-    import json
-    import logging
-
-    class _Json(logging.Formatter):
-        def format(self, record: logging.LogRecord) -> str:
-            entry = {
-                "ts": self.formatTime(record),
-                "level": record.levelname.lower(),
-                "logger": record.name,
-                "msg": record.getMessage(),
-            }
-            if record.exc_info:
-                entry["exc"] = self.formatException(record.exc_info)
-            return json.dumps(entry)
-
-    handler = logging.StreamHandler()
-    handler.setFormatter(
-        _Json()
-        if cfg.log.json
-        else logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s")
-    )
-    logging.basicConfig(level=cfg.log.level.upper(), handlers=[handler], force=True)
-
-
 def _print_node_banner(host: str, port: int, models: list[str]) -> None:
     from helexa.engine.loader.load import BUNDLED_MODEL_ID
 
@@ -107,7 +82,9 @@ def _print_node_banner(host: str, port: int, models: list[str]) -> None:
 
 def cmd_serve(args: argparse.Namespace, cfg: Config) -> int:
     """Run a role's HTTP service until SIGTERM/SIGINT."""
-    _configure_logging(cfg)
+    from helexa.logs import configure
+
+    configure(cfg.log)
     from helexa.web.server import serve
 
     if args.role == "node":

@@ -16,6 +16,7 @@ import aiohttp
 from helexa.errors import service_unavailable
 from helexa.gateway.metrics import GatewayMetrics
 from helexa.gateway.router import NO_NODE_RETRY_AFTER_S, Route, Router
+from helexa.logs import event
 
 log = logging.getLogger(__name__)
 
@@ -107,20 +108,26 @@ class Upstream:
                 resp = await self.session.post(route.base_url + path, data=body, headers=headers)
             except (aiohttp.ClientConnectionError, TimeoutError) as e:
                 last_error = f"{type(e).__name__}: {e}"
-                log.warning(
-                    "node %s unreachable for %s %s (%s); it leaves routing until it answers",
-                    route.node.name,
-                    path,
-                    route.model_id,
-                    e,
+                event(
+                    log,
+                    logging.WARNING,
+                    "proxy failure: node unreachable, it leaves routing until it answers",
+                    node=route.node.name,
+                    model=route.model_id,
+                    path=path,
+                    error=last_error,
                 )
                 route.node.mark_down(last_error)
                 continue
             if resp.status == 503 and retry_left:
-                log.warning(
-                    "node %s answered 503 for %s; trying the next replica",
-                    route.node.name,
-                    route.model_id,
+                event(
+                    log,
+                    logging.WARNING,
+                    "proxy failure: 503, trying the next replica",
+                    node=route.node.name,
+                    model=route.model_id,
+                    path=path,
+                    retry_after=resp.headers.get("Retry-After"),
                 )
                 resp.release()
                 continue

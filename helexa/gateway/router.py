@@ -14,6 +14,7 @@ from typing import Any, Protocol
 from helexa.config import Config, ModelEntry
 from helexa.errors import model_not_found, service_unavailable
 from helexa.gateway.fleet import Fleet, NodeState
+from helexa.logs import event
 
 log = logging.getLogger(__name__)
 
@@ -168,7 +169,15 @@ class Router:
                 continue
             message = (answer.get("error") or {}).get("message") or f"HTTP {status}"
             errors.append(f"{node.name}: {message}")
-            log.warning("cold load of %s on %s failed: %s", model_id, node.name, message)
+            event(
+                log,
+                logging.WARNING,
+                "cold load failed",
+                model=model_id,
+                node=node.name,
+                status=status,
+                error=message,
+            )
         raise service_unavailable(
             f"could not load model {model_id!r}: " + "; ".join(errors),
             LOAD_FAILED_RETRY_AFTER_S,

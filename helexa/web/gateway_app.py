@@ -23,6 +23,7 @@ from helexa.gateway.metrics import GatewayMetrics
 from helexa.gateway.poller import NodeCalls, Poller
 from helexa.gateway.proxy import Exchange, Upstream, forward_headers, response_headers
 from helexa.gateway.router import Router
+from helexa.logs import event
 from helexa.web.node_app import MAX_BODY_BYTES, error_response
 
 log = logging.getLogger(__name__)
@@ -88,13 +89,15 @@ async def _proxy(request: Request, path: str) -> Response:
         )
     data = await gw.upstream.read(ex, resp)
     if resp.status >= 400:
-        log.warning(
-            "node %s answered %d for %s %s: %s",
-            route.node.name,
-            resp.status,
-            path,
-            route.model_id,
-            data[:300].decode("utf-8", "replace"),
+        event(
+            log,
+            logging.WARNING,
+            "upstream error",
+            node=route.node.name,
+            model=route.model_id,
+            path=path,
+            status=resp.status,
+            body=data[:500].decode("utf-8", "replace"),
         )
     return Response(content=data, status_code=resp.status, headers=headers, media_type=media_type)
 
@@ -187,8 +190,16 @@ def create_gateway_apps(cfg: Config) -> tuple[Litestar, Litestar]:
                 await gw.poller.stop()
 
     def handle(request: Request, exc: Exception) -> Response:
-        if isinstance(exc, HelexaError) and exc.status >= 500:
-            log.warning("%s %s: %d %s", request.method, request.url.path, exc.status, exc.message)
+        if isinstance(exc, HelexaError):
+            event(
+                log,
+                logging.WARNING,
+                "request refused",
+                path=request.url.path,
+                status=exc.status,
+                code=exc.code,
+                error=exc.message,
+            )
         return error_response(request, exc)
 
     api = Litestar(

@@ -1,0 +1,45 @@
+"""Logging for both roles: configured once by the CLI; events carry structured fields.
+
+`event(log, level, what, **fields)` writes "what k=v k=v" as text, and with `[log] json`
+one JSON object per line whose fields are real keys, so a failure can be found by node,
+model or status without parsing prose.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any
+
+from helexa.config import LogConfig
+
+_FIELDS = "helexa_fields"
+
+
+def event(log: logging.Logger, level: int, what: str, **fields: Any) -> None:
+    text = " ".join(f"{k}={v!r}" if isinstance(v, str) else f"{k}={v}" for k, v in fields.items())
+    log.log(level, f"{what} {text}" if text else what, extra={_FIELDS: fields})
+
+
+class JsonFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        entry: dict[str, Any] = {
+            "ts": self.formatTime(record),
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "msg": record.getMessage(),
+        }
+        entry |= getattr(record, _FIELDS, {})
+        if record.exc_info:
+            entry["exc"] = self.formatException(record.exc_info)
+        return json.dumps(entry, default=str)
+
+
+def configure(cfg: LogConfig) -> None:
+    handler = logging.StreamHandler()
+    handler.setFormatter(
+        JsonFormatter()
+        if cfg.json
+        else logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s")
+    )
+    logging.basicConfig(level=cfg.level.upper(), handlers=[handler], force=True)
