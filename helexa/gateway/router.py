@@ -195,6 +195,7 @@ class Router:
             status, answer = await self.nodes.load(node, body)
             if status != 503 or (answer.get("error") or {}).get("code") != "insufficient_vram":
                 return status, answer
+            await self.nodes.refresh(node)  # choose the victim on current load, not a stale poll
             victim = self._eviction_victim(node, body["model_id"])
             if victim is None:
                 return status, answer

@@ -77,7 +77,10 @@ async def _proxy(request: Request, path: str) -> Response:
     ex = Exchange(route, gw.router.concrete(model))
     headers = response_headers(resp.headers)
     headers["x-helexa-node"] = route.node.name  # which replica answered
+    # Litestar adds "; charset=utf-8" to text types itself: pass the bare type, not a double
     media_type = resp.headers.get("Content-Type", "application/json")
+    if media_type.startswith("text/"):
+        media_type = media_type.split(";", 1)[0]
     headers.pop("Content-Type", None)
     headers.pop("content-type", None)
     if media_type.startswith("text/event-stream"):

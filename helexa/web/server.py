@@ -66,7 +66,12 @@ def serve(
                 s.should_exit = True
             await asyncio.gather(*tasks, return_exceptions=True)
 
-    asyncio.run(run_all())
+    try:
+        import uvloop
+    except ImportError:  # pragma: no cover - not on Windows
+        asyncio.run(run_all())
+    else:
+        uvloop.run(run_all())
     return 0 if main.started and all(s.started for s in others) else 1
 
 

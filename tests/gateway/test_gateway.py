@@ -99,7 +99,7 @@ def test_the_first_chunk_arrives_while_the_node_is_still_generating(fleet, long_
     body = _chat(long_id, stream=True, max_tokens=2000, ignore_eos=True)
     with httpx.stream("POST", gw.v1 + "/chat/completions", json=body, timeout=60) as r:
         assert r.status_code == 200
-        assert r.headers["content-type"].startswith("text/event-stream")
+        assert r.headers["content-type"] == "text/event-stream; charset=utf-8"
         node = nodes[r.headers["x-helexa-node"]]
         for line in r.iter_lines():
             if '"content":"' in line and '"content":""' not in line:
