@@ -145,33 +145,39 @@ async def metrics(request: Request) -> Response:
     return Response(content=request.app.state.metrics.render(), media_type=CONTENT_TYPE)
 
 
-def _count(gw: GatewayState):
-    """ASGI middleware: `helexa_requests_total{route,code}` for every API request."""
-
-    def middleware(app):
-        async def wrapped(scope, receive, send):
-            if scope["type"] != "http":
-                await app(scope, receive, send)
-                return
-            status = 500
-
-            async def counting_send(message):
-                nonlocal status
-                if message["type"] == "http.response.start":
-                    status = message["status"]
-                await send(message)
-
-            try:
-                await app(scope, receive, counting_send)
-            finally:
-                gw.metrics.requests.labels(scope["path"], str(status)).inc()
-
-        return wrapped
-
-    return middleware
+_ROUTES = {"/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/models", "/health"}
 
 
-def create_gateway_apps(cfg: Config) -> tuple[Litestar, Litestar]:
+class CountedApp:
+    """The API app wrapped so that `helexa_requests_total{route,code}` sees every request,
+    unmatched paths (404) and refused methods (405) included."""
+
+    def __init__(self, app: Litestar, gw: GatewayState) -> None:
+        self.app = app
+        self.gw = gw
+        self.state = app.state
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        status = 500
+
+        async def counting_send(message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, counting_send)
+        finally:
+            path = scope["path"]
+            route = path if path in _ROUTES else "other"  # bounded label values
+            self.gw.metrics.requests.labels(route, str(status)).inc()
+
+
+def create_gateway_apps(cfg: Config) -> tuple[CountedApp, Litestar]:
     """The API app and the metrics app; they share one fleet picture."""
     fleet = Fleet([(n.name, n.endpoint) for n in cfg.nodes])
     gw = GatewayState(cfg, fleet, GatewayMetrics(fleet))
@@ -212,7 +218,6 @@ def create_gateway_apps(cfg: Config) -> tuple[Litestar, Litestar]:
         request_max_body_size=MAX_BODY_BYTES,
         openapi_config=None,
         logging_config=None,
-        middleware=[_count(gw)],
     )
     api.state.gateway = gw
     metrics_app = Litestar(
@@ -222,4 +227,4 @@ def create_gateway_apps(cfg: Config) -> tuple[Litestar, Litestar]:
         exception_handlers={Exception: error_response},
     )
     metrics_app.state.metrics = gw.metrics
-    return api, metrics_app
+    return CountedApp(api, gw), metrics_app

@@ -12,7 +12,7 @@ from collections.abc import Callable, Generator
 from types import FrameType
 
 import uvicorn
-from litestar import Litestar
+from litestar.types import ASGIApp
 
 log = logging.getLogger(__name__)
 
@@ -42,13 +42,13 @@ class _Companion(uvicorn.Server):
 
 
 def serve(
-    app: Litestar,
+    app: ASGIApp,
     host: str,
     port: int,
     *,
     drain_timeout_s: float,
     on_exit: Callable[[], None] | None = None,
-    companions: list[tuple[Litestar, str, int]] | None = None,
+    companions: list[tuple[ASGIApp, str, int]] | None = None,
 ) -> int:
     """Serve until a signal; returns the process exit code."""
     main = _Server(_config(app, host, port, drain_timeout_s), on_exit)
@@ -75,7 +75,7 @@ def serve(
     return 0 if main.started and all(s.started for s in others) else 1
 
 
-def _config(app: Litestar, host: str, port: int, drain_timeout_s: float) -> uvicorn.Config:
+def _config(app: ASGIApp, host: str, port: int, drain_timeout_s: float) -> uvicorn.Config:
     return uvicorn.Config(
         app,
         host=host,

@@ -151,6 +151,7 @@ def test_metrics_count_tokens_from_the_nodes_usage_per_model_and_node(fleet, tin
     gw, _ = fleet
     r = gw.post("/v1/chat/completions", _chat(tiny_id, max_tokens=3, ignore_eos=True))
     node = r.headers["x-helexa-node"]
+    assert gw.get("/no/such/path/123").status_code == 404
     text = httpx.get(gw.metrics_url + "/metrics", timeout=10).text
     label = f'model="{tiny_id}",node="{node}"'
     assert f"helexa_completion_tokens_total{{{label}}}" in text
@@ -158,6 +159,9 @@ def test_metrics_count_tokens_from_the_nodes_usage_per_model_and_node(fleet, tin
     assert "helexa_tokens_per_second_bucket{" in text
     assert 'helexa_node_up{node="a"} 1.0' in text
     assert 'helexa_requests_total{code="200",route="/v1/chat/completions"}' in text
+    text = httpx.get(gw.metrics_url + "/metrics", timeout=10).text
+    assert 'helexa_requests_total{code="404",route="other"}' in text  # no label per path
+    assert "/no/such/path" not in text
 
 
 def test_a_sigkilled_node_leaves_routing_and_its_traffic_goes_to_the_other(fleet, tiny_id):
