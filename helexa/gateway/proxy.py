@@ -44,6 +44,13 @@ PRINCIPAL_PREFIX = "x-helexa-"
 USAGE_TAIL_BYTES = 64 << 10
 
 
+def warn(what: str, route: Route, path: str, **fields: object) -> None:
+    """One structured warning about a proxied request."""
+    event(
+        log, logging.WARNING, what, node=route.node.name, model=route.model_id, path=path, **fields
+    )
+
+
 def forward_headers(headers: Mapping[str, str]) -> dict[str, str]:
     """The client's headers for the node, less hop-by-hop ones and any client-sent
     `x-helexa-*` principal claims (the gateway stamps its own)."""
@@ -108,25 +115,19 @@ class Upstream:
                 resp = await self.session.post(route.base_url + path, data=body, headers=headers)
             except (aiohttp.ClientConnectionError, TimeoutError) as e:
                 last_error = f"{type(e).__name__}: {e}"
-                event(
-                    log,
-                    logging.WARNING,
+                warn(
                     "proxy failure: node unreachable, it leaves routing until it answers",
-                    node=route.node.name,
-                    model=route.model_id,
-                    path=path,
+                    route,
+                    path,
                     error=last_error,
                 )
                 route.node.mark_down(last_error)
                 continue
             if resp.status == 503 and retry_left:
-                event(
-                    log,
-                    logging.WARNING,
+                warn(
                     "proxy failure: 503, trying the next replica",
-                    node=route.node.name,
-                    model=route.model_id,
-                    path=path,
+                    route,
+                    path,
                     retry_after=resp.headers.get("Retry-After"),
                 )
                 resp.release()

@@ -21,7 +21,7 @@ from helexa.gateway.catalogue import model_list, nodes_view
 from helexa.gateway.fleet import Fleet
 from helexa.gateway.metrics import GatewayMetrics
 from helexa.gateway.poller import NodeCalls, Poller
-from helexa.gateway.proxy import Exchange, Upstream, forward_headers, response_headers
+from helexa.gateway.proxy import Exchange, Upstream, forward_headers, response_headers, warn
 from helexa.gateway.router import Router
 from helexa.logs import event
 from helexa.web.node_app import MAX_BODY_BYTES, error_response
@@ -92,13 +92,10 @@ async def _proxy(request: Request, path: str) -> Response:
         )
     data = await gw.upstream.read(ex, resp)
     if resp.status >= 400:
-        event(
-            log,
-            logging.WARNING,
+        warn(
             "upstream error",
-            node=route.node.name,
-            model=route.model_id,
-            path=path,
+            route,
+            path,
             status=resp.status,
             body=data[:500].decode("utf-8", "replace"),
         )
