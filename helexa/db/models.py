@@ -1,0 +1,137 @@
+"""The gateway's durable state: accounts, keys, budgets, the spend ledger, the catalogue.
+
+Every schema change is an Alembic revision in `migrations/`; tests build the schema with
+`alembic upgrade head`, never `create_all`.
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+
+from sqlalchemy import JSON, DateTime, Float, ForeignKey, Index, Integer, String, func
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
+
+
+def utcnow() -> datetime:
+    return datetime.now(UTC)
+
+
+class Base(DeclarativeBase):
+    pass
+
+
+class Account(Base):
+    """Who pays: keys belong to an account."""
+
+    __tablename__ = "accounts"
+
+    id: Mapped[str] = mapped_column(String(200), primary_key=True)  # the account's name
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+    keys: Mapped[list[ApiKey]] = relationship(back_populates="account")
+
+
+class ApiKey(Base):
+    """An API key: only a hash of its secret is kept, plus a visible prefix to recognise it."""
+
+    __tablename__ = "api_keys"
+
+    id: Mapped[str] = mapped_column(String(40), primary_key=True)  # "key_" + hex
+    account_id: Mapped[str] = mapped_column(ForeignKey("accounts.id"), index=True)
+    name: Mapped[str | None] = mapped_column(String(200))
+    prefix: Mapped[str] = mapped_column(String(20))  # first characters of the secret
+    secret_hash: Mapped[str] = mapped_column(String(64), unique=True)  # sha256 hex
+    allowed_models: Mapped[list[str] | None] = mapped_column(JSON)  # None: every model
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    revoked_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+
+    account: Mapped[Account] = relationship(back_populates="keys")
+    budget: Mapped[Budget | None] = relationship(back_populates="key", uselist=False)
+
+    @property
+    def is_active(self) -> bool:
+        return self.revoked_at is None
+
+
+class Budget(Base):
+    """A key's cap: tokens and/or cost, over its whole life (`balance`) or a rolling window."""
+
+    __tablename__ = "budgets"
+
+    key_id: Mapped[str] = mapped_column(ForeignKey("api_keys.id"), primary_key=True)
+    cap_tokens: Mapped[int | None] = mapped_column(Integer)
+    cap_cost_usd: Mapped[float | None] = mapped_column(Float)
+    window: Mapped[str] = mapped_column(String(16), default="balance")  # balance | rolling
+    window_seconds: Mapped[int | None] = mapped_column(Integer)  # for rolling
+    updated_at: Mapped[datetime] = mapped_column(
+        DateTime(timezone=True), default=utcnow, onupdate=utcnow
+    )
+
+    key: Mapped[ApiKey] = relationship(back_populates="budget")
+
+
+class SpendRecord(Base):
+    """One row per request the gateway answered (anonymous ones too)."""
+
+    __tablename__ = "spend_ledger"
+    __table_args__ = (
+        Index("ix_spend_ledger_key_ts", "key_id", "ts"),
+        Index("ix_spend_ledger_account_ts", "account_id", "ts"),
+        Index("ix_spend_ledger_model_ts", "model", "ts"),
+    )
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    ts: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow, index=True)
+    account_id: Mapped[str | None] = mapped_column(String(200))
+    key_id: Mapped[str | None] = mapped_column(String(40))
+    model: Mapped[str] = mapped_column(String(500))
+    node: Mapped[str | None] = mapped_column(String(200))
+    prompt_tokens: Mapped[int] = mapped_column(Integer, default=0)
+    completion_tokens: Mapped[int] = mapped_column(Integer, default=0)
+    cached_tokens: Mapped[int] = mapped_column(Integer, default=0)
+    reasoning_tokens: Mapped[int] = mapped_column(Integer, default=0)
+    cost_usd: Mapped[float] = mapped_column(Float, default=0.0)
+    status: Mapped[int] = mapped_column(Integer)
+    finish_reason: Mapped[str | None] = mapped_column(String(32))
+    ttft_ms: Mapped[float | None] = mapped_column(Float)
+    latency_ms: Mapped[float | None] = mapped_column(Float)
+
+
+class CatalogueModel(Base):
+    """A model the gateway may route to and cold-load (`[[models]]` seeds these)."""
+
+    __tablename__ = "catalogue_models"
+
+    id: Mapped[str] = mapped_column(String(500), primary_key=True)
+    source: Mapped[str | None] = mapped_column(String(100))
+    quant: Mapped[str | None] = mapped_column(String(50))
+    dtype: Mapped[str | None] = mapped_column(String(20))
+    tensor_parallel: Mapped[int] = mapped_column(Integer, default=1)
+    min_devices: Mapped[int | None] = mapped_column(Integer)
+    min_device_vram_mb: Mapped[int | None] = mapped_column(Integer)
+    pinned_on: Mapped[list[str]] = mapped_column(JSON, default=list)
+    cost_input: Mapped[float] = mapped_column(Float, default=0.0)  # USD per 1M tokens
+    cost_output: Mapped[float] = mapped_column(Float, default=0.0)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    updated_at: Mapped[datetime] = mapped_column(
+        DateTime(timezone=True), default=utcnow, onupdate=utcnow
+    )
+
+
+class Alias(Base):
+    __tablename__ = "aliases"
+
+    alias: Mapped[str] = mapped_column(String(500), primary_key=True)
+    target: Mapped[str] = mapped_column(String(500))
+
+
+class Setting(Base):
+    """Small facts about the database itself (e.g. that the catalogue was seeded)."""
+
+    __tablename__ = "settings"
+
+    key: Mapped[str] = mapped_column(String(100), primary_key=True)
+    value: Mapped[str] = mapped_column(String(1000))
+    updated_at: Mapped[datetime] = mapped_column(
+        DateTime(timezone=True), default=utcnow, server_default=func.now()
+    )
