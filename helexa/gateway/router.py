@@ -44,11 +44,17 @@ class Router:
     def __init__(self, cfg: Config, fleet: Fleet, nodes: NodeClient) -> None:
         self.fleet = fleet
         self.nodes = nodes
-        self.catalogue: dict[str, ModelEntry] = {m.id: m for m in cfg.models}
-        self.aliases: dict[str, str] = dict(cfg.aliases)
+        self.catalogue: dict[str, ModelEntry] = {}
+        self.aliases: dict[str, str] = {}
+        self.replace_catalogue(cfg.models, cfg.aliases)
         self.in_flight: dict[tuple[str, str], int] = {}  # (node, model) -> proxied by us now
         self.last_used: dict[tuple[str, str], float] = {}
         self._cold: dict[str, asyncio.Task[NodeState]] = {}
+
+    def replace_catalogue(self, models: list[ModelEntry], aliases: dict[str, str]) -> None:
+        """The catalogue and aliases to route by (from the database once it is open)."""
+        self.catalogue = {m.id: m for m in models}
+        self.aliases = dict(aliases)
 
     # -- naming ----------------------------------------------------------------------
     def concrete(self, model: str) -> str:
