@@ -132,6 +132,90 @@ def cmd_config(args: argparse.Namespace, cfg: Config) -> int:
     return 0
 
 
+def cmd_db(args: argparse.Namespace, cfg: Config) -> int:
+    """`helexa db upgrade|downgrade|current` on [gateway] database_url."""
+    from alembic.util import CommandError
+    from sqlalchemy import make_url
+
+    from helexa.db import session
+
+    url = cfg.gateway.database_url
+    shown = make_url(url).render_as_string(hide_password=True)
+    before = session.current(url)
+    try:
+        if args.db_command == "upgrade":
+            session.upgrade(url, args.revision)
+        elif args.db_command == "downgrade":
+            session.downgrade(url, args.revision)
+    except CommandError as e:  # e.g. an unknown revision
+        raise ValueError(f"{shown}: {e}") from None
+    after = session.current(url)
+    if args.db_command == "current":
+        print(f"{shown}: at revision {after or 'none (empty database)'}")
+    elif before == after:
+        print(f"{shown}: already at revision {after or 'none'}")
+    else:
+        print(f"{shown}: {args.db_command}d from {before or 'none'} to {after or 'none'}")
+    return 0
+
+
+def _key_store(cfg: Config):
+    from helexa.db.session import open_database
+    from helexa.gateway.keys import KeyStore
+
+    _, sessions = open_database(cfg)
+    return KeyStore(sessions)
+
+
+def _split_models(text: str | None) -> list[str] | None:
+    return None if text is None else text.split(",")
+
+
+def cmd_keys(args: argparse.Namespace, cfg: Config) -> int:
+    """`helexa keys create|list|revoke|set-budget`: secrets are printed once, by create."""
+    from helexa.gateway.keys import describe_key, format_keys
+
+    store = _key_store(cfg)
+    if args.keys_command == "create":
+        info, secret = store.create(
+            args.account,
+            name=args.name,
+            models=_split_models(args.models),
+            cap_tokens=args.cap_tokens,
+            cap_cost_usd=args.cap_cost,
+            window=args.window,
+        )
+        print(describe_key(info))
+        print("secret (shown once; store it now):")
+        print(secret)
+    elif args.keys_command == "list":
+        print(format_keys(store.list(account=args.account)))
+    elif args.keys_command == "revoke":
+        if not store.revoke(args.id):
+            known = store.get(args.id) is not None
+            raise ValueError(f"key {args.id!r} is {'already revoked' if known else 'unknown'}")
+        print(f"revoked {args.id}")
+    else:
+        try:
+            info = store.set_budget(
+                args.id, cap_tokens=args.cap_tokens, cap_cost_usd=args.cap_cost, window=args.window
+            )
+        except KeyError:
+            raise ValueError(f"unknown key {args.id!r}; see `helexa keys list`") from None
+        print(describe_key(info))
+    return 0
+
+
+def cmd_spend(args: argparse.Namespace, cfg: Config) -> int:
+    """Ledger totals per key, and a grand total."""
+    from helexa.gateway.spend_report import format_spend, parse_since
+
+    since = parse_since(args.since) if args.since else None
+    rows = _key_store(cfg).spend_totals(key_id=args.key, account=args.account, since=since)
+    print(format_spend(rows))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="helexa",
@@ -184,6 +268,44 @@ def build_parser() -> argparse.ArgumentParser:
         help="model to load at start, added to default_models (repeatable)",
     )
     serve.set_defaults(func=cmd_serve)
+
+    keys = sub.add_parser("keys", help="API keys: create, list, revoke, set-budget")
+    keys_sub = keys.add_subparsers(dest="keys_command", required=True, metavar="ACTION")
+    create = keys_sub.add_parser("create", help="create a key; prints its secret once, last")
+    create.add_argument("--account", required=True, help="account the key belongs to")
+    create.add_argument("--name", help="a label for the key")
+    create.add_argument("--models", metavar="M1,M2", help="only these models (default: every)")
+    listing = keys_sub.add_parser("list", help="list keys (never their secrets)")
+    listing.add_argument("--account", help="only this account's keys")
+    revoke = keys_sub.add_parser("revoke", help="revoke a key")
+    revoke.add_argument("id", metavar="ID")
+    budget = keys_sub.add_parser("set-budget", help="replace a key's budget (no caps: remove it)")
+    budget.add_argument("id", metavar="ID")
+    for p in (create, budget):
+        p.add_argument("--cap-tokens", type=int, metavar="N", help="cap in tokens")
+        p.add_argument("--cap-cost", type=float, metavar="USD", help="cap in USD")
+        p.add_argument("--window", default="balance", help="balance (default) or rolling:SECONDS")
+    for p in (create, listing, revoke, budget):
+        _add_config_arg(p)
+    keys.set_defaults(func=cmd_keys)
+
+    spend = sub.add_parser("spend", help="what each key spent, from the ledger")
+    _add_config_arg(spend)
+    spend.add_argument("--key", metavar="ID", help="only this key")
+    spend.add_argument("--account", help="only this account")
+    spend.add_argument("--since", help="2026-11-01, an ISO date-time, or 24h / 7d back from now")
+    spend.set_defaults(func=cmd_spend)
+
+    db = sub.add_parser("db", help="the gateway's database: migrate it, show its revision")
+    db_sub = db.add_subparsers(dest="db_command", required=True, metavar="ACTION")
+    db_up = db_sub.add_parser("upgrade", help="migrate to the newest schema (or REV)")
+    db_up.add_argument("revision", nargs="?", default="head", metavar="REV")
+    db_down = db_sub.add_parser("downgrade", help="migrate back to REV ('base': drop all)")
+    db_down.add_argument("revision", metavar="REV")
+    db_current = db_sub.add_parser("current", help="print the database's revision")
+    for p in (db_up, db_down, db_current):
+        _add_config_arg(p)
+    db.set_defaults(func=cmd_db)
 
     show = sub.add_parser("config", help="print the effective configuration")
     _add_config_arg(show)

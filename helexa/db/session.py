@@ -1,0 +1,122 @@
+"""Engines, sessions and migrations: the only place that knows how to open the database.
+
+SQLite (the default) gets WAL, a busy timeout and enforced foreign keys on every
+connection; any other SQLAlchemy URL passes through. The schema is Alembic's
+(`migrations/` at the repository root), run here programmatically.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+from alembic import command
+from alembic.config import Config as AlembicConfig
+from alembic.runtime.migration import MigrationContext
+from sqlalchemy import Connection, Engine, create_engine, event, make_url
+from sqlalchemy.orm import Session, sessionmaker
+from sqlalchemy.pool import StaticPool
+
+import helexa
+from helexa.config import Config
+
+MIGRATIONS_DIR = Path(helexa.__file__).resolve().parents[1] / "migrations"
+SQLITE_PRAGMAS = (
+    "PRAGMA journal_mode=WAL",  # readers never block the ledger writer
+    "PRAGMA busy_timeout=5000",
+    "PRAGMA foreign_keys=ON",
+    "PRAGMA synchronous=NORMAL",  # durable across process crashes under WAL; fast
+)
+
+
+def is_sqlite(url: str) -> bool:
+    return make_url(url).get_backend_name() == "sqlite"
+
+
+def make_engine(url: str) -> Engine:
+    """An engine for `url`; SQLite files get their directory created and the pragmas above."""
+    parsed = make_url(url)
+    if parsed.get_backend_name() != "sqlite":
+        return create_engine(url, pool_pre_ping=True)
+    database = parsed.database or ""
+    in_memory = database in ("", ":memory:") or parsed.query.get("mode") == "memory"
+    if in_memory:  # one shared connection, or every checkout would see an empty database
+        engine = create_engine(
+            url, connect_args={"timeout": 30, "check_same_thread": False}, poolclass=StaticPool
+        )
+    else:
+        Path(database).expanduser().parent.mkdir(parents=True, exist_ok=True)
+        engine = create_engine(url, connect_args={"timeout": 30})
+
+    @event.listens_for(engine, "connect")
+    def _set_pragmas(dbapi_connection, _record) -> None:  # type: ignore[no-untyped-def]
+        cursor = dbapi_connection.cursor()
+        for pragma in SQLITE_PRAGMAS:
+            cursor.execute(pragma)
+        cursor.close()
+
+    return engine
+
+
+def session_factory(engine: Engine) -> sessionmaker[Session]:
+    """Sessions whose objects stay readable after commit (handlers return them)."""
+    return sessionmaker(engine, expire_on_commit=False)
+
+
+def alembic_config(url: str, connection: Connection | None = None) -> AlembicConfig:
+    """Alembic's configuration for `url`, without reading alembic.ini."""
+    cfg = AlembicConfig()
+    cfg.set_main_option("script_location", str(MIGRATIONS_DIR))
+    cfg.set_main_option("sqlalchemy.url", url.replace("%", "%%"))  # configparser interpolation
+    if connection is not None:
+        cfg.attributes["connection"] = connection
+    return cfg
+
+
+def _migrate(engine: Engine, step: Callable[[AlembicConfig, str], None], revision: str) -> None:
+    """Run an Alembic command on one of `engine`'s connections and commit it."""
+    url = engine.url.render_as_string(hide_password=False)
+    with engine.connect() as conn:
+        step(alembic_config(url, conn), revision)
+        conn.commit()
+        if conn.dialect.name == "sqlite":  # env.py turned it off; this connection goes back
+            conn.exec_driver_sql("PRAGMA foreign_keys=ON")  # to the pool
+            conn.commit()
+
+
+def upgrade(url: str, revision: str = "head") -> None:
+    """Migrate the database at `url` forward to `revision`."""
+    engine = make_engine(url)
+    try:
+        _migrate(engine, command.upgrade, revision)
+    finally:
+        engine.dispose()
+
+
+def downgrade(url: str, revision: str) -> None:
+    """Migrate the database at `url` back to `revision` ("base": drop everything)."""
+    engine = make_engine(url)
+    try:
+        _migrate(engine, command.downgrade, revision)
+    finally:
+        engine.dispose()
+
+
+def current(url: str) -> str | None:
+    """The database's revision, or None when it has never been migrated."""
+    file = make_url(url).database or ""
+    if is_sqlite(url) and file not in ("", ":memory:") and not Path(file).expanduser().exists():
+        return None  # don't create the file just to look
+    engine = make_engine(url)
+    try:
+        with engine.connect() as conn:
+            return MigrationContext.configure(conn).get_current_revision()
+    finally:
+        engine.dispose()
+
+
+def open_database(cfg: Config) -> tuple[Engine, sessionmaker[Session]]:
+    """The gateway's database, migrated to head, and a session factory over it."""
+    engine = make_engine(cfg.gateway.database_url)
+    _migrate(engine, command.upgrade, "head")
+    return engine, session_factory(engine)
