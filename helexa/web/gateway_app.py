@@ -3,6 +3,7 @@ Prometheus app on its own port. Handlers are thin; decisions live in `helexa.gat
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -16,15 +17,25 @@ from litestar import Litestar, Request, get, post
 from litestar.response import Response, Stream
 
 from helexa.config import Config
-from helexa.errors import HelexaError, invalid_request
+from helexa.db.seed import load_catalogue, seed_catalogue
+from helexa.db.session import open_database
+from helexa.errors import HelexaError, invalid_request, model_not_found
+from helexa.gateway.auth import Authenticator, Principal
 from helexa.gateway.catalogue import model_list, nodes_view
 from helexa.gateway.fleet import Fleet
+from helexa.gateway.keys import KeyStore
 from helexa.gateway.metrics import GatewayMetrics
 from helexa.gateway.poller import NodeCalls, Poller
 from helexa.gateway.proxy import Exchange, Upstream, forward_headers, response_headers, warn
 from helexa.gateway.router import Router
 from helexa.logs import event
-from helexa.web.node_app import MAX_BODY_BYTES, error_response
+from helexa.web.node_app import (
+    ACCOUNT_HEADER,
+    KEY_HEADER,
+    MAX_BODY_BYTES,
+    SECRET_HEADER,
+    error_response,
+)
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +51,7 @@ class GatewayState:
     router: Router | None = None
     upstream: Upstream | None = None
     poller: Poller | None = None
+    auth: Authenticator | None = None
     started_at: int = field(default_factory=lambda: int(time.time()))
 
 
@@ -62,17 +74,41 @@ def _body_object(raw: bytes) -> dict[str, Any]:
     return body
 
 
+def _node_headers(gw: GatewayState, request: Request, principal: Principal) -> dict[str, str]:
+    """The client's headers for the node: its key and any `x-helexa-*` claims removed, the
+    authenticated principal stamped, with the shared node secret when one is set."""
+    headers = forward_headers(request.headers)
+    headers.pop("authorization", None)
+    headers.pop("Authorization", None)
+    if principal.key is not None:
+        headers[ACCOUNT_HEADER] = principal.key.account_id
+        headers[KEY_HEADER] = principal.key.id
+    if gw.cfg.node.gateway_secret:
+        headers[SECRET_HEADER] = gw.cfg.node.gateway_secret
+    return headers
+
+
+def _check_scope(gw: GatewayState, principal: Principal, model: str) -> None:
+    """A key scoped to some models does not see the others: 404, as if they did not exist."""
+    key = principal.key
+    if key is not None and not (key.allows(model) or key.allows(gw.router.concrete(model))):
+        raise model_not_found(model)
+
+
 async def _proxy(request: Request, path: str) -> Response:
     gw = _gw(request)
-    assert gw.router is not None and gw.upstream is not None
+    assert gw.router is not None and gw.upstream is not None and gw.auth is not None
+    principal = await gw.auth.authenticate(request.headers)
     raw = await request.body()
     body = _body_object(raw)
     model = body["model"]
+    _check_scope(gw, principal, model)
     routes = await gw.router.routes(model)
     if routes[0].model_id != model:  # an alias, or a catalogue id the node knows by source
         body["model"] = routes[0].model_id
         raw = _encoder.encode(body)
-    route, resp = await gw.upstream.open(routes, path, raw, forward_headers(request.headers))
+    headers = _node_headers(gw, request, principal)
+    route, resp = await gw.upstream.open(routes, path, raw, headers)
     gw.router.begin(route)
     ex = Exchange(route, gw.router.concrete(model))
     headers = response_headers(resp.headers)
@@ -120,8 +156,13 @@ async def responses(request: Request) -> Response:
 @get("/v1/models")
 async def v1_models(request: Request) -> dict[str, Any]:
     gw = _gw(request)
-    assert gw.router is not None
-    return {"object": "list", "data": model_list(gw.router, gw.started_at)}
+    assert gw.router is not None and gw.auth is not None
+    principal = await gw.auth.authenticate(request.headers)
+    models = model_list(gw.router, gw.started_at)
+    if principal.key is not None and principal.key.allowed_models is not None:
+        key = principal.key
+        models = [m for m in models if key.allows(m["id"]) or key.allows(m.get("alias_of", ""))]
+    return {"object": "list", "data": models}
 
 
 @get("/health")
@@ -186,8 +227,15 @@ def create_gateway_apps(cfg: Config) -> tuple[CountedApp, Litestar]:
         async with aiohttp.ClientSession(
             connector=connector, timeout=timeout, auto_decompress=False
         ) as session:
+            _engine, sessions = await asyncio.to_thread(open_database, cfg)
+            with sessions() as db:
+                if seed_catalogue(db, cfg):
+                    log.info("catalogue seeded from the config: %d models", len(cfg.models))
+                catalogue, aliases = load_catalogue(db)
+            gw.auth = Authenticator(KeyStore(sessions), require_auth=cfg.gateway.require_auth)
             gw.poller = Poller(fleet, session, cfg.gateway.poll_interval_s)
             gw.router = Router(cfg, fleet, NodeCalls(session, gw.poller))
+            gw.router.replace_catalogue(catalogue, aliases)
             gw.upstream = Upstream(session, gw.router, gw.metrics)
             gw.poller.start()
             try:

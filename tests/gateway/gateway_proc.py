@@ -18,6 +18,7 @@ from tests.web.node_proc import NodeProcess, free_port
 @dataclass
 class GatewayProcess(NodeProcess):
     metrics_url: str = ""
+    database_url: str = ""
 
     def models(self) -> dict[str, dict]:
         return {m["id"]: m for m in self.get("/v1/models").json()["data"]}
@@ -37,6 +38,8 @@ def start_gateway(
     aliases: dict[str, str] | None = None,
     poll_interval_s: float = 0.3,
     wait_up: bool = True,
+    gateway: dict | None = None,
+    node: dict | None = None,
 ) -> GatewayProcess:
     """Start `helexa serve --role gateway` and wait until it answers and (with `wait_up`)
     sees every node up. A node is a running NodeProcess or just a base URL."""
@@ -45,10 +48,12 @@ def start_gateway(
     lines = [
         "[node]",
         f"state_dir = {json.dumps(str(tmp / 'gw-state'))}",
+        *(f"{k} = {_toml_value(v)}" for k, v in (node or {}).items()),
         "[gateway]",
         f'listen = "127.0.0.1:{port}"',
         f'metrics_listen = "127.0.0.1:{mport}"',
         f"poll_interval_s = {poll_interval_s}",
+        *(f"{k} = {_toml_value(v)}" for k, v in (gateway or {}).items()),
     ]
     for name, node in nodes.items():
         url = node if isinstance(node, str) else node.base_url
@@ -80,7 +85,13 @@ def start_gateway(
             stderr=subprocess.STDOUT,
             env=env,
         )
-    gw = GatewayProcess(proc, f"http://127.0.0.1:{port}", log_path, f"http://127.0.0.1:{mport}")
+    gw = GatewayProcess(
+        proc,
+        f"http://127.0.0.1:{port}",
+        log_path,
+        f"http://127.0.0.1:{mport}",
+        f"sqlite:///{tmp / 'gw-state' / 'helexa.db'}",
+    )
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         if proc.poll() is not None:
