@@ -42,6 +42,12 @@ class GatewayMetrics:
             labels,
             registry=reg,
         )
+        self.spend_tokens = Counter(
+            "helexa_spend_tokens",
+            "Tokens (prompt + completion) spent by each key",
+            ["account", "key"],
+            registry=reg,
+        )
         self.requests = Counter(
             "helexa_requests", "Requests by route and status code", ["route", "code"], registry=reg
         )

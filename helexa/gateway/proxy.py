@@ -14,6 +14,9 @@ from typing import Any
 import aiohttp
 
 from helexa.errors import service_unavailable
+from helexa.gateway.accounting import Accountant
+from helexa.gateway.auth import ANONYMOUS, Principal
+from helexa.gateway.budgets import Reservation
 from helexa.gateway.metrics import GatewayMetrics
 from helexa.gateway.router import NO_NODE_RETRY_AFTER_S, Route, Router
 from helexa.logs import event
@@ -89,19 +92,31 @@ def extract_usage(text: str) -> dict[str, Any] | None:
 class Exchange:
     """One proxied request: timing for the metrics, the route for the router's books."""
 
-    route: Route
+    route: Route | None
     model: str
+    principal: Principal = ANONYMOUS
+    reservation: Reservation | None = None
+    prompt_estimate: int = 0
+    price: tuple[float, float] = (0.0, 0.0)  # USD per 1M input, output tokens
     started: float = field(default_factory=time.monotonic)
     first_byte: float | None = None
     last_byte: float | None = None
+    content_events: int = 0  # SSE chunks carrying text: the fallback token count
     tail: bytearray = field(default_factory=bytearray)
 
 
 class Upstream:
-    def __init__(self, session: aiohttp.ClientSession, router: Router, metrics: GatewayMetrics):
+    def __init__(
+        self,
+        session: aiohttp.ClientSession,
+        router: Router,
+        metrics: GatewayMetrics,
+        accountant: Accountant | None = None,
+    ):
         self.session = session
         self.router = router
         self.metrics = metrics
+        self.accountant = accountant
 
     async def open(
         self, routes: list[Route], path: str, body: bytes, headers: dict[str, str]
@@ -167,17 +182,26 @@ class Upstream:
         if ex.first_byte is None:
             ex.first_byte = now
         ex.last_byte = now
+        ex.content_events += chunk.count(b'"content":"') - chunk.count(b'"content":""')
         ex.tail += chunk
         if len(ex.tail) > USAGE_TAIL_BYTES:
             del ex.tail[: len(ex.tail) - USAGE_TAIL_BYTES]
 
+    def abandon(self, ex: Exchange, status: int) -> None:
+        """A request that never reached a node: release its reservation, log its row."""
+        if self.accountant is not None:
+            self.accountant.close(ex, status, None)
+
     def finish(self, ex: Exchange, status: int) -> None:
+        assert ex.route is not None
         self.router.end(ex.route)
         labels = (ex.model, ex.route.node.name)
         m = self.metrics
         if ex.first_byte is not None and status == 200:
             m.ttft.labels(*labels).observe(ex.first_byte - ex.started)
         usage = extract_usage(ex.tail.decode("utf-8", "replace")) if status == 200 else None
+        if self.accountant is not None:
+            self.accountant.close(ex, status, usage)
         if usage:
             prompt = int(usage.get("prompt_tokens") or 0)
             completion = int(usage.get("completion_tokens") or 0)

@@ -20,14 +20,17 @@ from helexa.config import Config
 from helexa.db.seed import load_catalogue, seed_catalogue
 from helexa.db.session import open_database
 from helexa.errors import HelexaError, invalid_request, model_not_found
+from helexa.gateway.accounting import Accountant
 from helexa.gateway.auth import Authenticator, Principal
+from helexa.gateway.budgets import Budgets, estimate_prompt_tokens
 from helexa.gateway.catalogue import model_list, nodes_view
 from helexa.gateway.fleet import Fleet
 from helexa.gateway.keys import KeyStore
+from helexa.gateway.ledger import Ledger
 from helexa.gateway.metrics import GatewayMetrics
 from helexa.gateway.poller import NodeCalls, Poller
 from helexa.gateway.proxy import Exchange, Upstream, forward_headers, response_headers, warn
-from helexa.gateway.router import Router
+from helexa.gateway.router import Route, Router
 from helexa.logs import event
 from helexa.web.node_app import (
     ACCOUNT_HEADER,
@@ -39,6 +42,7 @@ from helexa.web.node_app import (
 
 log = logging.getLogger(__name__)
 
+DEFAULT_MAX_OUTPUT = 8192  # the node's own default cap when nothing says otherwise
 _decoder = msgspec.json.Decoder()
 _encoder = msgspec.json.Encoder()
 
@@ -52,6 +56,7 @@ class GatewayState:
     upstream: Upstream | None = None
     poller: Poller | None = None
     auth: Authenticator | None = None
+    budgets: Budgets | None = None
     started_at: int = field(default_factory=lambda: int(time.time()))
 
 
@@ -104,13 +109,25 @@ async def _proxy(request: Request, path: str) -> Response:
     model = body["model"]
     _check_scope(gw, principal, model)
     routes = await gw.router.routes(model)
-    if routes[0].model_id != model:  # an alias, or a catalogue id the node knows by source
-        body["model"] = routes[0].model_id
+    concrete = gw.router.concrete(model)
+    entry = gw.router.catalogue.get(concrete)
+    ex = Exchange(None, concrete, principal)
+    ex.price = (entry.cost.input, entry.cost.output) if entry else (0.0, 0.0)
+    rewrite = routes[0].model_id != model  # an alias, or a catalogue id known by source
+    body["model"] = routes[0].model_id
+    if principal.key is not None and principal.key.budget is not None:
+        await _reserve(gw, ex, body, raw, routes[0])
+        rewrite = True
+    if rewrite:
         raw = _encoder.encode(body)
     headers = _node_headers(gw, request, principal)
-    route, resp = await gw.upstream.open(routes, path, raw, headers)
+    try:
+        route, resp = await gw.upstream.open(routes, path, raw, headers)
+    except BaseException:
+        gw.upstream.abandon(ex, 503)
+        raise
     gw.router.begin(route)
-    ex = Exchange(route, gw.router.concrete(model))
+    ex.route = route
     headers = response_headers(resp.headers)
     headers["x-helexa-node"] = route.node.name  # which replica answered
     # Litestar adds "; charset=utf-8" to text types itself: pass the bare type, not a double
@@ -136,6 +153,27 @@ async def _proxy(request: Request, path: str) -> Response:
             body=data[:500].decode("utf-8", "replace"),
         )
     return Response(content=data, status_code=resp.status, headers=headers, media_type=media_type)
+
+
+async def _reserve(
+    gw: GatewayState, ex: Exchange, body: dict[str, Any], raw: bytes, route: Route
+) -> None:
+    """Reserve the request's upper bound on its key's budget; its max_tokens becomes what
+    the reservation covers, so the node can never generate past the cap."""
+    key = ex.principal.key
+    assert key is not None and gw.budgets is not None
+    limit = (route.node.models.get(route.model_id) or {}).get("limit") or {}
+    ex.prompt_estimate = estimate_prompt_tokens(raw)
+    requested = body.get("max_completion_tokens") or body.get("max_tokens")
+    if not isinstance(requested, int) or isinstance(requested, bool) or requested < 1:
+        requested = limit.get("output") or DEFAULT_MAX_OUTPUT
+    if isinstance(limit.get("context"), int):
+        requested = min(requested, max(1, limit["context"] - ex.prompt_estimate))
+    ex.reservation = await gw.budgets.reserve(key, ex.prompt_estimate, requested, ex.price)
+    if ex.reservation is not None:
+        body["max_tokens"] = ex.reservation.max_output
+        if "max_completion_tokens" in body:
+            body["max_completion_tokens"] = ex.reservation.max_output
 
 
 @post("/v1/chat/completions", status_code=200)
@@ -173,6 +211,7 @@ async def health(request: Request) -> dict[str, Any]:
         "status": "ok" if up else "degraded",
         "nodes": nodes_view(list(gw.fleet.nodes.values())),
         "nodes_up": len(up),
+        "budget_reserved_tokens": gw.budgets.outstanding()[0] if gw.budgets else 0,
     }
 
 
@@ -236,12 +275,17 @@ def create_gateway_apps(cfg: Config) -> tuple[CountedApp, Litestar]:
             gw.poller = Poller(fleet, session, cfg.gateway.poll_interval_s)
             gw.router = Router(cfg, fleet, NodeCalls(session, gw.poller))
             gw.router.replace_catalogue(catalogue, aliases)
-            gw.upstream = Upstream(session, gw.router, gw.metrics)
+            gw.budgets = Budgets(sessions)
+            ledger = Ledger(sessions)
+            accountant = Accountant(gw.budgets, ledger, gw.metrics)
+            gw.upstream = Upstream(session, gw.router, gw.metrics, accountant)
+            ledger.start()
             gw.poller.start()
             try:
                 yield
             finally:
                 await gw.poller.stop()
+                await ledger.close()  # every pending row is written before we exit
 
     def handle(request: Request, exc: Exception) -> Response:
         if isinstance(exc, HelexaError):
