@@ -28,6 +28,7 @@ class HelexaError(Exception):
         self.param = param
         self.retry_after = retry_after
         self.extra = dict(extra or {})
+        self.extra_headers: dict[str, str] = {}
 
     def to_envelope(self) -> dict[str, Any]:
         """`{"error": {"message", "type", "code", "param", **extra}}`."""
@@ -35,10 +36,12 @@ class HelexaError(Exception):
         return {"error": {**body, **self.extra}}
 
     def headers(self) -> dict[str, str]:
-        """Response headers: Retry-After in whole seconds, rounded up, when set."""
-        if self.retry_after is None:
-            return {}
-        return {"Retry-After": str(max(0, math.ceil(self.retry_after)))}
+        """Response headers: Retry-After in whole seconds, rounded up, when set, plus any
+        `extra_headers` (advisory ones; never part of the envelope)."""
+        headers = dict(self.extra_headers)
+        if self.retry_after is not None:
+            headers["Retry-After"] = str(max(0, math.ceil(self.retry_after)))
+        return headers
 
     def __repr__(self) -> str:
         return f"HelexaError({self.status}, {self.type!r}, {self.message!r}, code={self.code!r})"

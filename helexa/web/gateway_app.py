@@ -24,6 +24,7 @@ from helexa.gateway.accounting import Accountant
 from helexa.gateway.auth import Authenticator, Principal
 from helexa.gateway.budgets import Budgets, estimate_prompt_tokens
 from helexa.gateway.catalogue import model_list, nodes_view
+from helexa.gateway.edge import advice, check_context
 from helexa.gateway.fleet import Fleet
 from helexa.gateway.keys import KeyStore
 from helexa.gateway.ledger import Ledger
@@ -109,6 +110,14 @@ async def _proxy(request: Request, path: str) -> Response:
     model = body["model"]
     _check_scope(gw, principal, model)
     routes = await gw.router.routes(model)
+    context = _context_limit(routes)
+    try:
+        check_context(body, context)
+    except HelexaError as e:
+        hint = advice(request.headers.get("user-agent"), e, context)
+        if hint:
+            e.extra_headers = {"X-Helexa-Advice": hint}
+        raise
     concrete = gw.router.concrete(model)
     entry = gw.router.catalogue.get(concrete)
     ex = Exchange(None, concrete, principal)
@@ -153,6 +162,13 @@ async def _proxy(request: Request, path: str) -> Response:
             body=data[:500].decode("utf-8", "replace"),
         )
     return Response(content=data, status_code=resp.status, headers=headers, media_type=media_type)
+
+
+def _context_limit(routes: list[Route]) -> int | None:
+    """The smallest context any candidate replica advertises (None when none says)."""
+    limits = [(r.node.models.get(r.model_id) or {}).get("limit", {}).get("context") for r in routes]
+    known = [n for n in limits if isinstance(n, int)]
+    return min(known) if known else None
 
 
 async def _reserve(

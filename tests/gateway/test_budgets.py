@@ -143,3 +143,57 @@ def test_every_served_request_has_its_ledger_row_after_sigterm(gw, tiny_id):
     rows, tokens = _ledger(gw, info.id, 30)
     assert rows == 30
     assert tokens == sum(r.json()["usage"]["total_tokens"] for r in results)
+
+
+def test_a_cost_cap_is_never_passed_either(gw, tiny_id):
+    # the catalogue prices the tiny model at $1 per 1M input tokens, output free
+    info, secret = KeyStore(_sessions(gw)).create("acme", cap_cost_usd=0.0005)
+    auth = {"Authorization": f"Bearer {secret}"}
+    body = {"model": tiny_id, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+    statuses = [gw.post("/v1/chat/completions", body, headers=auth).status_code for _ in range(30)]
+    assert 200 in statuses and statuses[-1] == 429
+    assert statuses == sorted(statuses)  # once refused, refused: a balance does not refill
+    served = statuses.count(200)
+    rows, _ = _ledger(gw, info.id, served)
+    with _sessions(gw)() as s:
+        cost = s.execute(
+            select(func.sum(SpendRecord.cost_usd)).where(SpendRecord.key_id == info.id)
+        ).scalar_one()
+    assert rows == served and 0 < cost <= 0.0005
+
+
+def test_a_dropped_stream_settles_what_it_used_and_frees_its_reservation(gw, tiny_id):
+    info, secret = KeyStore(_sessions(gw)).create("acme", cap_tokens=100_000)
+    body = {
+        "model": tiny_id,
+        "messages": [{"role": "user", "content": "Hi"}],
+        "max_tokens": 200,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    auth = {"Authorization": f"Bearer {secret}"}
+    with httpx.stream("POST", gw.v1 + "/chat/completions", json=body, headers=auth) as r:
+        assert r.status_code == 200
+        for n, _ in enumerate(r.iter_lines()):
+            if n > 6:
+                break
+    deadline = time.monotonic() + 10
+    while gw.get("/health").json()["budget_reserved_tokens"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert gw.get("/health").json()["budget_reserved_tokens"] == 0
+    rows, tokens = _ledger(gw, info.id, 1)
+    assert rows == 1 and 0 < tokens < 200 + 100  # what it used, not the reservation
+    text = httpx.get(gw.metrics_url + "/metrics", timeout=10).text
+    assert f'helexa_spend_tokens_total{{account="acme",key="{info.id}"}}' in text
+
+
+def test_a_grossly_long_prompt_is_refused_at_the_edge_with_advice_for_known_clients(gw, tiny_id):
+    long = {"model": tiny_id, "messages": [{"role": "user", "content": "word " * 400}]}
+    r = gw.post("/v1/chat/completions", long, headers={"User-Agent": "opencode/1.18.33"})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+    assert "x-helexa-node" not in r.headers  # no node was asked
+    assert "limit.context to 256" in r.headers["X-Helexa-Advice"]
+    plain = gw.post("/v1/chat/completions", long, headers={"User-Agent": "curl/8"})
+    assert plain.status_code == 400 and "X-Helexa-Advice" not in plain.headers
+    short = {"model": tiny_id, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+    assert gw.post("/v1/chat/completions", short).status_code == 200

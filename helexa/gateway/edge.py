@@ -1,0 +1,60 @@
+"""Edge validation: catch a prompt that cannot fit before it costs a node anything, and
+advise known clients how to stop sending one (advice is a header only, never behaviour)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+from helexa.errors import HelexaError, context_length_exceeded
+
+CHARS_PER_TOKEN = 4
+
+# User-Agent fragment (lower case) -> how that client is told the context size.
+_ADVICE = {
+    "litellm": "litellm: set max_input_tokens: {n} for this model in model_list so it trims first",
+    "agent-zero": "Agent Zero: set the chat model's ctx_length to {n} or less",
+    "zed": "Zed: set max_tokens: {n} for this model in language_models.openai.available_models",
+    "opencode": "opencode: set limit.context to {n} for this model in opencode.json so it compacts in time",
+}
+
+
+def message_chars(body: Mapping[str, Any]) -> int:
+    """Characters of prompt text in a chat, completions or responses body."""
+
+    def text(value: Any) -> int:
+        if isinstance(value, str):
+            return len(value)
+        if isinstance(value, list):
+            return sum(text(v) for v in value)
+        if isinstance(value, dict):
+            return sum(text(value.get(k)) for k in ("content", "text", "input", "output"))
+        return 0
+
+    return sum(text(body.get(k)) for k in ("messages", "prompt", "input", "instructions"))
+
+
+def estimate_tokens(body: Mapping[str, Any]) -> int:
+    """~4 characters a token over the message text: under-counts on purpose, so only gross
+    overages are caught here and the node stays the exact wall."""
+    return math.ceil(message_chars(body) / CHARS_PER_TOKEN)
+
+
+def check_context(body: Mapping[str, Any], context: int | None) -> None:
+    if context is None:
+        return
+    estimate = estimate_tokens(body)
+    if estimate > context:
+        raise context_length_exceeded(context, estimate)
+
+
+def advice(user_agent: str | None, error: HelexaError, context: int | None) -> str | None:
+    """Client-specific guidance for a context error, or None for other clients/errors."""
+    if error.code != "context_length_exceeded" or context is None or not user_agent:
+        return None
+    agent = user_agent.lower()
+    for fragment, text in _ADVICE.items():
+        if fragment in agent:
+            return text.format(n=context)
+    return None
