@@ -197,3 +197,19 @@ def test_a_grossly_long_prompt_is_refused_at_the_edge_with_advice_for_known_clie
     assert plain.status_code == 400 and "X-Helexa-Advice" not in plain.headers
     short = {"model": tiny_id, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
     assert gw.post("/v1/chat/completions", short).status_code == 200
+
+
+def test_a_restarted_gateway_remembers_what_a_key_spent(tmp_path, node, tiny_id):
+    gw = start_gateway(tmp_path, {"n": node})
+    _, secret = KeyStore(_sessions(gw)).create("acme", cap_tokens=400)
+    auth = {"Authorization": f"Bearer {secret}"}
+    body = {"model": tiny_id, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}
+    statuses = [gw.post("/v1/chat/completions", body, headers=auth).status_code for _ in range(12)]
+    assert 200 in statuses and statuses[-1] == 429
+    gw.stop()
+    again = start_gateway(tmp_path, {"n": node})  # same state dir, so the same database
+    try:
+        r = again.post("/v1/chat/completions", body, headers=auth)
+        assert r.status_code == 429 and r.json()["error"]["code"] == "insufficient_quota"
+    finally:
+        again.stop()
