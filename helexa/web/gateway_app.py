@@ -35,6 +35,7 @@ from helexa.gateway.router import Route, Router
 from helexa.logs import event
 from helexa.web.node_app import (
     ACCOUNT_HEADER,
+    BUDGET_HEADER,
     KEY_HEADER,
     MAX_BODY_BYTES,
     SECRET_HEADER,
@@ -130,6 +131,11 @@ async def _proxy(request: Request, path: str) -> Response:
     if rewrite:
         raw = _encoder.encode(body)
     headers = _node_headers(gw, request, principal)
+    if ex.reservation is not None:  # the node enforces it against the real prompt length
+        res = ex.reservation
+        headers[BUDGET_HEADER] = (
+            f"tokens={res.tokens}; cost={res.cost!r}; in={ex.price[0]!r}; out={ex.price[1]!r}"
+        )
     try:
         route, resp = await gw.upstream.open(routes, path, raw, headers)
     except BaseException:

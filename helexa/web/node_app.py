@@ -24,6 +24,7 @@ from helexa.config import Config
 from helexa.errors import HelexaError, invalid_request, model_not_found, service_unavailable
 from helexa.node import openai_out
 from helexa.node.admission import Permit
+from helexa.node.budget import SpendBudget
 from helexa.node.discovery import device_stats, discovery
 from helexa.node.generation import Generation, prepare_prompt
 from helexa.node.metrics import CONTENT_TYPE, NodeMetrics
@@ -41,6 +42,7 @@ log = logging.getLogger(__name__)
 SECRET_HEADER = "x-helexa-gateway-secret"
 ACCOUNT_HEADER = "x-helexa-account-id"
 KEY_HEADER = "x-helexa-key-id"
+BUDGET_HEADER = "x-helexa-budget"
 MAX_BODY_BYTES = 64 << 20  # long agent conversations with pasted files are large
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
@@ -75,18 +77,34 @@ async def _json_body(request: Request) -> Any:
         raise invalid_request("the request body is nested too deeply", "body") from None
 
 
+def _from_gateway(request: Request, secret: str | None) -> bool:
+    """Whether the gateway's own headers on `request` may be believed: always when no
+    shared secret is configured (a trusted network), else only with the secret."""
+    if not secret:
+        return True
+    given = request.headers.get(SECRET_HEADER, "")
+    return hmac.compare_digest(given.encode(), secret.encode())
+
+
 def principal_of(request: Request, secret: str | None) -> str | None:
     """Who the gateway says is calling: `account/key` from its headers, trusted only when
     they come with the shared secret (if one is configured)."""
     headers = request.headers
     account, key = headers.get(ACCOUNT_HEADER), headers.get(KEY_HEADER)
-    if not account and not key:
+    if (not account and not key) or not _from_gateway(request, secret):
         return None
-    if secret:
-        given = headers.get(SECRET_HEADER, "")
-        if not hmac.compare_digest(given.encode(), secret.encode()):
-            return None
     return f"{account or '-'}/{key or '-'}"
+
+
+def budget_of(request: Request, secret: str | None) -> SpendBudget | None:
+    """The gateway's reservation for this request (`x-helexa-budget`), if it sent one."""
+    value = request.headers.get(BUDGET_HEADER)
+    if not value or not _from_gateway(request, secret):
+        return None
+    try:
+        return SpendBudget.parse(value)
+    except ValueError as e:
+        raise invalid_request(f"{BUDGET_HEADER}: {e}", BUDGET_HEADER) from None
 
 
 def _sse(obj: Any) -> bytes:
@@ -111,6 +129,9 @@ async def _serve(request: Request, req: ChatCompletionRequest | CompletionReques
     principal = principal_of(request, node.cfg.node.gateway_secret)
     served.admission.check(principal)  # a full queue answers before any tokenizing
     prompt_ids = await asyncio.to_thread(prepare_prompt, served, req)
+    budget = budget_of(request, node.cfg.node.gateway_secret)
+    if budget is not None:
+        budget.apply(req, len(prompt_ids))  # the output the gateway's reservation covers
     permit = await served.admission.acquire(principal)
     try:
         gen = Generation(node.registry, served, req, prompt_ids, node.metrics)

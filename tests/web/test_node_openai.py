@@ -351,3 +351,28 @@ def test_a_client_that_gives_up_on_a_non_streaming_request_frees_it_too(node, lo
     assert _health_model(node, long_id)["in_flight"] == 0
     assert _kv_usage(node, long_id) == 0
     assert _metric(node, "helexa_request_success_total", long_id, "abort") == aborted_before + 1
+
+
+def test_a_gateway_budget_header_caps_prompt_plus_output_exactly(node, tiny_id):
+    body = {"model": tiny_id, "messages": _user(), "max_tokens": 1000, "ignore_eos": True}
+
+    def send(budget: str) -> httpx.Response:
+        return httpx.post(
+            node.v1 + "/chat/completions",
+            json=body,
+            headers={"x-helexa-budget": budget},
+            timeout=60,
+        )
+
+    r = send("tokens=60")
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["total_tokens"] == 60
+    assert r.json()["choices"][0]["finish_reason"] == "length"
+    priced = send("cost=0.00005; in=1; out=1")  # $1 per 1M tokens: 50 tokens in all
+    assert priced.json()["usage"]["total_tokens"] == 50
+    refused = send("tokens=5")  # less than the prompt itself
+    assert refused.status_code == 429
+    assert refused.json()["error"]["code"] == "insufficient_quota"
+    assert "Retry-After" not in refused.headers
+    bad = send("tokens=lots")
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "x-helexa-budget"
