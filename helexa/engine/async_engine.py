@@ -97,7 +97,10 @@ class AsyncLLM:
         if self._stopping or not self._thread.is_alive():
             raise EngineDeadError("engine is shut down")
         request_id = request_id or uuid.uuid4().hex
-        seq = await asyncio.to_thread(self.engine.make_sequence, prompt, params, request_id)
+        if isinstance(prompt, str):  # tokenizing a long prompt is worth a worker thread
+            seq = await asyncio.to_thread(self.engine.make_sequence, prompt, params, request_id)
+        else:  # token ids: sizing is cheap, and a thread hop waits on the engine for the GIL
+            seq = self.engine.make_sequence(prompt, params, request_id)
         loop = asyncio.get_running_loop()
         stream = _Stream(loop, asyncio.Queue())
         self._send(("add", seq, stream))
