@@ -33,13 +33,15 @@ from helexa.gateway.poller import NodeCalls, Poller
 from helexa.gateway.proxy import Exchange, Upstream, forward_headers, response_headers, warn
 from helexa.gateway.router import Route, Router
 from helexa.logs import event
-from helexa.web.node_app import (
+from helexa.web.common import (
     ACCOUNT_HEADER,
     BUDGET_HEADER,
     KEY_HEADER,
     MAX_BODY_BYTES,
+    METRICS_CONTENT_TYPE,
     SECRET_HEADER,
     error_response,
+    parse_json_body,
 )
 
 log = logging.getLogger(__name__)
@@ -67,12 +69,7 @@ def _gw(request: Request) -> GatewayState:
 
 
 def _body_object(raw: bytes) -> dict[str, Any]:
-    if not raw.strip():
-        raise invalid_request("the request body is empty; expected a JSON object", "body")
-    try:
-        body = _decoder.decode(raw)
-    except (msgspec.DecodeError, RecursionError) as e:
-        raise invalid_request(f"the request body is not valid JSON: {e}", "body") from None
+    body = parse_json_body(raw, _decoder.decode)
     if not isinstance(body, dict):
         raise invalid_request("the request body must be a JSON object", "body")
     model = body.get("model")
@@ -239,9 +236,7 @@ async def health(request: Request) -> dict[str, Any]:
 
 @get("/metrics")
 async def metrics(request: Request) -> Response:
-    from helexa.node.metrics import CONTENT_TYPE
-
-    return Response(content=request.app.state.metrics.render(), media_type=CONTENT_TYPE)
+    return Response(content=request.app.state.metrics.render(), media_type=METRICS_CONTENT_TYPE)
 
 
 _ROUTES = {"/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/models", "/health"}

@@ -17,7 +17,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from litestar import Litestar, Request, get, post
-from litestar.exceptions import HTTPException
 from litestar.response import Response, Stream
 
 from helexa.config import Config
@@ -27,7 +26,7 @@ from helexa.node.admission import Permit
 from helexa.node.budget import SpendBudget
 from helexa.node.discovery import device_stats, discovery
 from helexa.node.generation import Generation, prepare_prompt
-from helexa.node.metrics import CONTENT_TYPE, NodeMetrics
+from helexa.node.metrics import NodeMetrics
 from helexa.node.registry import LoadOptions, ModelRegistry
 from helexa.node.version import build_info
 from helexa.protocol.openai import (
@@ -36,14 +35,19 @@ from helexa.protocol.openai import (
     parse_chat_request,
     parse_completion_request,
 )
+from helexa.web.common import (
+    ACCOUNT_HEADER,
+    BUDGET_HEADER,
+    KEY_HEADER,
+    MAX_BODY_BYTES,
+    METRICS_CONTENT_TYPE,
+    SECRET_HEADER,
+    error_response,
+    parse_json_body,
+)
 
 log = logging.getLogger(__name__)
 
-SECRET_HEADER = "x-helexa-gateway-secret"
-ACCOUNT_HEADER = "x-helexa-account-id"
-KEY_HEADER = "x-helexa-key-id"
-BUDGET_HEADER = "x-helexa-budget"
-MAX_BODY_BYTES = 64 << 20  # long agent conversations with pasted files are large
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
@@ -66,15 +70,7 @@ def _node(request: Request) -> NodeState:
 
 
 async def _json_body(request: Request) -> Any:
-    raw = await request.body()
-    if not raw.strip():
-        raise invalid_request("the request body is empty; expected a JSON object", "body")
-    try:
-        return json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise invalid_request(f"the request body is not valid JSON: {e}", "body") from None
-    except RecursionError:
-        raise invalid_request("the request body is nested too deeply", "body") from None
+    return parse_json_body(await request.body())
 
 
 def _from_gateway(request: Request, secret: str | None) -> bool:
@@ -310,26 +306,10 @@ def _load_options(body: Any) -> LoadOptions:
 
 @get("/metrics")
 async def metrics(request: Request) -> Response:
-    return Response(content=_node(request).metrics.render(), media_type=CONTENT_TYPE)
+    return Response(content=_node(request).metrics.render(), media_type=METRICS_CONTENT_TYPE)
 
 
 # -- errors and the app -------------------------------------------------------------------
-
-
-def error_response(request: Request, exc: Exception) -> Response:
-    if isinstance(exc, HelexaError):
-        err = exc
-    elif isinstance(exc, HTTPException):
-        status = exc.status_code
-        err = HelexaError(
-            status,
-            "invalid_request_error" if status < 500 else "server_error",
-            exc.detail if status < 500 else "internal server error",
-        )
-    else:
-        log.exception("unhandled error on %s %s", request.method, request.url.path)
-        err = HelexaError(500, "server_error", f"internal server error: {type(exc).__name__}")
-    return Response(content=err.to_envelope(), status_code=err.status, headers=err.headers())
 
 
 def create_node_app(cfg: Config, *, load_defaults: bool = True) -> Litestar:

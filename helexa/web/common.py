@@ -1,0 +1,57 @@
+"""What both roles' HTTP layers share: the gateway→node header names, the body limit, JSON
+body decoding, and the one place exceptions become the OpenAI error envelope.
+
+Nothing here imports the engine: the gateway process never loads torch.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from litestar import Request
+from litestar.exceptions import HTTPException
+from litestar.response import Response
+
+from helexa.errors import HelexaError, invalid_request
+
+log = logging.getLogger(__name__)
+
+# Headers the gateway stamps for a node (clients' own `x-helexa-*` are dropped on the way).
+SECRET_HEADER = "x-helexa-gateway-secret"
+ACCOUNT_HEADER = "x-helexa-account-id"
+KEY_HEADER = "x-helexa-key-id"
+BUDGET_HEADER = "x-helexa-budget"
+MAX_BODY_BYTES = 64 << 20  # long agent conversations with pasted files are large
+METRICS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+
+def parse_json_body(raw: bytes, decode: Callable[[bytes], Any] = json.loads) -> Any:
+    """The decoded request body, or the 400 naming `body` when it is empty or not JSON."""
+    if not raw.strip():
+        raise invalid_request("the request body is empty; expected a JSON object", "body")
+    try:
+        return decode(raw)
+    except RecursionError:
+        raise invalid_request("the request body is nested too deeply", "body") from None
+    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError, msgspec.DecodeError
+        raise invalid_request(f"the request body is not valid JSON: {e}", "body") from None
+
+
+def error_response(request: Request, exc: Exception) -> Response:
+    """Any exception as the OpenAI envelope with its status and headers (Retry-After)."""
+    if isinstance(exc, HelexaError):
+        err = exc
+    elif isinstance(exc, HTTPException):
+        status = exc.status_code
+        err = HelexaError(
+            status,
+            "invalid_request_error" if status < 500 else "server_error",
+            exc.detail if status < 500 else "internal server error",
+        )
+    else:
+        log.exception("unhandled error on %s %s", request.method, request.url.path)
+        err = HelexaError(500, "server_error", f"internal server error: {type(exc).__name__}")
+    return Response(content=err.to_envelope(), status_code=err.status, headers=err.headers())
