@@ -138,6 +138,10 @@ class Generation:
         self.choices = [_Choice() for _ in range(req.n)]
         self.num_cached_tokens = 0
         self._params = choice_params(req)
+        model = served.id
+        # metric children bound once: _account runs for every delta of every request
+        self._ttft = metrics.ttft.labels(model)
+        self._itl = metrics.itl.labels(model)
         self._t0 = time.monotonic()
         self._t_last: float | None = None
         self._recorded = False
@@ -225,11 +229,10 @@ class Generation:
         now = time.monotonic()
         n = len(out.token_ids)
         if n:
-            model = self.served.id
             if self._t_last is None:
-                self.metrics.ttft.labels(model).observe(now - self._t0)
+                self._ttft.observe(now - self._t0)
             else:
-                self.metrics.itl.labels(model).observe((now - self._t_last) / n)
+                self._itl.observe((now - self._t_last) / n)
             self._t_last = now
         c = self.choices[i]
         c.text.append(out.text)

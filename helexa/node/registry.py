@@ -84,6 +84,10 @@ class ServedModel:
     status: str = "loaded"  # loaded | recovering | poisoned
     loaded_at: float = field(default_factory=time.time)
     load_seconds: float = 0.0
+    memory_mb: int = field(init=False)  # fixed once loaded: weights and KV pool
+
+    def __post_init__(self) -> None:
+        self.memory_mb = model_memory_mb(self.llm.engine.runner.model)
 
     @property
     def engine(self) -> LLMEngine:
@@ -114,18 +118,6 @@ class ServedModel:
     def has_token(self, token: str) -> bool:
         return self.engine.tokenizer.token_to_id(token) is not None
 
-    @property
-    def memory_mb(self) -> int:
-        """Weights (packed, dense copies), KV pool and buffers: every tensor the model's
-        modules hold, as parameters or as plain attributes, each storage counted once."""
-        storages: dict[int, int] = {}
-        for module in self.engine.runner.model.modules():
-            attrs = (v for v in vars(module).values() if isinstance(v, torch.Tensor))
-            for t in (*module.parameters(recurse=False), *module.buffers(recurse=False), *attrs):
-                storage = t.untyped_storage()
-                storages[storage.data_ptr()] = storage.nbytes()
-        return sum(storages.values()) // MiB
-
     def describe(self) -> dict[str, Any]:
         """One `/models` entry."""
         engine = self.engine
@@ -148,6 +140,18 @@ class ServedModel:
             "loaded_at": int(self.loaded_at),
             "load_seconds": round(self.load_seconds, 2),
         }
+
+
+def model_memory_mb(model: torch.nn.Module) -> int:
+    """Weights (packed, dense copies), KV pool and buffers: every tensor the model's
+    modules hold, as parameters or as plain attributes, each storage counted once."""
+    storages: dict[int, int] = {}
+    for module in model.modules():
+        attrs = (v for v in vars(module).values() if isinstance(v, torch.Tensor))
+        for t in (*module.parameters(recurse=False), *module.buffers(recurse=False), *attrs):
+            storage = t.untyped_storage()
+            storages[storage.data_ptr()] = storage.nbytes()
+    return sum(storages.values()) // MiB
 
 
 def _gguf_quant_of(engine: LLMEngine) -> str | None:
