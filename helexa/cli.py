@@ -60,11 +60,15 @@ def cmd_bench(args: argparse.Namespace, cfg: Config) -> int:
     return bench_engine(args, cfg)
 
 
+def _reachable(host: str) -> str:
+    """The address to print for a listener: loopback for a wildcard bind."""
+    return "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
+
+
 def _print_node_banner(host: str, port: int, models: list[str]) -> None:
     from helexa.engine.loader.load import BUNDLED_MODEL_ID
 
-    shown = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
-    url = f"http://{shown}:{port}"
+    url = f"http://{_reachable(host)}:{port}"
     model = models[0] if models else BUNDLED_MODEL_ID
     body = (
         f'{{"model": "{model}", "messages": '
@@ -109,8 +113,7 @@ def cmd_serve(args: argparse.Namespace, cfg: Config) -> int:
     if args.model:
         raise ValueError("--model is a node option; the gateway's models are its [[models]]")
     api, metrics_app = create_gateway_apps(cfg)
-    shown = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
-    mhost = "127.0.0.1" if gw.metrics_host in ("0.0.0.0", "::", "") else gw.metrics_host
+    shown, mhost = _reachable(host), _reachable(gw.metrics_host)
     print(
         f"helexa gateway on http://{shown}:{port}  (OpenAI API: http://{shown}:{port}/v1; "
         f"metrics: http://{mhost}:{gw.metrics_port}/metrics)\n"

@@ -21,12 +21,12 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from helexa.db.models import SpendRecord
 from helexa.errors import HelexaError, insufficient_quota, rate_limit_exceeded
+from helexa.gateway.edge import CHARS_PER_TOKEN
 from helexa.gateway.keys import BudgetInfo, KeyInfo
 
 # Chat templates add tokens the request text does not show (role markers, default system
 # prompts): reserved on top of the ~4 characters a token estimate.
 TEMPLATE_MARGIN_TOKENS = 64
-CHARS_PER_TOKEN = 4
 
 
 def estimate_prompt_tokens(body: bytes) -> int:

@@ -48,6 +48,7 @@ def _card(model_id: str, node_id: str, nodes, created: int) -> dict[str, Any]:
     statuses = {loc["status"] for loc in locations}
     status = next((s for s in ("loaded", "recovering", "loading") if s in statuses), "available")
     first = details[0] if details else {}
+    limit = _tightest([d.get("limit") for d in details])
     return {
         "id": model_id,
         "object": "model",
@@ -57,8 +58,8 @@ def _card(model_id: str, node_id: str, nodes, created: int) -> dict[str, Any]:
         "status": status,
         "feasible_on": [],
         "locations": locations,
-        "limit": _tightest([d.get("limit") for d in details]),
-        "max_model_len": (_tightest([d.get("limit") for d in details]) or {}).get("context"),
+        "limit": limit,
+        "max_model_len": (limit or {}).get("context"),
         "cost": {"input": 0.0, "output": 0.0},
         "capabilities": first.get("capabilities", ["text"]),
         "tool_call": bool(first.get("tool_call", False)),

@@ -69,9 +69,9 @@ class Poller:
                 log.warning(
                     "node %s stopped answering (%s); it leaves routing",
                     node.name,
-                    _describe(e),
+                    describe_error(e),
                 )
-            node.mark_down(_describe(e))
+            node.mark_down(describe_error(e))
 
     async def _get(self, node: NodeState, path: str) -> Any:
         timeout = aiohttp.ClientTimeout(total=POLL_TIMEOUT_S)
@@ -80,7 +80,8 @@ class Poller:
             return await r.json(content_type=None)
 
 
-def _describe(e: BaseException) -> str:
+def describe_error(e: BaseException) -> str:
+    """An exception in one log-friendly line: its type, and its message if it has one."""
     return f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
 
 
@@ -102,8 +103,8 @@ class NodeCalls:
             ) as r:
                 return r.status, await _json_or_empty(r)
         except (aiohttp.ClientError, TimeoutError) as e:
-            node.mark_down(_describe(e))
-            return 503, {"error": {"message": f"node {node.name} unreachable: {_describe(e)}"}}
+            node.mark_down(describe_error(e))
+            return 503, {"error": {"message": f"node {node.name} unreachable: {describe_error(e)}"}}
 
     async def unload(self, node: NodeState, model_id: str) -> int:
         timeout = aiohttp.ClientTimeout(total=POLL_TIMEOUT_S * 12)
@@ -113,7 +114,7 @@ class NodeCalls:
             ) as r:
                 return r.status
         except (aiohttp.ClientError, TimeoutError) as e:
-            log.warning("unloading %s from %s failed: %s", model_id, node.name, _describe(e))
+            log.warning("unloading %s from %s failed: %s", model_id, node.name, describe_error(e))
             return 503
 
     async def refresh(self, node: NodeState) -> None:

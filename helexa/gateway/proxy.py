@@ -18,6 +18,7 @@ from helexa.gateway.accounting import Accountant
 from helexa.gateway.auth import ANONYMOUS, Principal
 from helexa.gateway.budgets import Reservation
 from helexa.gateway.metrics import GatewayMetrics
+from helexa.gateway.poller import describe_error
 from helexa.gateway.router import NO_NODE_RETRY_AFTER_S, Route, Router
 from helexa.logs import event
 
@@ -129,7 +130,7 @@ class Upstream:
             try:
                 resp = await self.session.post(route.base_url + path, data=body, headers=headers)
             except (aiohttp.ClientConnectionError, TimeoutError) as e:
-                last_error = f"{type(e).__name__}: {e}"
+                last_error = describe_error(e)
                 warn(
                     "proxy failure: node unreachable, it leaves routing until it answers",
                     route,

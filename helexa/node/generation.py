@@ -110,6 +110,7 @@ def choice_params(req: ChatCompletionRequest | CompletionRequest) -> list[Sampli
 @dataclass(slots=True)
 class _Choice:
     text: list[str] = field(default_factory=list)
+    num_chars: int = 0  # len("".join(text)), kept as it grows
     num_tokens: int = 0
     finish_reason: str | None = None
     stop_reason: str | int | None = None
@@ -136,6 +137,13 @@ class Generation:
         self.id = ("chatcmpl-" if self.is_chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
         self.choices = [_Choice() for _ in range(req.n)]
+        # completions `echo`: the prompt as text, put before each choice's text
+        self.echo_text = ""
+        if isinstance(req, CompletionRequest) and req.echo:
+            prompt = req.prompt
+            self.echo_text = (
+                prompt if isinstance(prompt, str) else served.engine.tokenizer.decode(prompt)
+            )
         self.num_cached_tokens = 0
         self._params = choice_params(req)
         model = served.id
@@ -236,6 +244,7 @@ class Generation:
             self._t_last = now
         c = self.choices[i]
         c.text.append(out.text)
+        c.num_chars += len(out.text)
         c.num_tokens += n
         if out.logprobs:
             c.logprobs.extend(out.logprobs)

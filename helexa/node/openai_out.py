@@ -57,16 +57,6 @@ def completion_logprobs(
     }
 
 
-def _echo_text(gen: Generation) -> str:
-    req = gen.req
-    if getattr(req, "echo", False):
-        prompt = req.prompt  # type: ignore[union-attr]
-        if isinstance(prompt, str):
-            return prompt
-        return gen.served.engine.tokenizer.decode(prompt)
-    return ""
-
-
 def full_response(gen: Generation) -> dict[str, Any]:
     """The non-streaming body once every choice has finished."""
     tok = gen.served.engine.tokenizer
@@ -78,7 +68,7 @@ def full_response(gen: Generation) -> dict[str, Any]:
             choice["message"] = {"role": "assistant", "content": text}
             choice["logprobs"] = chat_logprobs(tok, c.logprobs) if gen.req.logprobs else None
         else:
-            echo = _echo_text(gen)
+            echo = gen.echo_text
             choice["text"] = echo + text
             choice["logprobs"] = (
                 completion_logprobs(tok, c.logprobs, len(echo))
@@ -108,7 +98,7 @@ def opening_chunks(gen: Generation) -> list[dict[str, Any]]:
             }
             for i in range(gen.req.n)
         ]
-    echo = _echo_text(gen)
+    echo = gen.echo_text
     if not echo:
         return []
     return [
@@ -136,7 +126,8 @@ def delta_chunks(gen: Generation, i: int, out: RequestOutput) -> list[dict[str, 
                 "logprobs": chat_logprobs(tok, lps) if gen.req.logprobs else None,
             }
         else:
-            base = len(_echo_text(gen)) + sum(map(len, gen.choices[i].text)) - len(out.text)
+            # where this delta's text starts in the choice's text (after the echo)
+            base = len(gen.echo_text) + gen.choices[i].num_chars - len(out.text)
             body = {
                 "index": i,
                 "text": out.text,
