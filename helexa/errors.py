@@ -92,6 +92,20 @@ def template_render_failed(detail: str) -> HelexaError:
     )
 
 
+def tool_choice_not_satisfied(forced: str, called: set[str], said: str) -> HelexaError:
+    """The model answered without the tool call `tool_choice` demanded ("*": any tool)."""
+    wanted = "a tool call" if forced == "*" else f"a call to {forced!r}"
+    got = f"calls to {sorted(called)}" if called else f"text: {said[:200]!r}"
+    return HelexaError(
+        422,
+        _INVALID,
+        f"tool_choice demanded {wanted}, but the model answered with {got}; retry, or let "
+        "tool_choice be 'auto'",
+        code="tool_choice_not_satisfied",
+        param="tool_choice",
+    )
+
+
 def chained_conversation_not_supported() -> HelexaError:
     return HelexaError(
         400,

@@ -25,10 +25,12 @@ from helexa.errors import (
     context_length_exceeded,
     service_unavailable,
     template_render_failed,
+    tool_choice_not_satisfied,
     vision_unsupported,
 )
 from helexa.node.metrics import NodeMetrics
 from helexa.node.registry import RECOVERY_RETRY_AFTER_S, ModelRegistry, ServedModel
+from helexa.protocol.assistant_output import AssistantOutput, Pieces
 from helexa.protocol.openai import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -37,18 +39,32 @@ from helexa.protocol.openai import (
     template_tools,
     to_sampling_params,
 )
+from helexa.protocol.tool_calls import tool_schemas
 
 log = logging.getLogger(__name__)
 _SEED_MASK = (1 << 64) - 1
 
 
-def prepare_prompt(
-    served: ServedModel, req: ChatCompletionRequest | CompletionRequest
-) -> list[int]:
-    """Prompt token ids: the chat template rendered, or the raw prompt encoded. Raises the
-    400/422 `HelexaError` when the prompt cannot run (too long, images, template error).
-    Runs off the event loop: rendering and tokenizing a long conversation takes a while."""
+@dataclass(frozen=True, slots=True)
+class Prompt:
+    ids: list[int]
+    opens_reasoning: bool = False  # the template left a reasoning block open
+
+
+def prepare_prompt(served: ServedModel, req: ChatCompletionRequest | CompletionRequest) -> Prompt:
+    """The prompt, checked to fit the context: raises the 400/422 `HelexaError` when it
+    cannot run (too long, images, template error). Runs off the event loop: rendering and
+    tokenizing a long conversation takes a while."""
+    prompt = render_prompt(served, req)
+    if len(prompt.ids) >= served.max_model_len:
+        raise context_length_exceeded(served.max_model_len, len(prompt.ids))
+    return prompt
+
+
+def render_prompt(served: ServedModel, req: ChatCompletionRequest | CompletionRequest) -> Prompt:
+    """Prompt token ids: the chat template rendered, or the raw prompt encoded."""
     tok = served.engine.tokenizer
+    opens = False
     if isinstance(req, ChatCompletionRequest):
         if has_image_parts(req):
             raise vision_unsupported(served.id)
@@ -58,11 +74,12 @@ def prepare_prompt(
                 tok,
                 template_messages(req),
                 tools=tools,
-                chat_template_kwargs=req.chat_template_kwargs,
+                chat_template_kwargs=req.template_kwargs(),
             )
         except TemplateRenderError as e:
             raise template_render_failed(str(e)) from None
         ids = tok.encode(_utf8(text, "messages"))
+        opens = served.reasoning_markers is not None and served.reasoning_markers.opened_by(text)
     elif isinstance(req.prompt, str):
         ids = tok.encode(_utf8(req.prompt, "prompt"), add_special_tokens=True)
     else:
@@ -79,9 +96,7 @@ def prepare_prompt(
         )
     if not ids:
         raise HelexaError(400, "invalid_request_error", "the prompt is empty", param="prompt")
-    if len(ids) >= served.max_model_len:
-        raise context_length_exceeded(served.max_model_len, len(ids))
-    return ids
+    return Prompt(ids, opens)
 
 
 def _utf8(text: str, param: str) -> str:
@@ -109,12 +124,16 @@ def choice_params(req: ChatCompletionRequest | CompletionRequest) -> list[Sampli
 
 @dataclass(slots=True)
 class _Choice:
-    text: list[str] = field(default_factory=list)
+    text: list[str] = field(default_factory=list)  # as decoded
     num_chars: int = 0  # len("".join(text)), kept as it grows
     num_tokens: int = 0
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    # chat: the text split into reasoning, content and tool calls; `last` is what the
+    # latest delta added
+    output: AssistantOutput | None = None
+    last: Pieces = field(default_factory=Pieces)
 
 
 class Generation:
@@ -125,18 +144,21 @@ class Generation:
         registry: ModelRegistry,
         served: ServedModel,
         req: ChatCompletionRequest | CompletionRequest,
-        prompt_ids: list[int],
+        prompt: Prompt,
         metrics: NodeMetrics,
     ) -> None:
         self.registry = registry
         self.served = served
         self.req = req
-        self.prompt_ids = prompt_ids
+        self.prompt_ids = prompt.ids
         self.metrics = metrics
         self.is_chat = isinstance(req, ChatCompletionRequest)
         self.id = ("chatcmpl-" if self.is_chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
         self.choices = [_Choice() for _ in range(req.n)]
+        if isinstance(req, ChatCompletionRequest):
+            for c in self.choices:
+                c.output = assistant_output(served, req, prompt)
         # completions `echo`: the prompt as text, put before each choice's text
         self.echo_text = ""
         if isinstance(req, CompletionRequest) and req.echo:
@@ -249,11 +271,28 @@ class Generation:
         if out.logprobs:
             c.logprobs.extend(out.logprobs)
         self.num_cached_tokens = max(self.num_cached_tokens, out.num_cached_tokens)
+        finish_reason = out.finish_reason
+        if c.output is not None:
+            c.last = c.output.feed(out.text, n)
+            if out.finished:
+                c.last = _joined(c.last, c.output.finish())
+                finish_reason = self._chat_finish(c.output, finish_reason)
         if out.finished:
-            c.finish_reason = out.finish_reason
+            c.finish_reason = finish_reason
             c.stop_reason = out.stop_reason
             if all(ch.finish_reason for ch in self.choices):
                 self._record_finish()
+
+    def _chat_finish(self, output: AssistantOutput, reason: str | None) -> str | None:
+        """The finish reason of a chat answer: `tool_calls` when it called tools. An
+        answer without the call `tool_choice` demanded is refused, not passed off."""
+        assert isinstance(self.req, ChatCompletionRequest)
+        forced = self.req.forced_tool
+        if forced is not None and reason == "stop":
+            names = {c.name for c in output.calls}
+            if not names or (forced != "*" and forced not in names):
+                raise tool_choice_not_satisfied(forced, names, output.held_text)
+        return "tool_calls" if output.calls and reason == "stop" else reason
 
     def _record_finish(self) -> None:
         self._recorded = True
@@ -272,5 +311,29 @@ class Generation:
             "completion_tokens": completion,
             "total_tokens": prompt + completion,
             "prompt_tokens_details": {"cached_tokens": self.num_cached_tokens},
-            "completion_tokens_details": {"reasoning_tokens": 0},
+            "completion_tokens_details": {"reasoning_tokens": self.num_reasoning_tokens},
         }
+
+    @property
+    def num_reasoning_tokens(self) -> int:
+        return sum(c.output.num_reasoning_tokens for c in self.choices if c.output is not None)
+
+
+def assistant_output(
+    served: ServedModel, req: ChatCompletionRequest, prompt: Prompt
+) -> AssistantOutput:
+    """The parser of one chat answer: reasoning split when the vocabulary has markers,
+    tool calls parsed when the request offers tools."""
+    tools = template_tools(req)
+    return AssistantOutput(
+        served.reasoning_markers,
+        served.tool_call_markers if tools else None,
+        tool_schemas(tools),
+        in_reasoning=prompt.opens_reasoning,
+        include_thinking=req.include_thinking,
+        hold_content=req.forced_tool is not None and served.tool_call_markers is not None,
+    )
+
+
+def _joined(a: Pieces, b: Pieces) -> Pieces:
+    return Pieces(a.reasoning + b.reasoning, a.content + b.content, a.calls + b.calls)

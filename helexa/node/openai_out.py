@@ -8,6 +8,7 @@ from helexa.engine.sequence import RequestOutput, TokenLogprob
 from helexa.engine.tokenizer import Tokenizer
 from helexa.node.generation import Generation
 from helexa.node.registry import ServedModel
+from helexa.protocol.assistant_output import AssistantOutput, Pieces, ToolCallOut
 
 
 def _head(gen: Generation, *, chunk: bool) -> dict[str, Any]:
@@ -65,7 +66,8 @@ def full_response(gen: Generation) -> dict[str, Any]:
         text = "".join(c.text)
         choice: dict[str, Any] = {"index": i}
         if gen.is_chat:
-            choice["message"] = {"role": "assistant", "content": text}
+            assert c.output is not None
+            choice["message"] = chat_message(c.output)
             choice["logprobs"] = chat_logprobs(tok, c.logprobs) if gen.req.logprobs else None
         else:
             echo = gen.echo_text
@@ -79,6 +81,37 @@ def full_response(gen: Generation) -> dict[str, Any]:
         choice["stop_reason"] = c.stop_reason
         choices.append(choice)
     return {**_head(gen, chunk=False), "choices": choices, "usage": gen.usage}
+
+
+def chat_message(output: AssistantOutput) -> dict[str, Any]:
+    """A whole answer as `choices[].message`: reasoning apart, tool calls parsed."""
+    message: dict[str, Any] = {"role": "assistant", "content": output.content}
+    if output.reasoning_text:
+        message["reasoning_content"] = output.reasoning
+    if output.calls:
+        message["content"] = output.content or None
+        message["tool_calls"] = [_tool_call(c) for c in output.calls]
+    return message
+
+
+def chat_delta(pieces: Pieces) -> dict[str, Any]:
+    """One streamed delta: reasoning, content and whole tool calls, as they came."""
+    delta: dict[str, Any] = {}
+    if pieces.reasoning:
+        delta["reasoning_content"] = pieces.reasoning
+    if pieces.content or not pieces:
+        delta["content"] = pieces.content
+    if pieces.calls:
+        delta["tool_calls"] = [{"index": c.index, **_tool_call(c)} for c in pieces.calls]
+    return delta
+
+
+def _tool_call(call: ToolCallOut) -> dict[str, Any]:
+    return {
+        "id": call.id,
+        "type": "function",
+        "function": {"name": call.name, "arguments": call.arguments},
+    }
 
 
 def opening_chunks(gen: Generation) -> list[dict[str, Any]]:
@@ -118,21 +151,23 @@ def delta_chunks(gen: Generation, i: int, out: RequestOutput) -> list[dict[str, 
     tok = gen.served.engine.tokenizer
     chunks = []
     lps = out.logprobs or []
-    if out.text or lps:
-        if gen.is_chat:
+    if gen.is_chat:
+        pieces = gen.choices[i].last
+        if pieces or lps:
             body: dict[str, Any] = {
                 "index": i,
-                "delta": {"content": out.text},
+                "delta": chat_delta(pieces),
                 "logprobs": chat_logprobs(tok, lps) if gen.req.logprobs else None,
             }
-        else:
-            # where this delta's text starts in the choice's text (after the echo)
-            base = len(gen.echo_text) + gen.choices[i].num_chars - len(out.text)
-            body = {
-                "index": i,
-                "text": out.text,
-                "logprobs": completion_logprobs(tok, lps, base) if lps else None,
-            }
+            chunks.append({**_head(gen, chunk=True), "choices": [{**body, "finish_reason": None}]})
+    elif out.text or lps:
+        # where this delta's text starts in the choice's text (after the echo)
+        base = len(gen.echo_text) + gen.choices[i].num_chars - len(out.text)
+        body = {
+            "index": i,
+            "text": out.text,
+            "logprobs": completion_logprobs(tok, lps, base) if lps else None,
+        }
         chunks.append({**_head(gen, chunk=True), "choices": [{**body, "finish_reason": None}]})
     if out.finished:
         done: dict[str, Any] = {"index": i}
@@ -142,7 +177,7 @@ def delta_chunks(gen: Generation, i: int, out: RequestOutput) -> list[dict[str, 
             done["text"] = ""
         done |= {
             "logprobs": None,
-            "finish_reason": out.finish_reason,
+            "finish_reason": gen.choices[i].finish_reason,
             "stop_reason": out.stop_reason,
         }
         chunk = {**_head(gen, chunk=True), "choices": [done]}

@@ -24,6 +24,8 @@ from helexa.engine.models import UnsupportedModelError
 from helexa.errors import HelexaError, model_not_found, service_unavailable
 from helexa.node.activation import Activation
 from helexa.node.admission import Admission, AdmissionLimits
+from helexa.protocol.reasoning import ReasoningMarkers
+from helexa.protocol.tool_calls import ToolCallMarkers
 
 log = logging.getLogger(__name__)
 
@@ -85,9 +87,15 @@ class ServedModel:
     loaded_at: float = field(default_factory=time.time)
     load_seconds: float = 0.0
     memory_mb: int = field(init=False)  # fixed once loaded: weights and KV pool
+    # marker pairs found in the vocabulary (never guessed from the model's name)
+    reasoning_markers: ReasoningMarkers | None = field(init=False)
+    tool_call_markers: ToolCallMarkers | None = field(init=False)
 
     def __post_init__(self) -> None:
         self.memory_mb = model_memory_mb(self.llm.engine.runner.model)
+        tok = self.llm.engine.tokenizer
+        self.reasoning_markers = ReasoningMarkers.from_vocab(tok)
+        self.tool_call_markers = ToolCallMarkers.from_vocab(tok)
 
     @property
     def engine(self) -> LLMEngine:
@@ -115,9 +123,6 @@ class ServedModel:
     def capabilities(self) -> list[str]:
         return ["text"]
 
-    def has_token(self, token: str) -> bool:
-        return self.engine.tokenizer.token_to_id(token) is not None
-
     def describe(self) -> dict[str, Any]:
         """One `/models` entry."""
         engine = self.engine
@@ -131,8 +136,8 @@ class ServedModel:
             "quant": self.options.quant or _gguf_quant_of(engine),
             "format": engine.loaded.source_format,
             "capabilities": self.capabilities,
-            "tool_call": self.has_token("<tool_call>"),
-            "reasoning": self.has_token("<think>") or self.has_token("[THINK]"),
+            "tool_call": self.tool_call_markers is not None,
+            "reasoning": self.reasoning_markers is not None,
             "limit": self.limit,
             "memory_mb": self.memory_mb,
             "in_flight": self.admission.num_running,

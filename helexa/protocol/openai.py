@@ -93,11 +93,35 @@ class ChatCompletionRequest(_Sampling):
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
     response_format: dict[str, Any] | None = None
     reasoning_effort: str | None = None
+    # `x-include-thinking: true`: reasoning inline in the content, inside its markers
+    include_thinking: bool = False
 
     @property
     def output_limit(self) -> int | None:
         """max_completion_tokens, else max_tokens."""
         return self.max_completion_tokens or self.max_tokens
+
+    @property
+    def wants_reasoning(self) -> bool:
+        """Whether the caller asked to see reasoning: `reasoning_effort` other than "none",
+        or `x-include-thinking`. A caller that did not ask gets none generated."""
+        if self.reasoning_effort is not None:
+            return self.reasoning_effort != "none"
+        return self.include_thinking
+
+    def template_kwargs(self) -> dict[str, Any]:
+        """`chat_template_kwargs` with `enable_thinking` defaulted from `wants_reasoning`
+        (so hidden thinking never eats the token budget); an explicit value wins."""
+        kwargs = dict(self.chat_template_kwargs)
+        kwargs.setdefault("enable_thinking", self.wants_reasoning)
+        return kwargs
+
+    @property
+    def forced_tool(self) -> str | None:
+        """The function `tool_choice` names, "*" for "required", None when calls are optional."""
+        if isinstance(self.tool_choice, dict):
+            return self.tool_choice["function"]["name"]
+        return "*" if self.tool_choice == "required" else None
 
 
 @dataclass(slots=True)

@@ -38,7 +38,7 @@ class ReasoningMarkers:
         return prompt.rfind(self.start) > prompt.rfind(self.end)
 
 
-def _held_back(text: str, marker: str) -> int:
+def held_back(text: str, marker: str) -> int:
     """Length of the longest end of `text` that could be the start of `marker`."""
     for n in range(min(len(text), len(marker) - 1), 0, -1):
         if marker.startswith(text[-n:]):
@@ -64,7 +64,7 @@ class ReasoningSplitter:
             marker = self.markers.end if self.in_reasoning else self.markers.start
             at = buffer.find(marker)
             if at < 0:
-                keep = _held_back(buffer, marker)
+                keep = held_back(buffer, marker)
                 head, self._pending = buffer[: len(buffer) - keep], buffer[len(buffer) - keep :]
                 self._emit(head, reasoning, content)
                 break

@@ -25,7 +25,7 @@ from helexa.node import openai_out
 from helexa.node.admission import Permit
 from helexa.node.budget import SpendBudget
 from helexa.node.discovery import device_stats, discovery
-from helexa.node.generation import Generation, prepare_prompt
+from helexa.node.generation import Generation, prepare_prompt, render_prompt
 from helexa.node.metrics import NodeMetrics
 from helexa.node.registry import LoadOptions, ModelRegistry
 from helexa.node.version import build_info
@@ -49,6 +49,7 @@ from helexa.web.common import (
 log = logging.getLogger(__name__)
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+THINKING_HEADER = "x-include-thinking"
 
 
 @dataclass(slots=True)
@@ -124,13 +125,13 @@ async def _serve(request: Request, req: ChatCompletionRequest | CompletionReques
     served = node.registry.get(req.model)
     principal = principal_of(request, node.cfg.node.gateway_secret)
     served.admission.check(principal)  # a full queue answers before any tokenizing
-    prompt_ids = await asyncio.to_thread(prepare_prompt, served, req)
+    prompt = await asyncio.to_thread(prepare_prompt, served, req)
     budget = budget_of(request, node.cfg.node.gateway_secret)
     if budget is not None:
-        budget.apply(req, len(prompt_ids))  # the output the gateway's reservation covers
+        budget.apply(req, len(prompt.ids))  # the output the gateway's reservation covers
     permit = await served.admission.acquire(principal)
     try:
-        gen = Generation(node.registry, served, req, prompt_ids, node.metrics)
+        gen = Generation(node.registry, served, req, prompt, node.metrics)
     except BaseException:
         permit.release()
         raise
@@ -177,12 +178,33 @@ async def _stream(gen: Generation, permit: Permit) -> AsyncIterator[bytes]:
 
 @post("/v1/chat/completions", status_code=200)
 async def chat_completions(request: Request) -> Response:
-    return await _serve(request, parse_chat_request(await _json_body(request)))
+    req = parse_chat_request(await _json_body(request))
+    req.include_thinking = include_thinking(request)
+    return await _serve(request, req)
+
+
+def include_thinking(request: Request) -> bool:
+    """`x-include-thinking: true`: the caller wants reasoning inline in the content."""
+    return request.headers.get(THINKING_HEADER, "").strip().lower() in ("1", "true", "yes")
 
 
 @post("/v1/completions", status_code=200)
 async def completions(request: Request) -> Response:
     return await _serve(request, parse_completion_request(await _json_body(request)))
+
+
+@post("/tokenize", status_code=200)
+async def tokenize(request: Request) -> dict[str, Any]:
+    """The prompt's token ids as a generation would see them (vLLM's shape): a chat body
+    (`messages`, `tools`, …, the template applied) or a completions body (`prompt`)."""
+    body = await _json_body(request)
+    chat = isinstance(body, dict) and "messages" in body
+    req = parse_chat_request(body) if chat else parse_completion_request(body)
+    if isinstance(req, ChatCompletionRequest):
+        req.include_thinking = include_thinking(request)
+    served = _node(request).registry.get(req.model)
+    prompt = await asyncio.to_thread(render_prompt, served, req)
+    return {"count": len(prompt.ids), "max_model_len": served.max_model_len, "tokens": prompt.ids}
 
 
 @get("/v1/models")
@@ -336,6 +358,7 @@ def create_node_app(cfg: Config, *, load_defaults: bool = True) -> Litestar:
         route_handlers=[
             chat_completions,
             completions,
+            tokenize,
             v1_models,
             health,
             discovery_route,

@@ -52,3 +52,57 @@ def tiny_id(model_dirs) -> str:
 @pytest.fixture(scope="session")
 def long_id(model_dirs) -> str:
     return str(model_dirs["long"])
+
+
+# -- agents' protocols: scripted answers through the real Qwen3 tokenizer and templates ----
+
+QWEN3 = "Qwen3-0.6B"
+QWEN35_TEMPLATE = "Qwen3.5-4B/Qwen3.5-4B.jinja"  # opens <think> in the generation prompt
+QWEN3_CODER_TEMPLATE = "Qwen3-Coder-30B-A3B-Instruct/Qwen3-Coder.jinja"
+
+REASONING = "Two and two. Let me count: one, two, three, four. So it is four, surely."
+AGENT_SCRIPTS = {
+    "think": f"<think>\n{REASONING}\n</think>\n\nThe answer is 4.",
+    # the template opens <think> itself: the model's first words are reasoning
+    "opens": f"{REASONING}\n</think>\n\nThe answer is 4.",
+    "calls": (
+        "I will look both up.\n<tool_call>\n"
+        '{"name": "get_weather", "arguments": {"city": "Zürich 🇨🇭", "days": 3}}\n'
+        "</tool_call>\n<tool_call>\n<function=search>\n<parameter=query>\nbest café ☕\n"
+        "</parameter>\n<parameter=limit>\n5\n</parameter>\n<parameter=exact>\ntrue\n"
+        '</parameter>\n<parameter=filters>\n{"open": true}\n</parameter>\n'
+        "<parameter=score>\nvery high\n</parameter>\n</function>\n</tool_call>"
+    ),
+    "slip": '<tool_call>\n{"arguments": {"name": "get_weather", "city": "Oslo"}}}}\n</tool_call>',
+    "garbage": "<tool_call>\nget_weather(city=Oslo)\n</tool_call>",
+    "plain": "I would rather not call a tool.",
+}
+
+
+@pytest.fixture(scope="session")
+def agent_models(tmp_path_factory) -> dict[str, str]:
+    if not FIXTURE_MODELS.is_dir():
+        pytest.skip("shared fixtures absent")
+    root = tmp_path_factory.mktemp("agent-models")
+    dirs = {
+        name: scripted_model(
+            root,
+            script,
+            name,
+            tokenizer_from=QWEN3,
+            chat_template=QWEN35_TEMPLATE if name == "opens" else None,
+        )
+        for name, script in AGENT_SCRIPTS.items()
+    }
+    dirs["coder"] = scripted_model(
+        root, "ok", "coder", tokenizer_from=QWEN3, chat_template=QWEN3_CODER_TEMPLATE
+    )
+    return {name: str(d) for name, d in dirs.items()}
+
+
+@pytest.fixture(scope="session")
+def agent_node(tmp_path_factory, agent_models):
+    """A node serving scripted answers spoken through the Qwen3 vocabulary."""
+    proc = start_node(tmp_path_factory.mktemp("agent-node"), list(agent_models.values()))
+    yield proc
+    proc.stop(signal.SIGTERM)

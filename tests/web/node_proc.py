@@ -25,15 +25,29 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def scripted_model(root: Path, script: str, name: str = "scripted") -> Path:
-    """A `helexa_scripted` model dir: it answers `script` (then eos) whatever the prompt."""
+def scripted_model(
+    root: Path,
+    script: str,
+    name: str = "scripted",
+    *,
+    tokenizer_from: str = "SmolLM2-135M-Instruct",
+    chat_template: str | None = None,
+) -> Path:
+    """A `helexa_scripted` model dir: it answers `script` (then eos) whatever the prompt.
+
+    The tokenizer (and its chat template) comes from the fixture model `tokenizer_from`;
+    `chat_template` names another fixture template file (`Qwen3.5-4B/Qwen3.5-4B.jinja`)
+    to use instead."""
     from tests.conftest import FIXTURES_DIR
 
     d = root / name
     d.mkdir(parents=True, exist_ok=True)
-    src = FIXTURES_DIR / "models" / "SmolLM2-135M-Instruct"
+    src = FIXTURES_DIR / "models" / tokenizer_from
     for f in ("tokenizer.json", "tokenizer_config.json"):
         (d / f).write_bytes((src / f).read_bytes())
+    if chat_template is not None:
+        template = (FIXTURES_DIR / "models" / chat_template).read_text()
+        (d / "chat_template.jinja").write_text(template)
     (d / "config.json").write_text(json.dumps({"model_type": "helexa_scripted", "script": script}))
     return d
 
