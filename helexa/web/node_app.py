@@ -28,6 +28,7 @@ from helexa.node.discovery import device_stats, discovery
 from helexa.node.generation import Generation, prepare_prompt, render_prompt
 from helexa.node.metrics import NodeMetrics
 from helexa.node.registry import LoadOptions, ModelRegistry
+from helexa.node.responses_out import ResponsesView
 from helexa.node.version import build_info
 from helexa.protocol.openai import (
     ChatCompletionRequest,
@@ -35,6 +36,7 @@ from helexa.protocol.openai import (
     parse_chat_request,
     parse_completion_request,
 )
+from helexa.protocol.responses import parse_responses_request
 from helexa.web.common import (
     ACCOUNT_HEADER,
     BUDGET_HEADER,
@@ -118,7 +120,13 @@ async def _until_disconnected(request: Request) -> None:
 # -- inference ----------------------------------------------------------------------------
 
 
-async def _serve(request: Request, req: ChatCompletionRequest | CompletionRequest) -> Response:
+async def _serve(
+    request: Request,
+    req: ChatCompletionRequest | CompletionRequest,
+    echo: dict[str, Any] | None = None,
+) -> Response:
+    """Admit, render and run one request; answer in the chat/completions shapes, or in the
+    Responses API's when `echo` (the Responses fields the answer repeats) is given."""
     node = _node(request)
     if node.draining:
         raise service_unavailable("the node is shutting down; retry on another node", 5)
@@ -132,15 +140,16 @@ async def _serve(request: Request, req: ChatCompletionRequest | CompletionReques
     permit = await served.admission.acquire(principal)
     try:
         gen = Generation(node.registry, served, req, prompt, node.metrics)
+        view = ResponsesView(gen, echo) if echo is not None else None
     except BaseException:
         permit.release()
         raise
     if req.stream:
-        body = _stream(gen, permit)
+        body = _stream(gen, permit) if view is None else _stream_responses(view, permit)
         weakref.finalize(body, permit.release)  # a stream never started still frees its slot
         return Stream(body, media_type="text/event-stream", headers=SSE_HEADERS)
     try:
-        work = asyncio.create_task(_collect(gen))
+        work = asyncio.create_task(_collect(gen, view))
         gone = asyncio.create_task(_until_disconnected(request))
         await asyncio.wait((work, gone), return_when=asyncio.FIRST_COMPLETED)
         if not work.done():  # the client left: stop generating, free the KV
@@ -153,10 +162,10 @@ async def _serve(request: Request, req: ChatCompletionRequest | CompletionReques
         permit.release()
 
 
-async def _collect(gen: Generation) -> dict[str, Any]:
+async def _collect(gen: Generation, view: ResponsesView | None) -> dict[str, Any]:
     async for _ in gen.deltas():
         pass
-    return openai_out.full_response(gen)
+    return openai_out.full_response(gen) if view is None else view.whole()
 
 
 async def _stream(gen: Generation, permit: Permit) -> AsyncIterator[bytes]:
@@ -176,6 +185,28 @@ async def _stream(gen: Generation, permit: Permit) -> AsyncIterator[bytes]:
     yield b"data: [DONE]\n\n"
 
 
+async def _stream_responses(view: ResponsesView, permit: Permit) -> AsyncIterator[bytes]:
+    """Named events (`event: response.output_text.delta`), no `[DONE]`: the API's own."""
+    gen = view.gen
+    try:
+        for e in view.opening():
+            yield _named_sse(e)
+        async for _, _out in gen.deltas():
+            for e in view.delta(gen.choices[0].last):
+                yield _named_sse(e)
+        for e in view.closing():
+            yield _named_sse(e)
+    except HelexaError as e:
+        log.warning("stream %s failed: %s", view.id, e.message)
+        yield _named_sse(view.failed(e))
+    finally:
+        permit.release()
+
+
+def _named_sse(event: dict[str, Any]) -> bytes:
+    return f"event: {event['type']}\n".encode() + _sse(event)
+
+
 @post("/v1/chat/completions", status_code=200)
 async def chat_completions(request: Request) -> Response:
     req = parse_chat_request(await _json_body(request))
@@ -191,6 +222,13 @@ def include_thinking(request: Request) -> bool:
 @post("/v1/completions", status_code=200)
 async def completions(request: Request) -> Response:
     return await _serve(request, parse_completion_request(await _json_body(request)))
+
+
+@post("/v1/responses", status_code=200)
+async def responses(request: Request) -> Response:
+    parsed = parse_responses_request(await _json_body(request))
+    parsed.chat.include_thinking = include_thinking(request)
+    return await _serve(request, parsed.chat, parsed.echo)
 
 
 @post("/tokenize", status_code=200)
@@ -358,6 +396,7 @@ def create_node_app(cfg: Config, *, load_defaults: bool = True) -> Litestar:
         route_handlers=[
             chat_completions,
             completions,
+            responses,
             tokenize,
             v1_models,
             health,
