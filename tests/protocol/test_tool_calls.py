@@ -183,9 +183,7 @@ def test_a_garbage_body_comes_back_as_text():
 
 
 def test_an_unclosed_block_at_the_end_is_parsed_if_it_can_be_else_text():
-    assert _run('<tool_call>{"name": "search", "arguments": {}}', []) == [
-        ParsedCall("search", {})
-    ]
+    assert _run('<tool_call>{"name": "search", "arguments": {}}', []) == [ParsedCall("search", {})]
     assert _run("<tool_call>{half", []) == ["<tool_call>{half"]
 
 

@@ -218,7 +218,12 @@ def test_tool_choice_required_without_a_call_is_an_error(client, agent_node, age
     assert "rather not" in e.value.message
     chunks = _stream_chunks(
         agent_node,
-        {"model": agent_models["plain"], "messages": ASK, "tools": TOOLS, "tool_choice": "required"},
+        {
+            "model": agent_models["plain"],
+            "messages": ASK,
+            "tools": TOOLS,
+            "tool_choice": "required",
+        },
     )
     assert chunks[-1]["error"]["code"] == "tool_choice_not_satisfied"
     streamed = "".join(
