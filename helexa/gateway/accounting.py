@@ -17,6 +17,27 @@ if TYPE_CHECKING:
 _FINISH = re.compile(rb'"finish_reason":\s*"([a-z_]+)"')
 
 
+def usage_counts(usage: dict[str, Any]) -> tuple[int, int, int, int]:
+    """(prompt, completion, cached, reasoning) tokens of a chat/completions usage object or
+    of a Responses one (`input_tokens`, `output_tokens`, `*_details`)."""
+
+    def num(obj: Any, key: str) -> int | None:
+        value = obj.get(key) if isinstance(obj, dict) else None
+        return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+    def first(*candidates: int | None) -> int:
+        return next((c for c in candidates if c is not None), 0)
+
+    prompt_details = usage.get("prompt_tokens_details") or usage.get("input_tokens_details")
+    output_details = usage.get("completion_tokens_details") or usage.get("output_tokens_details")
+    return (
+        first(num(usage, "prompt_tokens"), num(usage, "input_tokens")),
+        first(num(usage, "completion_tokens"), num(usage, "output_tokens")),
+        first(num(prompt_details, "cached_tokens")),
+        first(num(output_details, "reasoning_tokens")),
+    )
+
+
 class Accountant:
     def __init__(self, budgets: Budgets, ledger: Ledger, metrics: GatewayMetrics) -> None:
         self.budgets = budgets
@@ -25,12 +46,7 @@ class Accountant:
 
     def close(self, ex: Exchange, status: int, usage: dict[str, Any] | None) -> None:
         if usage:
-            prompt = int(usage.get("prompt_tokens") or 0)
-            completion = int(usage.get("completion_tokens") or 0)
-            cached = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
-            reasoning = int(
-                (usage.get("completion_tokens_details") or {}).get("reasoning_tokens") or 0
-            )
+            prompt, completion, cached, reasoning = usage_counts(usage)
         elif ex.first_byte is not None and status == 200:  # cut short: count what came
             prompt, completion, cached, reasoning = ex.prompt_estimate, ex.content_events, 0, 0
         else:  # never ran

@@ -14,7 +14,7 @@ from typing import Any
 import aiohttp
 
 from helexa.errors import service_unavailable
-from helexa.gateway.accounting import Accountant
+from helexa.gateway.accounting import Accountant, usage_counts
 from helexa.gateway.auth import ANONYMOUS, Principal
 from helexa.gateway.budgets import Reservation
 from helexa.gateway.metrics import GatewayMetrics
@@ -84,7 +84,9 @@ def extract_usage(text: str) -> dict[str, Any] | None:
                 value, _ = decoder.raw_decode(text, brace)
             except ValueError:
                 value = None
-            if isinstance(value, dict) and "completion_tokens" in value:
+            if isinstance(value, dict) and (
+                "completion_tokens" in value or "output_tokens" in value
+            ):
                 return value
         end = at
 
@@ -204,8 +206,7 @@ class Upstream:
         if self.accountant is not None:
             self.accountant.close(ex, status, usage)
         if usage:
-            prompt = int(usage.get("prompt_tokens") or 0)
-            completion = int(usage.get("completion_tokens") or 0)
+            prompt, completion, _, _ = usage_counts(usage)
             m.prompt_tokens.labels(*labels).inc(prompt)
             m.completion_tokens.labels(*labels).inc(completion)
             window = (ex.last_byte or 0) - (ex.first_byte or 0)

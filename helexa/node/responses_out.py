@@ -47,9 +47,10 @@ class ResponsesView:
             "error": None,
             "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None,
             "previous_response_id": None,
-            "usage": self.usage if status != "in_progress" else None,
             **self.echo,
             "text": self.echo.get("text") or {"format": {"type": "text"}},
+            # last: the gateway reads usage from the tail of a stream, after the echoed tools
+            "usage": self.usage if status != "in_progress" else None,
         }
 
     @property
