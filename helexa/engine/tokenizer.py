@@ -53,6 +53,14 @@ class Tokenizer:
     def id_to_token(self, token_id: int) -> str | None:
         return self.backend.id_to_token(token_id)
 
+    def is_special(self, token: str) -> bool:
+        """Whether `token` is a special token (one `skip_special_tokens` drops in decoding)."""
+        token_id = self.token_to_id(token)
+        added = (
+            self.backend.get_added_tokens_decoder().get(token_id) if token_id is not None else None
+        )
+        return bool(added is not None and added.special)
+
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         """Token ids for `text`; special-token strings in it map to their ids.
 

@@ -168,6 +168,8 @@ class Generation:
             )
         self.num_cached_tokens = 0
         self._params = choice_params(req)
+        if self.is_chat and served.markers_are_special:
+            self._params = [dataclasses.replace(p, skip_special_tokens=False) for p in self._params]
         model = served.id
         # metric children bound once: _account runs for every delta of every request
         self._ttft = metrics.ttft.labels(model)

@@ -90,12 +90,17 @@ class ServedModel:
     # marker pairs found in the vocabulary (never guessed from the model's name)
     reasoning_markers: ReasoningMarkers | None = field(init=False)
     tool_call_markers: ToolCallMarkers | None = field(init=False)
+    markers_are_special: bool = field(init=False)
 
     def __post_init__(self) -> None:
         self.memory_mb = model_memory_mb(self.llm.engine.runner.model)
         tok = self.llm.engine.tokenizer
         self.reasoning_markers = ReasoningMarkers.from_vocab(tok)
         self.tool_call_markers = ToolCallMarkers.from_vocab(tok)
+        markers = [m for m in (self.reasoning_markers, self.tool_call_markers) if m is not None]
+        # Special marker tokens ([THINK] in Mistral vocabularies) would vanish in decoding,
+        # and the reasoning with them would pass for content: chat answers keep them.
+        self.markers_are_special = any(tok.is_special(t) for m in markers for t in (m.start, m.end))
 
     @property
     def engine(self) -> LLMEngine:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import signal
 
 import pytest
@@ -97,6 +98,13 @@ def agent_models(tmp_path_factory) -> dict[str, str]:
     dirs["coder"] = scripted_model(
         root, "ok", "coder", tokenizer_from=QWEN3, chat_template=QWEN3_CODER_TEMPLATE
     )
+    # markers that are *special* tokens (as [THINK] is in Mistral vocabularies)
+    dirs["special"] = scripted_model(root, AGENT_SCRIPTS["think"], "special", tokenizer_from=QWEN3)
+    tokenizer = json.loads((dirs["special"] / "tokenizer.json").read_text())
+    for token in tokenizer["added_tokens"]:
+        if token["content"] in ("<think>", "</think>"):
+            token["special"] = True
+    (dirs["special"] / "tokenizer.json").write_text(json.dumps(tokenizer))
     return {name: str(d) for name, d in dirs.items()}
 
 

@@ -90,6 +90,14 @@ def test_reasoning_goes_to_reasoning_content_never_into_content(client, agent_mo
     assert 10 < details.reasoning_tokens < r.usage.completion_tokens
 
 
+def test_special_marker_tokens_still_split_reasoning_from_content(client, agent_models):
+    r = client.chat.completions.create(
+        model=agent_models["special"], messages=ASK, reasoning_effort="high"
+    )
+    message = r.choices[0].message
+    assert (message.reasoning_content, message.content) == (f"\n{REASONING}\n", "The answer is 4.")
+
+
 def test_streamed_reasoning_spreads_over_many_chunks_and_never_leaks(agent_node, agent_models):
     chunks = _stream_chunks(
         agent_node, {"model": agent_models["think"], "messages": ASK, "reasoning_effort": "low"}
