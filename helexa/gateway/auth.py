@@ -1,4 +1,6 @@
-"""Who is calling (SPEC "Gateway", Identity): a Bearer key looked up by its hash.
+"""Who is calling (SPEC "Gateway", Identity): a key looked up by its hash, sent as
+`Authorization: Bearer <key>` (OpenAI clients) or `x-api-key: <key>` (Anthropic clients),
+on every route.
 
 `require_auth = false`: no key or an unknown key is served anonymously (clients send
 placeholder keys); a known key is metered. `require_auth = true`: missing or unknown →
@@ -36,11 +38,13 @@ ANONYMOUS = Principal()
 
 
 def bearer_secret(headers: Mapping[str, str]) -> str | None:
-    """The key from `Authorization: Bearer <key>` (the only identity header)."""
+    """The key from `Authorization: Bearer <key>`, else from `x-api-key: <key>`."""
     value = headers.get("authorization") or ""
     scheme, _, secret = value.partition(" ")
     secret = secret.strip()
-    return secret if scheme.lower() == "bearer" and secret else None
+    if scheme.lower() == "bearer" and secret:
+        return secret
+    return (headers.get("x-api-key") or "").strip() or None
 
 
 class Authenticator:
@@ -53,7 +57,9 @@ class Authenticator:
         secret = bearer_secret(headers)
         if secret is None:
             if self.require_auth:
-                raise invalid_api_key("an API key is required: send Authorization: Bearer <key>")
+                raise invalid_api_key(
+                    "an API key is required: send Authorization: Bearer <key> or x-api-key"
+                )
             return ANONYMOUS
         key = await self._lookup(secret)
         if key is None:

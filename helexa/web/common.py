@@ -40,18 +40,22 @@ def parse_json_body(raw: bytes, decode: Callable[[bytes], Any] = json.loads) -> 
         raise invalid_request(f"the request body is not valid JSON: {e}", "body") from None
 
 
-def error_response(request: Request, exc: Exception) -> Response:
-    """Any exception as the OpenAI envelope with its status and headers (Retry-After)."""
+def as_helexa_error(request: Request, exc: Exception) -> HelexaError:
+    """Any exception as the error a client sees (an unexpected one is logged, and a 500)."""
     if isinstance(exc, HelexaError):
-        err = exc
-    elif isinstance(exc, HTTPException):
+        return exc
+    if isinstance(exc, HTTPException):
         status = exc.status_code
-        err = HelexaError(
+        return HelexaError(
             status,
             "invalid_request_error" if status < 500 else "server_error",
             exc.detail if status < 500 else "internal server error",
         )
-    else:
-        log.exception("unhandled error on %s %s", request.method, request.url.path)
-        err = HelexaError(500, "server_error", f"internal server error: {type(exc).__name__}")
+    log.exception("unhandled error on %s %s", request.method, request.url.path)
+    return HelexaError(500, "server_error", f"internal server error: {type(exc).__name__}")
+
+
+def error_response(request: Request, exc: Exception) -> Response:
+    """Any exception as the OpenAI envelope with its status and headers (Retry-After)."""
+    err = as_helexa_error(request, exc)
     return Response(content=err.to_envelope(), status_code=err.status, headers=err.headers())

@@ -1,0 +1,203 @@
+"""The Anthropic Messages API on the gateway (SPEC "Gateway", Anthropic): `POST /v1/messages`
+and `POST /v1/messages/count_tokens`, translated to the node's OpenAI chat API and back.
+
+The exchange with the node is the OpenAI proxy's (`open_exchange`): auth, scope, routing,
+budgets and the ledger apply unchanged, and a stream's accounting reads the node's own
+bytes, which pass through the relay before they are translated.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import AsyncGenerator, AsyncIterator
+from typing import Any
+
+import aiohttp
+import msgspec
+from litestar import Request, post
+from litestar.response import Response, Stream
+
+from helexa.errors import HelexaError
+from helexa.gateway.edge import estimate_tokens
+from helexa.gateway.proxy import warn
+from helexa.logs import event
+from helexa.protocol.anthropic import Translated, to_openai_chat, tokenize_body
+from helexa.protocol.anthropic_out import (
+    SSEReader,
+    StreamTranslator,
+    error_body,
+    from_openai_chat,
+    message_id,
+    sse_event,
+)
+from helexa.web.common import as_helexa_error, parse_json_body
+from helexa.web.gateway_exchange import check_scope, gateway_of, node_headers, open_exchange
+
+log = logging.getLogger(__name__)
+
+PING_INTERVAL_S = 10.0  # upstream silence (a long prefill) this long gets a `ping` event
+CHAT_PATH = "/v1/chat/completions"
+TOKENIZE_PATH = "/tokenize"
+# Not for the node: reasoning must come back as `reasoning_content`, not inline text.
+_NOT_FOR_NODE = ("x-include-thinking",)
+_decoder = msgspec.json.Decoder()
+_encoder = msgspec.json.Encoder()
+
+
+def is_anthropic_path(path: str) -> bool:
+    return path == "/v1/messages" or path.startswith("/v1/messages/")
+
+
+def anthropic_error_response(request: Request, exc: Exception) -> Response:
+    """Any exception as Anthropic's `{"type": "error", "error": {type, message}}`, with the
+    status and headers (Retry-After) it would have had on the OpenAI routes."""
+    err = as_helexa_error(request, exc)
+    return Response(
+        content=error_body(err.status, err.message, err.code),
+        status_code=err.status,
+        headers=err.headers(),
+    )
+
+
+@post("/v1/messages", status_code=200)
+async def messages(request: Request) -> Response:
+    gw = gateway_of(request)
+    assert gw.auth is not None and gw.upstream is not None
+    principal = await gw.auth.authenticate(request.headers)
+    t = to_openai_chat(parse_json_body(await request.body(), _decoder.decode))
+    raw = _encoder.encode(t.body)
+    ex, resp, headers = await open_exchange(
+        request, principal, CHAT_PATH, t.body, raw, drop_headers=_NOT_FOR_NODE
+    )
+    msg_id = message_id()
+    headers["request-id"] = msg_id
+    if resp.status >= 400:  # logged once, by the app's error handler
+        data = await gw.upstream.read(ex, resp)
+        raise upstream_error(resp.status, data, resp.headers, headers["x-helexa-node"])
+    if t.stream:  # the node's own SSE headers (no-cache, no proxy buffering) came along
+        translator = StreamTranslator(t, msg_id, input_tokens=estimate_tokens(t.body))
+        return Stream(
+            anthropic_events(gw.upstream.relay(ex, resp), translator),
+            headers=headers,
+            media_type="text/event-stream",
+        )
+    answer = _json_object(await gw.upstream.read(ex, resp))
+    if answer is None:
+        raise HelexaError(502, "api_error", "the node's answer is not a JSON object")
+    return Response(content=from_openai_chat(answer, t, msg_id), headers=headers)
+
+
+@post("/v1/messages/count_tokens", status_code=200)
+async def count_tokens(request: Request) -> dict[str, int]:
+    """The prompt's token count from a node serving the model (its `/tokenize`, the chat
+    template and tools included); no budget is reserved and no ledger row written."""
+    gw = gateway_of(request)
+    assert gw.auth is not None and gw.router is not None and gw.upstream is not None
+    principal = await gw.auth.authenticate(request.headers)
+    t = to_openai_chat(parse_json_body(await request.body(), _decoder.decode), counting=True)
+    check_scope(gw, principal, t.model)
+    routes = await gw.router.routes(t.model)  # cold-loads, like the chat path
+    body = _encoder.encode(tokenize_body(t, routes[0].model_id))
+    headers = node_headers(gw, request, principal, _NOT_FOR_NODE)
+    route, resp = await gw.upstream.open(routes, TOKENIZE_PATH, body, headers)
+    try:
+        data = await resp.read()
+    finally:
+        resp.release()
+    if resp.status == 200:
+        count = (_json_object(data) or {}).get("count")
+        if isinstance(count, int):
+            return {"input_tokens": count}
+        raise HelexaError(502, "api_error", f"the node's /tokenize answered {_head(data)}")
+    err = upstream_error(resp.status, data, resp.headers, route.node.name)
+    if resp.status in (404, 405) and err.code != "model_not_found":
+        # a node from before /tokenize: the gateway's own estimate beats no answer
+        warn("no /tokenize on the node; estimating", route, TOKENIZE_PATH, status=resp.status)
+        return {"input_tokens": estimate_tokens(t.body) + _tools_estimate(t)}
+    raise err
+
+
+async def anthropic_events(
+    upstream: AsyncGenerator[bytes, None],
+    translator: StreamTranslator,
+    ping_interval_s: float = PING_INTERVAL_S,
+) -> AsyncIterator[bytes]:
+    """The node's OpenAI SSE bytes in, Anthropic's events out, with a `ping` whenever the
+    node is silent for `ping_interval_s`. Leaving early (the client went) cancels the
+    upstream read, which drops the node's request and settles the exchange."""
+    reader = SSEReader()
+    pending: asyncio.Task[bytes] | None = None
+    try:
+        for e in translator.start():
+            yield sse_event(e)
+        while not translator.done:
+            if pending is None:
+                pending = asyncio.ensure_future(_next(upstream))
+            done, _ = await asyncio.wait({pending}, timeout=ping_interval_s)
+            if not done:
+                yield sse_event(("ping", {"type": "ping"}))
+                continue
+            task, pending = pending, None
+            try:
+                chunk = task.result()
+            except StopAsyncIteration:
+                break
+            except (aiohttp.ClientError, TimeoutError) as exc:
+                event(log, logging.WARNING, "upstream stream broke", error=repr(exc))
+                break
+            for data in reader.feed(chunk):
+                if data.strip() == "[DONE]":
+                    continue
+                try:
+                    parsed = json.loads(data)
+                except ValueError:
+                    continue  # not a chunk we understand: the node never sends one
+                for e in translator.feed(parsed):
+                    yield sse_event(e)
+        for e in translator.finish():
+            yield sse_event(e)
+    finally:
+        if pending is not None:
+            pending.cancel()
+            await asyncio.gather(pending, return_exceptions=True)
+        await upstream.aclose()
+
+
+async def _next(upstream: AsyncGenerator[bytes, None]) -> bytes:
+    return await upstream.__anext__()
+
+
+def upstream_error(status: int, data: bytes, headers: Any, node: str) -> HelexaError:
+    """The node's OpenAI error envelope (or whatever it sent) as an error to re-raise,
+    with its Retry-After and the node that sent it."""
+    message, code = _head(data) or f"the node answered {status}", None
+    try:
+        envelope = json.loads(data)
+    except ValueError:
+        envelope = None
+    if isinstance(envelope, dict) and isinstance(envelope.get("error"), dict):
+        message = str(envelope["error"].get("message") or message)
+        code = envelope["error"].get("code")
+    retry = headers.get("Retry-After")
+    retry_after = float(retry) if retry and retry.replace(".", "", 1).isdigit() else None
+    err = HelexaError(status, "upstream_error", message, code=code, retry_after=retry_after)
+    err.extra_headers["x-helexa-node"] = node
+    return err
+
+
+def _json_object(data: bytes) -> dict[str, Any] | None:
+    try:
+        value = _decoder.decode(data)
+    except msgspec.DecodeError:
+        return None
+    return value if isinstance(value, dict) else None
+
+
+def _tools_estimate(t: Translated) -> int:
+    return len(json.dumps(t.body.get("tools") or [])) // 4
+
+
+def _head(data: bytes) -> str:
+    return data[:500].decode("utf-8", "replace")
