@@ -219,6 +219,23 @@ def cmd_spend(args: argparse.Namespace, cfg: Config) -> int:
     return 0
 
 
+def cmd_admin(args: argparse.Namespace, cfg: Config) -> int:
+    """`helexa admin hash-password`: a hash for `[admin] password_hash`."""
+    import getpass
+
+    from helexa.gateway.admin_auth import hash_password
+
+    if args.stdin or not sys.stdin.isatty():
+        password = sys.stdin.readline().rstrip("\r\n")
+    else:
+        password = getpass.getpass("admin password: ")
+        if getpass.getpass("again: ") != password:
+            raise ValueError("the two passwords differ; nothing was hashed")
+    print(hash_password(password))
+    print('put it in helexa.toml:  [admin] password_hash = "<the line above>"', file=sys.stderr)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="helexa",
@@ -309,6 +326,16 @@ def build_parser() -> argparse.ArgumentParser:
     for p in (db_up, db_down, db_current):
         _add_config_arg(p)
     db.set_defaults(func=cmd_db)
+
+    admin = sub.add_parser("admin", help="the /admin console: hash its password")
+    admin_sub = admin.add_subparsers(dest="admin_command", required=True, metavar="ACTION")
+    hash_pw = admin_sub.add_parser(
+        "hash-password", help="print a hash of the admin password for [admin] password_hash"
+    )
+    hash_pw.add_argument(
+        "--stdin", action="store_true", help="read the password from stdin instead of prompting"
+    )
+    admin.set_defaults(func=cmd_admin)
 
     show = sub.add_parser("config", help="print the effective configuration")
     _add_config_arg(show)

@@ -73,6 +73,21 @@ Device = Annotated[
 ]
 DType = Literal["auto", "float32", "bfloat16", "float16"]
 
+
+def _is_password_hash(v: str) -> bool:
+    from helexa.gateway.admin_auth import parse_hash
+
+    try:
+        parse_hash(v)
+    except ValueError:
+        return False
+    return True
+
+
+PasswordHash = Annotated[
+    str, Check("scrypt$N$r$p$salt$hash (from `helexa admin hash-password`)", _is_password_hash)
+]
+
 DERIVED = {"derived": True}  # filled by load_config from the environment; not a TOML key
 HF_DEFAULTS = {"endpoint": "https://huggingface.co", "token_env": "HF_TOKEN"}
 # HELEXA_* variables that are not [section] overrides.
@@ -204,8 +219,8 @@ class ModelEntry:
 class AdminConfig:
     """[admin]: the /admin console login."""
 
-    password_hash: str | None = None
-    session_ttl_s: PositiveInt = 43200
+    password_hash: PasswordHash | None = None  # none, and no HELEXA_ADMIN_PASSWORD: console off
+    session_ttl_s: PositiveInt = 43200  # a login lasts this long
     # from HELEXA_ADMIN_PASSWORD, never from the file
     password: str | None = field(default=None, repr=False, metadata=DERIVED)
 

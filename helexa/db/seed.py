@@ -17,7 +17,7 @@ def seed_catalogue(session: Session, cfg: Config) -> bool:
     """Copy cfg.models and cfg.aliases into an unseeded database and commit; True if it did."""
     if session.get(Setting, SEEDED) is not None:
         return False
-    session.add_all(_row(m) for m in cfg.models)
+    session.add_all(row_of(m) for m in cfg.models)
     session.add_all(Alias(alias=a, target=t) for a, t in cfg.aliases.items())
     session.add(Setting(key=SEEDED, value=utcnow().isoformat()))
     try:
@@ -31,13 +31,13 @@ def seed_catalogue(session: Session, cfg: Config) -> bool:
 def load_catalogue(session: Session) -> tuple[list[ModelEntry], dict[str, str]]:
     """The database's catalogue as config entries (what the router consumes) and its aliases."""
     models = [
-        _entry(row) for row in session.scalars(select(CatalogueModel).order_by(CatalogueModel.id))
+        entry_of(row) for row in session.scalars(select(CatalogueModel).order_by(CatalogueModel.id))
     ]
     aliases = {a.alias: a.target for a in session.scalars(select(Alias).order_by(Alias.alias))}
     return models, aliases
 
 
-def _row(m: ModelEntry) -> CatalogueModel:
+def row_of(m: ModelEntry) -> CatalogueModel:
     return CatalogueModel(
         id=m.id,
         source=m.source,
@@ -52,7 +52,7 @@ def _row(m: ModelEntry) -> CatalogueModel:
     )
 
 
-def _entry(row: CatalogueModel) -> ModelEntry:
+def entry_of(row: CatalogueModel) -> ModelEntry:
     return ModelEntry(
         id=row.id,
         source=row.source,

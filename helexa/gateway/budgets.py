@@ -42,6 +42,7 @@ class _Books:
     reserved_cost: float = 0.0
     events: deque[tuple[float, int, float]] = field(default_factory=deque)  # rolling only
     rolling: bool = False
+    window: tuple[str, int | None] = ("balance", None)  # what the spend above was counted over
 
     def expire(self, window_s: int, now: float) -> None:
         while self.events and self.events[0][0] <= now - window_s:
@@ -137,19 +138,28 @@ class Budgets:
 
     async def _books_for(self, key_id: str, budget: BudgetInfo) -> _Books:
         books = self._books.get(key_id)
-        if books is not None:
+        if books is not None and books.window == _window(budget):
             return books
         task = self._loading.get(key_id)
         if task is None:
             task = asyncio.create_task(asyncio.to_thread(self._load, key_id, budget))
             self._loading[key_id] = task
-        books = await asyncio.shield(task)
+        fresh = await asyncio.shield(task)
         self._loading.pop(key_id, None)
-        return self._books.setdefault(key_id, books)
+        old = self._books.get(key_id)
+        if old is not None and old.window != fresh.window:
+            # the key's window changed (admin console, CLI): its spend is recounted over the
+            # new one from the ledger; reservations still in flight carry over
+            fresh.reserved_tokens, fresh.reserved_cost = old.reserved_tokens, old.reserved_cost
+            self._books[key_id] = fresh
+        return self._books.setdefault(key_id, fresh)
 
     def _load(self, key_id: str, budget: BudgetInfo) -> _Books:
         """What the ledger says this key already spent (in its window, if rolling)."""
-        books = _Books(rolling=budget.window == "rolling" and bool(budget.window_seconds))
+        books = _Books(
+            rolling=budget.window == "rolling" and bool(budget.window_seconds),
+            window=_window(budget),
+        )
         tokens = SpendRecord.prompt_tokens + SpendRecord.completion_tokens
         with self.sessions() as session:
             if budget.window == "rolling" and budget.window_seconds:
@@ -173,3 +183,7 @@ class Budgets:
                 ).one()
                 books.spent_tokens, books.spent_cost = int(n), float(cost)
         return books
+
+
+def _window(budget: BudgetInfo) -> tuple[str, int | None]:
+    return budget.window, budget.window_seconds

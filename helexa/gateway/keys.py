@@ -177,6 +177,17 @@ class KeyStore:
             s.flush()
             return _info(key, budget)
 
+    def set_models(self, key_id: str, models: builtins.list[str] | None) -> KeyInfo:
+        """Replace the models a key may use (None: every model). KeyError if unknown."""
+        allowed = _check_models(models)
+        with self.sessions.begin() as s:
+            key = s.get(ApiKey, key_id)
+            if key is None:
+                raise KeyError(key_id)
+            key.allowed_models = allowed
+            s.flush()
+            return _info(key, _budget_info(key.budget))
+
     def lookup(self, secret: str) -> KeyInfo | None:
         """The active key whose secret this is; None for an unknown or revoked one."""
         digest = hash_secret(secret)

@@ -144,26 +144,28 @@ class Router:
 
         return sorted(nodes, key=lambda n: (n.name not in entry.pinned_on, -free_mb(n), n.name))
 
+    def load_body(self, model_id: str) -> dict[str, Any]:
+        """The node's `POST /models/load` body for a catalogue model (or a bare id)."""
+        body: dict[str, Any] = {"model_id": self.node_model_id(model_id)}
+        entry = self.catalogue.get(model_id)
+        if entry is not None:
+            options = {
+                "quant": entry.quant,
+                "dtype": entry.dtype,
+                "tensor_parallel": entry.tensor_parallel,
+            }
+            body |= {k: v for k, v in options.items() if v is not None}
+        return body
+
     async def _place(self, model_id: str, loading: list[NodeState]) -> NodeState:
         node_id = self.node_model_id(model_id)
-        entry = self.catalogue.get(model_id)
         # a node already loading it (pre-warm, another gateway) is joined, not raced
         candidates = loading or self.placement_order(model_id)
         if not candidates:
             raise service_unavailable(
                 f"no healthy node can hold model {model_id!r}", NO_NODE_RETRY_AFTER_S
             )
-        body: dict[str, Any] = {"model_id": node_id}
-        if entry is not None:
-            body |= {
-                k: v
-                for k, v in {
-                    "quant": entry.quant,
-                    "dtype": entry.dtype,
-                    "tensor_parallel": entry.tensor_parallel,
-                }.items()
-                if v is not None
-            }
+        body = self.load_body(model_id)
         errors = []
         for node in candidates:
             status, answer = await self._load_evicting(node, body)

@@ -1,5 +1,6 @@
-"""The gateway's HTTP surface (SPEC "Gateway"): one OpenAI API over the fleet, and the
-Prometheus app on its own port. Handlers are thin; decisions live in `helexa.gateway`."""
+"""The gateway's HTTP surface (SPEC "Gateway"): one OpenAI (and Anthropic) API over the
+fleet, and the Prometheus app on its own port. Handlers are thin; decisions live in
+`helexa.gateway`."""
 
 from __future__ import annotations
 
@@ -13,40 +14,45 @@ from typing import Any
 
 import aiohttp
 import msgspec
-from litestar import Litestar, Request, get, post
+from litestar import Litestar, Request, get, head, post
 from litestar.response import Response, Stream
+from sqlalchemy.orm import Session, sessionmaker
 
 from helexa.config import Config
 from helexa.db.seed import load_catalogue, seed_catalogue
 from helexa.db.session import open_database
-from helexa.errors import HelexaError, invalid_request, model_not_found
+from helexa.errors import HelexaError, invalid_request
 from helexa.gateway.accounting import Accountant
-from helexa.gateway.auth import Authenticator, Principal
-from helexa.gateway.budgets import Budgets, estimate_prompt_tokens
+from helexa.gateway.auth import Authenticator
+from helexa.gateway.budgets import Budgets
 from helexa.gateway.catalogue import model_list, nodes_view
-from helexa.gateway.edge import advice, check_context
 from helexa.gateway.fleet import Fleet
 from helexa.gateway.keys import KeyStore
 from helexa.gateway.ledger import Ledger
 from helexa.gateway.metrics import GatewayMetrics
+from helexa.gateway.model_jobs import ModelJobs
 from helexa.gateway.poller import NodeCalls, Poller
-from helexa.gateway.proxy import Exchange, Upstream, forward_headers, response_headers, warn
-from helexa.gateway.router import Route, Router
+from helexa.gateway.proxy import Upstream, warn
+from helexa.gateway.router import Router
 from helexa.logs import event
+from helexa.web.admin import admin_router, admin_static, admin_templates
+from helexa.web.admin_common import AdminState
 from helexa.web.common import (
-    ACCOUNT_HEADER,
-    BUDGET_HEADER,
-    KEY_HEADER,
     MAX_BODY_BYTES,
     METRICS_CONTENT_TYPE,
-    SECRET_HEADER,
     error_response,
     parse_json_body,
 )
+from helexa.web.gateway_anthropic import (
+    anthropic_error_response,
+    count_tokens,
+    is_anthropic_path,
+    messages,
+)
+from helexa.web.gateway_exchange import open_exchange
 
 log = logging.getLogger(__name__)
 
-DEFAULT_MAX_OUTPUT = 8192  # the node's own default cap when nothing says otherwise
 _decoder = msgspec.json.Decoder()
 _encoder = msgspec.json.Encoder()
 
@@ -61,6 +67,8 @@ class GatewayState:
     poller: Poller | None = None
     auth: Authenticator | None = None
     budgets: Budgets | None = None
+    sessions: sessionmaker[Session] | None = None  # the database (admin console, keys)
+    keys: KeyStore | None = None
     started_at: int = field(default_factory=lambda: int(time.time()))
 
 
@@ -78,76 +86,16 @@ def _body_object(raw: bytes) -> dict[str, Any]:
     return body
 
 
-def _node_headers(gw: GatewayState, request: Request, principal: Principal) -> dict[str, str]:
-    """The client's headers for the node: its key and any `x-helexa-*` claims removed, the
-    authenticated principal stamped, with the shared node secret when one is set."""
-    headers = forward_headers(request.headers)
-    headers.pop("authorization", None)
-    headers.pop("Authorization", None)
-    if principal.key is not None:
-        headers[ACCOUNT_HEADER] = principal.key.account_id
-        headers[KEY_HEADER] = principal.key.id
-    if gw.cfg.node.gateway_secret:
-        headers[SECRET_HEADER] = gw.cfg.node.gateway_secret
-    return headers
-
-
-def _check_scope(gw: GatewayState, principal: Principal, model: str) -> None:
-    """A key scoped to some models does not see the others: 404, as if they did not exist."""
-    key = principal.key
-    if key is not None and not (key.allows(model) or key.allows(gw.router.concrete(model))):
-        raise model_not_found(model)
-
-
 async def _proxy(request: Request, path: str) -> Response:
     gw = _gw(request)
-    assert gw.router is not None and gw.upstream is not None and gw.auth is not None
+    assert gw.upstream is not None and gw.auth is not None
     principal = await gw.auth.authenticate(request.headers)
     raw = await request.body()
-    body = _body_object(raw)
-    model = body["model"]
-    _check_scope(gw, principal, model)
-    routes = await gw.router.routes(model)
-    context = _context_limit(routes)
-    try:
-        check_context(body, context)
-    except HelexaError as e:
-        hint = advice(request.headers.get("user-agent"), e, context)
-        if hint:
-            e.extra_headers = {"X-Helexa-Advice": hint}
-        raise
-    concrete = gw.router.concrete(model)
-    entry = gw.router.catalogue.get(concrete)
-    ex = Exchange(None, concrete, principal)
-    ex.price = (entry.cost.input, entry.cost.output) if entry else (0.0, 0.0)
-    rewrite = routes[0].model_id != model  # an alias, or a catalogue id known by source
-    body["model"] = routes[0].model_id
-    if principal.key is not None and principal.key.budget is not None:
-        await _reserve(gw, ex, body, raw, routes[0])
-        rewrite = True
-    if rewrite:
-        raw = _encoder.encode(body)
-    headers = _node_headers(gw, request, principal)
-    if ex.reservation is not None:  # the node enforces it against the real prompt length
-        res = ex.reservation
-        headers[BUDGET_HEADER] = (
-            f"tokens={res.tokens}; cost={res.cost!r}; in={ex.price[0]!r}; out={ex.price[1]!r}"
-        )
-    try:
-        route, resp = await gw.upstream.open(routes, path, raw, headers)
-    except BaseException:
-        gw.upstream.abandon(ex, 503)
-        raise
-    gw.router.begin(route)
-    ex.route = route
-    headers = response_headers(resp.headers)
-    headers["x-helexa-node"] = route.node.name  # which replica answered
+    ex, resp, headers = await open_exchange(request, principal, path, _body_object(raw), raw)
     # Litestar adds "; charset=utf-8" to text types itself: pass the bare type, not a double
     media_type = resp.headers.get("Content-Type", "application/json")
     if media_type.startswith("text/"):
         media_type = media_type.split(";", 1)[0]
-    headers.pop("Content-Type", None)
-    headers.pop("content-type", None)
     if media_type.startswith("text/event-stream"):
         return Stream(
             gw.upstream.relay(ex, resp),
@@ -157,42 +105,15 @@ async def _proxy(request: Request, path: str) -> Response:
         )
     data = await gw.upstream.read(ex, resp)
     if resp.status >= 400:
+        assert ex.route is not None
         warn(
             "upstream error",
-            route,
+            ex.route,
             path,
             status=resp.status,
             body=data[:500].decode("utf-8", "replace"),
         )
     return Response(content=data, status_code=resp.status, headers=headers, media_type=media_type)
-
-
-def _context_limit(routes: list[Route]) -> int | None:
-    """The smallest context any candidate replica advertises (None when none says)."""
-    limits = [(r.node.models.get(r.model_id) or {}).get("limit", {}).get("context") for r in routes]
-    known = [n for n in limits if isinstance(n, int)]
-    return min(known) if known else None
-
-
-async def _reserve(
-    gw: GatewayState, ex: Exchange, body: dict[str, Any], raw: bytes, route: Route
-) -> None:
-    """Reserve the request's upper bound on its key's budget; its max_tokens becomes what
-    the reservation covers, so the node can never generate past the cap."""
-    key = ex.principal.key
-    assert key is not None and gw.budgets is not None
-    limit = (route.node.models.get(route.model_id) or {}).get("limit") or {}
-    ex.prompt_estimate = estimate_prompt_tokens(raw)
-    requested = body.get("max_completion_tokens") or body.get("max_tokens")
-    if not isinstance(requested, int) or isinstance(requested, bool) or requested < 1:
-        requested = limit.get("output") or DEFAULT_MAX_OUTPUT
-    if isinstance(limit.get("context"), int):
-        requested = min(requested, max(1, limit["context"] - ex.prompt_estimate))
-    ex.reservation = await gw.budgets.reserve(key, ex.prompt_estimate, requested, ex.price)
-    if ex.reservation is not None:
-        body["max_tokens"] = ex.reservation.max_output
-        if "max_completion_tokens" in body:
-            body["max_completion_tokens"] = ex.reservation.max_output
 
 
 @post("/v1/chat/completions", status_code=200)
@@ -222,6 +143,17 @@ async def v1_models(request: Request) -> dict[str, Any]:
     return {"object": "list", "data": models}
 
 
+@get("/")
+async def root() -> dict[str, Any]:
+    """What this is, for a person or a client probing the base URL."""
+    return {"name": "helexa", "role": "gateway", "api": "/v1", "admin": "/admin"}
+
+
+@head("/")
+async def root_head() -> None:
+    """Claude Code sends `HEAD /` before each session."""
+
+
 @get("/health")
 async def health(request: Request) -> dict[str, Any]:
     gw = _gw(request)
@@ -239,7 +171,15 @@ async def metrics(request: Request) -> Response:
     return Response(content=request.app.state.metrics.render(), media_type=METRICS_CONTENT_TYPE)
 
 
-_ROUTES = {"/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/models", "/health"}
+_ROUTES = {
+    "/v1/chat/completions",
+    "/v1/completions",
+    "/v1/responses",
+    "/v1/messages",
+    "/v1/messages/count_tokens",
+    "/v1/models",
+    "/health",
+}
 
 
 class CountedApp:
@@ -275,6 +215,7 @@ def create_gateway_apps(cfg: Config) -> tuple[CountedApp, Litestar]:
     """The API app and the metrics app; they share one fleet picture."""
     fleet = Fleet([(n.name, n.endpoint) for n in cfg.nodes])
     gw = GatewayState(cfg, fleet, GatewayMetrics(fleet))
+    admin = AdminState.from_config(cfg.admin)
 
     @asynccontextmanager
     async def lifespan(app: Litestar) -> AsyncIterator[None]:
@@ -288,10 +229,12 @@ def create_gateway_apps(cfg: Config) -> tuple[CountedApp, Litestar]:
                 if seed_catalogue(db, cfg):
                     log.info("catalogue seeded from the config: %d models", len(cfg.models))
                 catalogue, aliases = load_catalogue(db)
-            gw.auth = Authenticator(KeyStore(sessions), require_auth=cfg.gateway.require_auth)
+            gw.sessions, gw.keys = sessions, KeyStore(sessions)
+            gw.auth = Authenticator(gw.keys, require_auth=cfg.gateway.require_auth)
             gw.poller = Poller(fleet, session, cfg.gateway.poll_interval_s)
             gw.router = Router(cfg, fleet, NodeCalls(session, gw.poller))
             gw.router.replace_catalogue(catalogue, aliases)
+            admin.jobs = ModelJobs(gw.router)
             gw.budgets = Budgets(sessions)
             ledger = Ledger(sessions)
             accountant = Accountant(gw.budgets, ledger, gw.metrics)
@@ -315,10 +258,25 @@ def create_gateway_apps(cfg: Config) -> tuple[CountedApp, Litestar]:
                 code=exc.code,
                 error=exc.message,
             )
+        if is_anthropic_path(request.url.path):
+            return anthropic_error_response(request, exc)
         return error_response(request, exc)
 
     api = Litestar(
-        route_handlers=[chat_completions, completions, responses, v1_models, health],
+        route_handlers=[
+            chat_completions,
+            completions,
+            responses,
+            messages,
+            count_tokens,
+            v1_models,
+            health,
+            root,
+            root_head,
+            admin_router(),
+            admin_static(),
+        ],
+        template_config=admin_templates(),
         exception_handlers={Exception: handle},
         lifespan=[lifespan],
         request_max_body_size=MAX_BODY_BYTES,
@@ -326,6 +284,7 @@ def create_gateway_apps(cfg: Config) -> tuple[CountedApp, Litestar]:
         logging_config=None,
     )
     api.state.gateway = gw
+    api.state.admin = admin
     metrics_app = Litestar(
         route_handlers=[metrics],
         openapi_config=None,

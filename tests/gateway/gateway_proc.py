@@ -40,6 +40,8 @@ def start_gateway(
     wait_up: bool = True,
     gateway: dict | None = None,
     node: dict | None = None,
+    admin: dict | None = None,
+    env: dict[str, str] | None = None,
 ) -> GatewayProcess:
     """Start `helexa serve --role gateway` and wait until it answers and (with `wait_up`)
     sees every node up. A node is a running NodeProcess or just a base URL."""
@@ -60,6 +62,7 @@ def start_gateway(
         lines += ["[[nodes]]", f'name = "{name}"', f'endpoint = "{url}"']
     for entry in models or []:
         lines += ["[[models]]", *(f"{k} = {_toml_value(v)}" for k, v in entry.items())]
+    lines += ["[admin]", *(f"{k} = {_toml_value(v)}" for k, v in (admin or {}).items())]
     lines += [
         "[aliases]",
         *(f"{json.dumps(k)} = {json.dumps(v)}" for k, v in (aliases or {}).items()),
@@ -67,7 +70,7 @@ def start_gateway(
     cfg = tmp / f"gateway-{port}.toml"
     cfg.write_text("\n".join(lines) + "\n")
     log_path = tmp / f"gateway-{port}.log"
-    env = {**os.environ}
+    env = {**os.environ, **(env or {})}
     env.pop("HELEXA_CONFIG", None)
     with log_path.open("wb") as log:
         proc = subprocess.Popen(

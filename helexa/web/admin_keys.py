@@ -1,0 +1,146 @@
+"""The Keys page: create (the secret shown once), revoke, caps and window, allowed models,
+and each key's spend against its cap.
+
+The running gateway sees a change within auth's cache time (2 s): keys and budgets are
+read from the database, and a changed window is recounted from the ledger (budgets.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from typing import Any
+
+from litestar import Request, Response, get, post
+from litestar.datastructures import FormMultiDict
+
+from helexa.gateway.keys import KeyInfo, KeyStore
+from helexa.gateway.spend_query import key_usage
+from helexa.web.admin_common import form_of, gateway, render, text, texts
+
+
+def _store(request: Request) -> KeyStore:
+    store = gateway(request).keys
+    assert store is not None, "the gateway's lifespan opens the key store"
+    return store
+
+
+def parse_budget(form: FormMultiDict) -> dict[str, Any]:
+    """cap_tokens, cap_cost_usd and window from the budget fields (blank caps: no cap)."""
+    tokens, cost = text(form, "cap_tokens"), text(form, "cap_cost")
+    out: dict[str, Any] = {"cap_tokens": None, "cap_cost_usd": None, "window": "balance"}
+    if tokens:
+        try:
+            out["cap_tokens"] = int(tokens.replace(",", "").replace("_", ""))
+        except ValueError:
+            raise ValueError(f"token cap: expected a whole number, got {tokens!r}") from None
+        if out["cap_tokens"] <= 0:
+            raise ValueError(f"token cap: must be positive, got {tokens}")
+    if cost:
+        try:
+            out["cap_cost_usd"] = float(cost.removeprefix("$"))
+        except ValueError:
+            raise ValueError(f"cost cap: expected an amount in USD, got {cost!r}") from None
+        if not (math.isfinite(out["cap_cost_usd"]) and out["cap_cost_usd"] > 0):
+            raise ValueError(f"cost cap: must be a positive amount, got {cost}")
+    if text(form, "window") == "rolling":
+        seconds = text(form, "window_seconds")
+        if not seconds.isdigit() or int(seconds) <= 0:
+            raise ValueError(
+                f"window: a rolling window needs its length in seconds (e.g. 3600), got {seconds!r}"
+            )
+        out["window"] = f"rolling:{int(seconds)}"
+    elif text(form, "window") not in ("", "balance"):
+        raise ValueError(f"window: expected balance or rolling, got {text(form, 'window')!r}")
+    return out
+
+
+def _models(form: FormMultiDict) -> list[str] | None:
+    chosen = texts(form, "models")
+    return chosen or None  # nothing ticked: every model
+
+
+async def _page(request: Request, status: int = 200, **extra: Any) -> Response:
+    gw = gateway(request)
+    store = _store(request)
+
+    def read() -> tuple[list[KeyInfo], dict]:
+        keys = store.list()
+        with gw.sessions() as s:
+            return keys, key_usage(s, keys)
+
+    keys, usage = await asyncio.to_thread(read)
+    keys.sort(key=lambda k: (not k.is_active, k.account_id, k.created_at))
+    router = gw.router
+    assert router is not None
+    choices = sorted(router.catalogue) + sorted(router.aliases)
+    context = {
+        "keys": keys,
+        "usage": usage,
+        "model_choices": choices,
+        "created": None,
+        "secret": None,
+        "notice": None,
+        "error": None,
+        "error_key": None,  # the key whose edit form failed; None: the create form
+        "form": {},
+    }
+    return render(request, "keys", status=status, **(context | extra))
+
+
+@get("/keys")
+async def keys_page(request: Request) -> Response:
+    return await _page(request)
+
+
+@post("/keys")
+async def create_key(request: Request) -> Response:
+    form = await form_of(request)
+    try:
+        if not text(form, "account"):
+            raise ValueError("account: every key belongs to an account; name one")
+        budget = parse_budget(form)
+        info, secret = await asyncio.to_thread(
+            _store(request).create,
+            text(form, "account"),
+            name=text(form, "name") or None,
+            models=_models(form),
+            **budget,
+        )
+    except ValueError as e:
+        return await _page(request, 422, error=str(e), form=dict(form))
+    return await _page(request, created=info, secret=secret)
+
+
+@post("/keys/edit")
+async def edit_key(request: Request) -> Response:
+    form = await form_of(request)
+    key_id = text(form, "id")
+    store = _store(request)
+
+    def save() -> None:
+        budget = parse_budget(form)
+        store.set_budget(key_id, **budget)
+        store.set_models(key_id, _models(form))
+
+    try:
+        await asyncio.to_thread(save)
+    except KeyError:
+        return await _page(request, 422, error=f"unknown key {key_id!r}")
+    except ValueError as e:
+        return await _page(request, 422, error=str(e), error_key=key_id)
+    return await _page(request, notice=f"Saved {key_id}.")
+
+
+@post("/keys/revoke")
+async def revoke_key(request: Request) -> Response:
+    key_id = text(await form_of(request), "id")
+    store = _store(request)
+    if not await asyncio.to_thread(store.revoke, key_id):
+        known = await asyncio.to_thread(store.get, key_id)
+        why = "is already revoked" if known else "does not exist"
+        return await _page(request, 422, error=f"key {key_id!r} {why}")
+    return await _page(request, notice=f"Revoked {key_id}; it stops working within 2 seconds.")
+
+
+KEY_HANDLERS = [keys_page, create_key, edit_key, revoke_key]

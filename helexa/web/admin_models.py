@@ -1,0 +1,202 @@
+"""The Models page: the catalogue (add, edit, delete, pin), aliases, and loading or
+unloading a model on a chosen node with its status polled while it loads."""
+
+from __future__ import annotations
+
+import asyncio
+from collections import defaultdict
+from typing import Any
+
+from litestar import Request, Response, get, post
+
+from helexa.gateway import catalogue_edit as edit
+from helexa.web.admin_common import admin_state, form_of, gateway, render, text, texts
+
+
+def _jobs(request: Request):
+    jobs = admin_state(request).jobs
+    assert jobs is not None, "the gateway's lifespan makes the job list"
+    return jobs
+
+
+def _placement(request: Request) -> dict[str, Any]:
+    """What each node holds now, and the loads and unloads asked for here."""
+    gw = gateway(request)
+    nodes = sorted(gw.fleet.nodes.values(), key=lambda n: n.name)
+    jobs = _jobs(request).recent()
+    placement = [
+        {"node": n, "models": [n.models[m] | {"id": m} for m in sorted(n.models)]} for n in nodes
+    ]
+    busy = any(j.state == "running" for j in jobs) or any(
+        m.get("status") in ("loading", "recovering") for p in placement for m in p["models"]
+    )
+    return {"placement": placement, "jobs": jobs, "busy": busy}
+
+
+def _context(request: Request, **extra: Any) -> dict[str, Any]:
+    gw = gateway(request)
+    router = gw.router
+    assert router is not None
+    nodes = sorted(gw.fleet.nodes.values(), key=lambda n: n.name)
+    entries = []
+    for model_id in sorted(router.catalogue):
+        entry = router.catalogue[model_id]
+        node_id = router.node_model_id(model_id)
+        where = [(n.name, n.status_of(node_id)) for n in nodes if n.status_of(node_id)]
+        aliases = sorted(a for a, t in router.aliases.items() if t == model_id)
+        entries.append({"entry": entry, "where": where, "aliases": aliases})
+    context = {
+        "entries": entries,
+        "aliases": sorted(router.aliases.items()),
+        "nodes": [n.name for n in nodes],
+        "up_nodes": [n.name for n in nodes if n.up],
+        "dtypes": edit.DTYPES,
+        "notice": None,
+        "error": None,
+        "form": {},
+        "failed_form": None,  # which form the error belongs to
+    }
+    return context | _placement(request) | extra
+
+
+async def _reload(request: Request) -> None:
+    """The router routes by what the database now says."""
+    gw = gateway(request)
+    assert gw.router is not None and gw.sessions is not None
+    gw.router.replace_catalogue(*await asyncio.to_thread(edit.catalogue_rows, gw.sessions))
+
+
+def _page(request: Request, status: int = 200, **extra: Any) -> Response:
+    return render(request, "models", status=status, **_context(request, **extra))
+
+
+async def _change(request: Request, which: str, work, done: str) -> Response:
+    """Run one edit; the page again with a notice, or with the error beside its form."""
+    form = await form_of(request)
+    try:
+        await asyncio.to_thread(work, form)
+    except ValueError as e:
+        return _page(request, 422, error=str(e), form=dict(form), failed_form=which)
+    await _reload(request)
+    return _page(request, notice=done.format_map(defaultdict(str, dict(form))))
+
+
+@get("/models")
+async def models_page(request: Request) -> Response:
+    return _page(request)
+
+
+@get("/models/placement")
+async def placement(request: Request) -> Response:
+    """The nodes' models and the jobs alone: polled while something loads."""
+    return render(request, "models", partial="placement", **_context(request))
+
+
+def _entry(request: Request, form) -> Any:
+    gw = gateway(request)
+    return edit.entry_from_form(form, texts(form, "pinned_on"), list(gw.fleet.nodes))
+
+
+@post("/models")
+async def add_model(request: Request) -> Response:
+    sessions = gateway(request).sessions
+    return await _change(
+        request,
+        "add",
+        lambda form: edit.add_model(sessions, _entry(request, form)),
+        "Added {id} to the catalogue.",
+    )
+
+
+@post("/models/edit")
+async def update_model(request: Request) -> Response:
+    sessions = gateway(request).sessions
+    return await _change(
+        request,
+        "edit",
+        lambda form: edit.update_model(sessions, _entry(request, form)),
+        "Saved {id}.",
+    )
+
+
+@post("/models/pin")
+async def pin_model(request: Request) -> Response:
+    gw = gateway(request)
+
+    def work(form) -> None:
+        node = text(form, "node")
+        if node not in gw.fleet.nodes:
+            raise ValueError(f"node: {node!r} is not a configured node")
+        edit.set_pinned(gw.sessions, text(form, "id"), node, text(form, "pinned") == "true")
+
+    return await _change(request, "pin", work, "Pinning of {id} on {node} saved.")
+
+
+@post("/models/delete")
+async def delete_model(request: Request) -> Response:
+    sessions = gateway(request).sessions
+    return await _change(
+        request,
+        "delete",
+        lambda form: edit.delete_model(sessions, text(form, "id")),
+        "Deleted {id} from the catalogue.",
+    )
+
+
+@post("/aliases")
+async def set_alias(request: Request) -> Response:
+    sessions = gateway(request).sessions
+    return await _change(
+        request,
+        "alias",
+        lambda form: edit.set_alias(sessions, text(form, "alias"), text(form, "target")),
+        "Alias {alias} now points at {target}.",
+    )
+
+
+@post("/aliases/delete")
+async def delete_alias(request: Request) -> Response:
+    sessions = gateway(request).sessions
+    return await _change(
+        request,
+        "alias",
+        lambda form: edit.delete_alias(sessions, text(form, "alias")),
+        "Deleted alias {alias}.",
+    )
+
+
+@post("/models/load")
+async def load_model(request: Request) -> Response:
+    form = await form_of(request)
+    node, model = text(form, "node"), text(form, "model")
+    try:
+        if not model:
+            raise ValueError("model: choose a model to load")
+        job = _jobs(request).load(node, model)
+    except ValueError as e:
+        return _page(request, 422, error=str(e), form=dict(form), failed_form="load")
+    return _page(request, notice=f"Loading {job.model_id} on {job.node}…")
+
+
+@post("/models/unload")
+async def unload_model(request: Request) -> Response:
+    form = await form_of(request)
+    try:
+        job = _jobs(request).unload(text(form, "node"), text(form, "model_id"))
+    except ValueError as e:
+        return _page(request, 422, error=str(e), failed_form="load")
+    return _page(request, notice=f"Unloading {job.model_id} from {job.node}…")
+
+
+MODEL_HANDLERS = [
+    models_page,
+    placement,
+    add_model,
+    update_model,
+    pin_model,
+    delete_model,
+    set_alias,
+    delete_alias,
+    load_model,
+    unload_model,
+]

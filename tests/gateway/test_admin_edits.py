@@ -1,0 +1,131 @@
+"""What the admin console changes, without HTTP: catalogue and alias edits in a real
+SQLite database, a key's allowed models, and budgets that follow a changed window."""
+
+from __future__ import annotations
+
+import asyncio
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+import pytest
+
+from helexa.db.models import SpendRecord
+from helexa.db.session import make_engine, session_factory, upgrade
+from helexa.gateway import catalogue_edit as edit
+from helexa.gateway.budgets import Budgets
+from helexa.gateway.keys import KeyStore
+
+NODES = ["a", "b"]
+
+
+@pytest.fixture
+def sessions(tmp_path: Path):
+    url = f"sqlite:///{tmp_path / 'helexa.db'}"
+    upgrade(url)
+    engine = make_engine(url)
+    yield session_factory(engine)
+    engine.dispose()
+
+
+def entry(**form):
+    pinned = form.pop("pinned_on", [])
+    return edit.entry_from_form({"id": "org/m"} | form, pinned, NODES)
+
+
+def test_a_model_is_added_edited_pinned_and_deleted(sessions):
+    edit.add_model(sessions, entry(quant="Q4_K_M", cost_input="0.5", pinned_on=["a"]))
+    [m], _ = edit.catalogue_rows(sessions)
+    assert (m.id, m.quant, m.cost.input, m.pinned_on) == ("org/m", "Q4_K_M", 0.5, ["a"])
+    edit.update_model(sessions, entry(dtype="bfloat16", tensor_parallel="2"))
+    [m], _ = edit.catalogue_rows(sessions)
+    assert (m.quant, m.dtype, m.tensor_parallel, m.pinned_on) == (None, "bfloat16", 2, [])
+    edit.set_pinned(sessions, "org/m", "b", True)
+    assert edit.catalogue_rows(sessions)[0][0].pinned_on == ["b"]
+    edit.set_pinned(sessions, "org/m", "b", False)
+    assert edit.catalogue_rows(sessions)[0][0].pinned_on == []
+    edit.delete_model(sessions, "org/m")
+    assert edit.catalogue_rows(sessions) == ([], {})
+
+
+@pytest.mark.parametrize(
+    ("form", "message"),
+    [
+        ({"id": " "}, "id: a model id is required"),
+        ({"dtype": "fp8"}, "dtype: expected one of auto, float32"),
+        ({"tensor_parallel": "two"}, "tensor_parallel: expected a whole number"),
+        ({"tensor_parallel": "0"}, "tensor_parallel: must be at least 1"),
+        ({"tensor_parallel": "2", "min_devices": "1"}, "min_devices: 1 is below tensor_parallel 2"),
+        ({"cost_output": "-1"}, "cost_output: must be a price of 0 or more"),
+        ({"cost_input": "nan"}, "cost_input: must be a price"),
+        ({"pinned_on": ["c"]}, "pinned_on: c is not a configured node"),
+    ],
+)
+def test_a_bad_catalogue_form_names_its_field(form, message):
+    with pytest.raises(ValueError, match=message):
+        entry(**form)
+
+
+def test_duplicates_unknown_ids_and_aliases_in_use_are_refused(sessions):
+    edit.add_model(sessions, entry())
+    with pytest.raises(ValueError, match="already in the catalogue"):
+        edit.add_model(sessions, entry())
+    with pytest.raises(ValueError, match="not in the catalogue"):
+        edit.update_model(sessions, entry(id="org/other"))
+    edit.set_alias(sessions, "small", "org/m")
+    with pytest.raises(ValueError, match="target of alias 'small'"):
+        edit.delete_model(sessions, "org/m")
+    with pytest.raises(ValueError, match="target: 'nope' is not in the catalogue"):
+        edit.set_alias(sessions, "x", "nope")
+    with pytest.raises(ValueError, match="is a catalogue id"):
+        edit.set_alias(sessions, "org/m", "org/m")
+    with pytest.raises(ValueError, match="already an alias"):
+        edit.add_model(sessions, entry(id="small"))
+
+
+def test_an_alias_is_repointed_and_deleted(sessions):
+    edit.add_model(sessions, entry())
+    edit.add_model(sessions, entry(id="org/n"))
+    edit.set_alias(sessions, "small", "org/m")
+    edit.set_alias(sessions, "small", "org/n")
+    assert edit.catalogue_rows(sessions)[1] == {"small": "org/n"}
+    edit.delete_alias(sessions, "small")
+    assert edit.catalogue_rows(sessions)[1] == {}
+    with pytest.raises(ValueError, match="does not exist"):
+        edit.delete_alias(sessions, "small")
+
+
+def test_a_keys_allowed_models_can_be_changed_and_cleared(sessions):
+    store = KeyStore(sessions)
+    key, _ = store.create("acme", models=["m1"])
+    assert store.set_models(key.id, ["m2", "m3"]).allowed_models == ("m2", "m3")
+    assert store.set_models(key.id, None).allowed_models is None
+    with pytest.raises(KeyError):
+        store.set_models("key_nope", None)
+
+
+def test_budgets_recount_a_key_whose_window_changed(sessions):
+    """Switching a key from a balance to a rolling hour must stop counting old spend."""
+    store = KeyStore(sessions)
+    key, _ = store.create("acme", cap_tokens=100)
+    with sessions.begin() as s:
+        s.add(
+            SpendRecord(
+                ts=datetime.now(UTC) - timedelta(hours=3),
+                key_id=key.id,
+                account_id="acme",
+                model="m",
+                status=200,
+                prompt_tokens=90,
+            )
+        )
+    budgets = Budgets(sessions)
+
+    async def reserve(k):
+        return await budgets.reserve(k, 5, 200, (0.0, 0.0))
+
+    first = asyncio.run(reserve(key))
+    assert first.max_output == 5  # 90 of 100 spent, 5 for the prompt
+    rolling = store.set_budget(key.id, cap_tokens=100, window="rolling:3600")
+    second = asyncio.run(reserve(rolling))
+    # the 90 old tokens left the window; the first request's reservation still counts
+    assert second.max_output == 100 - first.tokens - 5
