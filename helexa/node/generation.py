@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import logging
 import time
 import uuid
@@ -49,6 +50,9 @@ _SEED_MASK = (1 << 64) - 1
 class Prompt:
     ids: list[int]
     opens_reasoning: bool = False  # the template left a reasoning block open
+    # tool_choice "required"/named: the start of the call, put at the end of the prompt
+    # (after its start marker) so the model writes the call rather than deciding to
+    call_prefix: str | None = None
 
 
 def prepare_prompt(served: ServedModel, req: ChatCompletionRequest | CompletionRequest) -> Prompt:
@@ -65,6 +69,7 @@ def render_prompt(served: ServedModel, req: ChatCompletionRequest | CompletionRe
     """Prompt token ids: the chat template rendered, or the raw prompt encoded."""
     tok = served.engine.tokenizer
     opens = False
+    call_prefix = None
     if isinstance(req, ChatCompletionRequest):
         if has_image_parts(req):
             raise vision_unsupported(served.id)
@@ -78,8 +83,12 @@ def render_prompt(served: ServedModel, req: ChatCompletionRequest | CompletionRe
             )
         except TemplateRenderError as e:
             raise template_render_failed(str(e)) from None
-        ids = tok.encode(_utf8(text, "messages"))
         opens = served.reasoning_markers is not None and served.reasoning_markers.opened_by(text)
+        call_prefix = _forced_call_prefix(served, req, opens)
+        if call_prefix is not None:
+            assert served.tool_call_markers is not None
+            text += served.tool_call_markers.start + call_prefix
+        ids = tok.encode(_utf8(text, "messages"))
     elif isinstance(req.prompt, str):
         ids = tok.encode(_utf8(req.prompt, "prompt"), add_special_tokens=True)
     else:
@@ -96,7 +105,23 @@ def render_prompt(served: ServedModel, req: ChatCompletionRequest | CompletionRe
         )
     if not ids:
         raise HelexaError(400, "invalid_request_error", "the prompt is empty", param="prompt")
-    return Prompt(ids, opens)
+    return Prompt(ids, opens, call_prefix)
+
+
+def _forced_call_prefix(served: ServedModel, req: ChatCompletionRequest, opens: bool) -> str | None:
+    """How a call `tool_choice` demands begins, in the format the model's template teaches
+    (Qwen XML when it shows `<function=`, else Hermes JSON). None when nothing is forced,
+    or when the model is to reason first: reasoning cannot be skipped over."""
+    markers, forced = served.tool_call_markers, req.forced_tool
+    if markers is None or forced is None or opens or req.wants_reasoning:
+        return None
+    if forced == "*":
+        return "\n"
+    template = served.engine.tokenizer.chat_template
+    sources = template.values() if isinstance(template, dict) else [template or ""]
+    if any("<function=" in t for t in sources):
+        return f"\n<function={forced}>\n"
+    return '\n{"name": ' + json.dumps(forced, ensure_ascii=False) + ', "arguments": '
 
 
 def _utf8(text: str, param: str) -> str:
@@ -170,6 +195,10 @@ class Generation:
         self._params = choice_params(req)
         if self.is_chat and served.markers_are_special:
             self._params = [dataclasses.replace(p, skip_special_tokens=False) for p in self._params]
+        if self._one_call_only(req):  # the first call's end marker ends the answer
+            assert served.tool_call_markers is not None
+            end = served.tool_call_markers.end
+            self._params = [dataclasses.replace(p, stop=[*p.stop, end]) for p in self._params]
         model = served.id
         # metric children bound once: _account runs for every delta of every request
         self._ttft = metrics.ttft.labels(model)
@@ -285,6 +314,15 @@ class Generation:
             if all(ch.finish_reason for ch in self.choices):
                 self._record_finish()
 
+    def _one_call_only(self, req: ChatCompletionRequest | CompletionRequest) -> bool:
+        """`parallel_tool_calls: false` on a request whose tool calls are parsed."""
+        return (
+            isinstance(req, ChatCompletionRequest)
+            and not req.parallel_tool_calls
+            and self.served.tool_call_markers is not None
+            and template_tools(req) is not None
+        )
+
     def _chat_finish(self, output: AssistantOutput, reason: str | None) -> str | None:
         """The finish reason of a chat answer: `tool_calls` when it called tools. An
         answer without the call `tool_choice` demanded is refused, not passed off."""
@@ -334,6 +372,7 @@ def assistant_output(
         in_reasoning=prompt.opens_reasoning,
         include_thinking=req.include_thinking,
         hold_content=req.forced_tool is not None and served.tool_call_markers is not None,
+        call_prefix=prompt.call_prefix,
     )
 
 

@@ -44,7 +44,8 @@ class AssistantOutput:
 
     `hold_content` keeps plain text back until a tool call shows up (tool_choice
     "required" or a named function: an answer without the call is refused whole, so
-    none of it may have been sent)."""
+    none of it may have been sent). `call_prefix`: the prompt ended inside a call's
+    block with this text, so the answer continues that call."""
 
     def __init__(
         self,
@@ -55,12 +56,17 @@ class AssistantOutput:
         in_reasoning: bool = False,
         include_thinking: bool = False,
         hold_content: bool = False,
+        call_prefix: str | None = None,
     ) -> None:
         self._reasoning = (
             ReasoningSplitter(reasoning, in_reasoning=in_reasoning) if reasoning else None
         )
         self._markers = reasoning
-        self._tools = ToolCallSplitter(tool_calls, schemas or {}) if tool_calls else None
+        self._tools = (
+            ToolCallSplitter(tool_calls, schemas or {}, call_prefix=call_prefix)
+            if tool_calls
+            else None
+        )
         self.include_thinking = include_thinking
         self.hold_content = hold_content
         self._held: list[str] = []

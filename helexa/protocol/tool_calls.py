@@ -274,11 +274,14 @@ class ToolCallSplitter:
     Text inside a block is held until its end marker; text that may be the start of the
     start marker is held until the next chunk says what it was."""
 
-    def __init__(self, markers: ToolCallMarkers, schemas: Schemas) -> None:
+    def __init__(
+        self, markers: ToolCallMarkers, schemas: Schemas, *, call_prefix: str | None = None
+    ) -> None:
         self.markers = markers
         self.schemas = schemas
-        self.in_call = False
-        self._pending = ""
+        # a prompt that ended inside a call's block (with `call_prefix` after the marker)
+        self.in_call = call_prefix is not None
+        self._pending = call_prefix or ""
         self._after_call = False  # whitespace between and after calls is not text
 
     def feed(self, text: str) -> list[str | ParsedCall]:

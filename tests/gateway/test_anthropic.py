@@ -249,13 +249,14 @@ def test_tool_choice_any_holds_the_model_to_a_call(client, agent_models):  # noq
     assert e.value.body["type"] == "error"
     assert e.value.body["error"]["type"] == "invalid_request_error"
     msg = client.messages.create(
-        model=agent_models["calls"],
+        model=agent_models["forced_json"],  # writes the call the node begins in the prompt
         max_tokens=500,
         messages=ASK,
         tools=TOOLS,
         tool_choice={"type": "tool", "name": "get_weather"},
     )
     assert msg.stop_reason == "tool_use"
+    assert [(b.name, b.input) for b in msg.content] == [("get_weather", {"city": "Oslo"})]
 
 
 def test_thinking_comes_back_as_signed_thinking_blocks_when_asked(client, gw, agent_models):  # noqa: F811

@@ -193,3 +193,9 @@ def test_an_empty_block_is_nothing():
 
 def test_a_partial_start_marker_at_the_end_is_text():
     assert _run("x <tool_ca", []) == ["x <tool_ca"]
+
+
+def test_a_call_begun_in_the_prompt_is_continued_by_the_answer():
+    splitter = ToolCallSplitter(MARKERS, SCHEMAS, call_prefix='\n{"name": "search", "arguments": ')
+    parts = splitter.feed('{"limit": "4"}}\n</tool_call>') + splitter.flush()
+    assert parts == [ParsedCall("search", {"limit": 4})]

@@ -77,6 +77,11 @@ AGENT_SCRIPTS = {
     "slip": '<tool_call>\n{"arguments": {"name": "get_weather", "city": "Oslo"}}}}\n</tool_call>',
     "garbage": "<tool_call>\nget_weather(city=Oslo)\n</tool_call>",
     "plain": "I would rather not call a tool.",
+    # continuations of a call the node began in the prompt (tool_choice required/named):
+    # without that beginning, each is not a call at all
+    "forced_any": '{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>',
+    "forced_json": '{"city": "Oslo"}}\n</tool_call>',
+    "forced_xml": "<parameter=city>\nOslo\n</parameter>\n</function>\n</tool_call>",
 }
 
 
@@ -91,7 +96,7 @@ def agent_models(tmp_path_factory) -> dict[str, str]:
             script,
             name,
             tokenizer_from=QWEN3,
-            chat_template=QWEN35_TEMPLATE if name == "opens" else None,
+            chat_template={"opens": QWEN35_TEMPLATE, "forced_xml": QWEN3_CODER_TEMPLATE}.get(name),
         )
         for name, script in AGENT_SCRIPTS.items()
     }

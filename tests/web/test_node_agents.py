@@ -246,10 +246,46 @@ def test_a_named_tool_choice_is_held_to_that_name(client, agent_models):
         client.chat.completions.create(
             model=agent_models["slip"], messages=ASK, tools=TOOLS, tool_choice=named
         )
+
+
+@pytest.mark.parametrize(
+    ("model", "tool_choice"),
+    [
+        ("forced_any", "required"),
+        ("forced_json", {"type": "function", "function": {"name": "get_weather"}}),
+        ("forced_xml", {"type": "function", "function": {"name": "get_weather"}}),
+    ],
+)
+def test_a_demanded_call_is_begun_in_the_prompt_so_the_model_writes_it(
+    client, agent_node, agent_models, model, tool_choice
+):
+    body = {"model": agent_models[model], "messages": ASK, "tools": TOOLS}
+    r = client.chat.completions.create(**body, tool_choice=tool_choice)
+    assert r.choices[0].finish_reason == "tool_calls"
+    assert _calls(r.choices[0].message.tool_calls) == [("get_weather", {"city": "Oslo"})]
+    assert not r.choices[0].message.content
+    # the prompt ends with the call begun: the start marker, and the name when it is known
+    with_call = agent_node.post("/tokenize", {**body, "tool_choice": tool_choice}).json()
+    without = agent_node.post("/tokenize", body).json()
+    assert with_call["tokens"][: without["count"]] == without["tokens"]
+    assert with_call["count"] > without["count"]
+
+
+def test_a_demanded_call_is_not_begun_when_the_model_is_to_reason_first(agent_node, agent_models):
+    body = {"model": agent_models["think"], "messages": ASK, "tools": TOOLS}
+    forced = {**body, "tool_choice": "required", "reasoning_effort": "high"}
+    assert (
+        agent_node.post("/tokenize", forced).json()["count"]
+        == agent_node.post("/tokenize", {**body, "reasoning_effort": "high"}).json()["count"]
+    )
+
+
+def test_parallel_tool_calls_false_ends_the_answer_after_the_first_call(client, agent_models):
     r = client.chat.completions.create(
-        model=agent_models["calls"], messages=ASK, tools=TOOLS, tool_choice="required"
+        model=agent_models["calls"], messages=ASK, tools=TOOLS, parallel_tool_calls=False
     )
     assert r.choices[0].finish_reason == "tool_calls"
+    assert _calls(r.choices[0].message.tool_calls) == EXPECTED_CALLS[:1]
 
 
 # -- conversations ------------------------------------------------------------------------
