@@ -82,3 +82,14 @@ def byte_tokenizer_dir(
         return dst
 
     return make
+
+
+# The server tests' models and the agent node, registered once for every directory.
+from tests.model_fixtures import (  # noqa: E402, F401
+    agent_models,
+    agent_node,
+    long_id,
+    model_dirs,
+    scripted_id,
+    tiny_id,
+)

@@ -22,7 +22,7 @@ from helexa.protocol.anthropic_out import StreamTranslator
 from helexa.web.gateway_anthropic import anthropic_events
 from tests.gateway.anthropic_events import assert_well_formed, parse_events, stream_events
 from tests.gateway.gateway_proc import start_gateway
-from tests.web.conftest import REASONING, SCRIPT, agent_models  # noqa: F401
+from tests.web.conftest import REASONING, SCRIPT
 from tests.web.node_proc import start_node
 from tests.web.test_node_lifecycle import _wait_for
 
@@ -60,7 +60,7 @@ WEATHER = {"city": "Zürich 🇨🇭", "days": 3}
 
 
 @pytest.fixture(scope="module")
-def node(tmp_path_factory, model_dirs, agent_models):  # noqa: F811
+def node(tmp_path_factory, model_dirs, agent_models):
     models = [model_dirs["scripted"], model_dirs["tiny"], *agent_models.values()]
     node = start_node(tmp_path_factory.mktemp("anthropic-node"), models)
     yield node
@@ -182,7 +182,7 @@ def test_unknown_fields_betas_and_headers_are_never_refused(gw):
 # -- tools and thinking (the scripted models speak through the Qwen3 vocabulary) -------------
 
 
-def test_a_tool_round_trip_is_tool_use_then_end_turn(client, agent_models):  # noqa: F811
+def test_a_tool_round_trip_is_tool_use_then_end_turn(client, agent_models):
     first = client.messages.create(
         model=agent_models["calls"], max_tokens=500, messages=ASK, tools=TOOLS
     )
@@ -220,7 +220,7 @@ def test_a_tool_round_trip_is_tool_use_then_end_turn(client, agent_models):  # n
 def test_streamed_tool_use_arrives_as_input_json_deltas_the_sdk_assembles(
     client,
     gw,
-    agent_models,  # noqa: F811
+    agent_models,
 ):
     with client.messages.stream(
         model=agent_models["calls"], max_tokens=500, messages=ASK, tools=TOOLS
@@ -237,7 +237,7 @@ def test_streamed_tool_use_arrives_as_input_json_deltas_the_sdk_assembles(
     assert message["content"][1]["input"] == WEATHER
 
 
-def test_tool_choice_any_holds_the_model_to_a_call(client, agent_models):  # noqa: F811
+def test_tool_choice_any_holds_the_model_to_a_call(client, agent_models):
     with pytest.raises(anthropic.UnprocessableEntityError) as e:
         client.messages.create(
             model=agent_models["plain"],
@@ -259,7 +259,7 @@ def test_tool_choice_any_holds_the_model_to_a_call(client, agent_models):  # noq
     assert [(b.name, b.input) for b in msg.content] == [("get_weather", {"city": "Oslo"})]
 
 
-def test_thinking_comes_back_as_signed_thinking_blocks_when_asked(client, gw, agent_models):  # noqa: F811
+def test_thinking_comes_back_as_signed_thinking_blocks_when_asked(client, gw, agent_models):
     thinking = {"type": "enabled", "budget_tokens": 1024}
     msg = client.messages.create(
         model=agent_models["think"], max_tokens=500, messages=ASK, thinking=thinking
@@ -289,7 +289,7 @@ def test_thinking_comes_back_as_signed_thinking_blocks_when_asked(client, gw, ag
     assert again.stop_reason == "end_turn"
 
 
-def test_thinking_is_not_shown_unless_asked(client, agent_models):  # noqa: F811
+def test_thinking_is_not_shown_unless_asked(client, agent_models):
     for thinking in (None, {"type": "disabled"}):
         extra = {"thinking": thinking} if thinking else {}
         msg = client.messages.create(
