@@ -9,11 +9,17 @@ validation failure is a 400 whose `param` and message name the Anthropic field p
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import dataclass, field
-from typing import Any, NoReturn
+from typing import Any
 
 from helexa.errors import invalid_request
+from helexa.protocol.fields import array as _list
+from helexa.protocol.fields import boolean as _bool
+from helexa.protocol.fields import fail as _fail
+from helexa.protocol.fields import integer as _int
+from helexa.protocol.fields import number as _float
+from helexa.protocol.fields import object_value as _object
+from helexa.protocol.fields import string as _str
 
 # Claude Code's first system block changes with every prompt; it is billing metadata, not
 # instructions, and would defeat the node's prefix cache if rendered into the prompt.
@@ -64,7 +70,7 @@ def to_openai_chat(body: object, *, counting: bool = False) -> Translated:
     out: dict[str, Any] = {"model": model, "messages": turns}
     if system:
         out["messages"] = [{"role": "system", "content": "\n\n".join(system)}, *turns]
-    tools = _tools(d.get("tools"))
+    tools = _tools(_list(d, "tools") or [])
     if tools:
         out["tools"] = tools
         _tool_choice(d.get("tool_choice"), tools, out)
@@ -79,7 +85,7 @@ def to_openai_chat(body: object, *, counting: bool = False) -> Translated:
     out["max_tokens"] = _int(d, "max_tokens", required=True, low=1)
     for name in ("temperature", "top_p"):
         if d.get(name) is not None:
-            out[name] = _number(d, name)
+            out[name] = _float(d, name)
     if d.get("top_k") is not None:
         out["top_k"] = _int(d, "top_k", low=0)
     stops = _list(d, "stop_sequences") or []
@@ -244,11 +250,11 @@ def _assistant_turn(blocks: list[dict[str, Any]], path: str) -> dict[str, Any]:
     return msg
 
 
-def _tools(value: object) -> list[dict[str, Any]]:
+def _tools(value: list[Any]) -> list[dict[str, Any]]:
     """Custom tools as OpenAI function tools, schemas passed through untouched; Anthropic's
     own server and built-in tools (`web_search_…`, `bash_…`) have nothing to run them here."""
     tools = []
-    for i, t in enumerate(_list_value(value, "tools")):
+    for i, t in enumerate(value):
         path = f"tools[{i}]"
         d = _object(t, path)
         if d.get("type") not in (None, "custom"):
@@ -310,83 +316,3 @@ def _response_format(d: dict[str, Any]) -> dict[str, Any] | None:
     if not isinstance(schema, dict):
         _fail("output_config.format.schema", "a JSON schema object", schema)
     return {"type": "json_schema", "json_schema": {"name": "output", "schema": schema}}
-
-
-# --- typed field readers (`prefix` makes the field path) -------------------------------------
-
-
-def _fail(path: str, expected: str, got: object) -> NoReturn:
-    raise invalid_request(f"{path}: expected {expected}, got {_describe(got)}", path)
-
-
-def _describe(value: object) -> str:
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return f"boolean {str(value).lower()}"
-    if isinstance(value, int | float | str):
-        text = repr(value)
-        kind = "string" if isinstance(value, str) else "number"
-        return f"{kind} {text[:40] + '...' if len(text) > 40 else text}"
-    return {list: "an array", dict: "an object"}.get(type(value), type(value).__name__)
-
-
-def _object(value: object, path: str) -> dict[str, Any]:
-    if not isinstance(value, dict):
-        _fail(path, "an object", value)
-    return value
-
-
-def _str(d: dict[str, Any], key: str, *, required: bool = False, prefix: str = "") -> str | None:
-    value = d.get(key)
-    if value is None and not required:
-        return None
-    if not isinstance(value, str):
-        _fail(prefix + key, "a string", value)
-    return value
-
-
-def _bool(d: dict[str, Any], key: str, *, prefix: str = "") -> bool:
-    value = d.get(key)
-    if value is None:
-        return False
-    if not isinstance(value, bool):
-        _fail(prefix + key, "a boolean", value)
-    return value
-
-
-def _int(
-    d: dict[str, Any], key: str, *, required: bool = False, low: int | None = None, prefix: str = ""
-) -> int | None:
-    value = d.get(key)
-    if value is None and not required:
-        return None
-    if not isinstance(value, int) or isinstance(value, bool):
-        _fail(prefix + key, "an integer", value)
-    if low is not None and value < low:
-        _fail(prefix + key, f"an integer >= {low}", value)
-    return value
-
-
-def _number(d: dict[str, Any], key: str) -> float:
-    value = d.get(key)
-    if not isinstance(value, int | float) or isinstance(value, bool):
-        _fail(key, "a number", value)
-    if isinstance(value, float) and not math.isfinite(value):
-        _fail(key, "a finite number", value)
-    return value
-
-
-def _list(d: dict[str, Any], key: str, *, required: bool = False) -> list[Any]:
-    value = d.get(key)
-    if value is None and required:
-        _fail(key, "an array", value)
-    return _list_value(value, key)
-
-
-def _list_value(value: object, path: str) -> list[Any]:
-    if value is None:
-        return []
-    if not isinstance(value, list):
-        _fail(path, "an array", value)
-    return value

@@ -8,12 +8,20 @@ A `null` optional field means the same as an absent one.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
-from typing import Any, NoReturn
+from typing import Any
 
 from helexa.engine.sampling_params import SamplingParams, SamplingParamsError
 from helexa.errors import HelexaError, invalid_request
+from helexa.protocol.fields import array as _list
+from helexa.protocol.fields import boolean as _bool
+from helexa.protocol.fields import fail as _fail
+from helexa.protocol.fields import int_value as _int_value
+from helexa.protocol.fields import integer as _int
+from helexa.protocol.fields import mapping as _dict
+from helexa.protocol.fields import number as _float
+from helexa.protocol.fields import object_value as _object
+from helexa.protocol.fields import string as _str
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 MAX_N = 16
@@ -416,98 +424,6 @@ def _token_ids(value: list[Any], suffix: str) -> list[int]:
     if not value:
         raise invalid_request(f"prompt{suffix}: must not be empty", f"prompt{suffix}")
     return [_int_value(v, f"prompt{suffix}[{i}]", 0) for i, v in enumerate(value)]
-
-
-# --- typed field readers: `prefix` makes the param path -------------------------------------
-
-
-def _fail(path: str, expected: str, got: object) -> NoReturn:
-    raise invalid_request(f"{path}: expected {expected}, got {_describe(got)}", path)
-
-
-def _describe(value: object) -> str:
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return f"boolean {str(value).lower()}"
-    if isinstance(value, int | float | str):
-        text = repr(value)
-        kind = "string" if isinstance(value, str) else "number"
-        return f"{kind} {text[:40] + '...' if len(text) > 40 else text}"
-    if isinstance(value, list):
-        return "an array"
-    if isinstance(value, dict):
-        return "an object"
-    return type(value).__name__
-
-
-def _object(value: object, path: str) -> dict[str, Any]:
-    if not isinstance(value, dict):
-        _fail(path, "an object", value)
-    return value
-
-
-def _str(d: dict[str, Any], key: str, *, required: bool = False, prefix: str = "") -> str | None:
-    value = d.get(key)
-    if value is None and not required:
-        return None
-    if not isinstance(value, str):
-        _fail(prefix + key, "a string", value)
-    return value
-
-
-def _bool(d: dict[str, Any], key: str, default: bool, prefix: str = "") -> bool:
-    value = d.get(key)
-    if value is None:
-        return default
-    if not isinstance(value, bool):
-        _fail(prefix + key, "a boolean", value)
-    return value
-
-
-def _int_value(value: object, path: str, low: int | None = None, high: int | None = None) -> int:
-    if not isinstance(value, int) or isinstance(value, bool):
-        _fail(path, "an integer", value)
-    if (low is not None and value < low) or (high is not None and value > high):
-        bounds = f"{low if low is not None else '-inf'}..{high if high is not None else 'inf'}"
-        _fail(path, f"an integer in {bounds}", value)
-    return value
-
-
-def _int(
-    d: dict[str, Any], key: str, *, low: int | None = None, high: int | None = None
-) -> int | None:
-    value = d.get(key)
-    return None if value is None else _int_value(value, key, low, high)
-
-
-def _float(d: dict[str, Any], key: str) -> float | None:
-    value = d.get(key)
-    if value is None:
-        return None
-    if not isinstance(value, int | float) or isinstance(value, bool):
-        _fail(key, "a number", value)
-    try:
-        number = float(value)
-    except OverflowError:
-        _fail(key, "a finite number", value)
-    if not math.isfinite(number):
-        _fail(key, "a finite number", value)
-    return number
-
-
-def _list(d: dict[str, Any], key: str, prefix: str = "", *, required: bool = False) -> list | None:
-    value = d.get(key)
-    if value is None and not required:
-        return None
-    if not isinstance(value, list):
-        _fail(prefix + key, "an array", value)
-    return value
-
-
-def _dict(d: dict[str, Any], key: str, prefix: str = "") -> dict[str, Any] | None:
-    value = d.get(key)
-    return None if value is None else _object(value, prefix + key)
 
 
 __all__ = [
