@@ -9,41 +9,19 @@ marker is held back until the next chunk (or the end) says what it was.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
 
-# Known pairs, in the order they are looked for.
-MARKER_PAIRS = (("<think>", "</think>"), ("[THINK]", "[/THINK]"))
-
-
-class _Vocab(Protocol):
-    def token_to_id(self, token: str) -> int | None: ...
+from helexa.engine.detokenizer import held_back
+from helexa.protocol.markers import MarkerPair
 
 
 @dataclass(frozen=True, slots=True)
-class ReasoningMarkers:
-    start: str
-    end: str
-
-    @classmethod
-    def from_vocab(cls, tokenizer: _Vocab) -> ReasoningMarkers | None:
-        """The pair whose both markers are tokens of this vocabulary, if any."""
-        for start, end in MARKER_PAIRS:
-            if tokenizer.token_to_id(start) is not None and tokenizer.token_to_id(end) is not None:
-                return cls(start, end)
-        return None
+class ReasoningMarkers(MarkerPair):
+    KNOWN = (("<think>", "</think>"), ("[THINK]", "[/THINK]"))
 
     def opened_by(self, prompt: str) -> bool:
         """Whether the prompt (a rendered template) leaves a reasoning block open, so the
         model's first words are reasoning."""
         return prompt.rfind(self.start) > prompt.rfind(self.end)
-
-
-def held_back(text: str, marker: str) -> int:
-    """Length of the longest end of `text` that could be the start of `marker`."""
-    for n in range(min(len(text), len(marker) - 1), 0, -1):
-        if marker.startswith(text[-n:]):
-            return n
-    return 0
 
 
 class ReasoningSplitter:
@@ -64,7 +42,7 @@ class ReasoningSplitter:
             marker = self.markers.end if self.in_reasoning else self.markers.start
             at = buffer.find(marker)
             if at < 0:
-                keep = held_back(buffer, marker)
+                keep = held_back(buffer, [marker])
                 head, self._pending = buffer[: len(buffer) - keep], buffer[len(buffer) - keep :]
                 self._emit(head, reasoning, content)
                 break

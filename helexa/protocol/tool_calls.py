@@ -18,31 +18,17 @@ import json
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
-from helexa.protocol.reasoning import held_back
+from helexa.engine.detokenizer import held_back
+from helexa.protocol.markers import MarkerPair
 
-# Known pairs, in the order they are looked for.
-MARKER_PAIRS = (("<tool_call>", "</tool_call>"),)
 MAX_EXTRA_BRACES = 3
 
 
-class _Vocab(Protocol):
-    def token_to_id(self, token: str) -> int | None: ...
-
-
 @dataclass(frozen=True, slots=True)
-class ToolCallMarkers:
-    start: str
-    end: str
-
-    @classmethod
-    def from_vocab(cls, tokenizer: _Vocab) -> ToolCallMarkers | None:
-        """The pair whose both markers are tokens of this vocabulary, if any."""
-        for start, end in MARKER_PAIRS:
-            if tokenizer.token_to_id(start) is not None and tokenizer.token_to_id(end) is not None:
-                return cls(start, end)
-        return None
+class ToolCallMarkers(MarkerPair):
+    KNOWN = (("<tool_call>", "</tool_call>"),)
 
 
 @dataclass(frozen=True, slots=True)
@@ -299,7 +285,7 @@ class ToolCallSplitter:
                 continue
             at = buffer.find(self.markers.start)
             if at < 0:
-                keep = held_back(buffer, self.markers.start)
+                keep = held_back(buffer, [self.markers.start])
                 head, self._pending = buffer[: len(buffer) - keep], buffer[len(buffer) - keep :]
                 self._text(head, out)
                 break
