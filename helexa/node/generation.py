@@ -117,9 +117,7 @@ def _forced_call_prefix(served: ServedModel, req: ChatCompletionRequest, opens: 
         return None
     if forced == "*":
         return "\n"
-    template = served.engine.tokenizer.chat_template
-    sources = template.values() if isinstance(template, dict) else [template or ""]
-    if any("<function=" in t for t in sources):
+    if served.teaches_xml_calls:
         return f"\n<function={forced}>\n"
     return '\n{"name": ' + json.dumps(forced, ensure_ascii=False) + ', "arguments": '
 

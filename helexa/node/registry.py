@@ -91,6 +91,8 @@ class ServedModel:
     reasoning_markers: ReasoningMarkers | None = field(init=False)
     tool_call_markers: ToolCallMarkers | None = field(init=False)
     markers_are_special: bool = field(init=False)
+    # the template teaches Qwen XML calls (`<function=name>`) rather than Hermes JSON
+    teaches_xml_calls: bool = field(init=False)
 
     def __post_init__(self) -> None:
         self.memory_mb = model_memory_mb(self.llm.engine.runner.model)
@@ -101,6 +103,9 @@ class ServedModel:
         # Special marker tokens ([THINK] in Mistral vocabularies) would vanish in decoding,
         # and the reasoning with them would pass for content: chat answers keep them.
         self.markers_are_special = any(tok.is_special(t) for m in markers for t in (m.start, m.end))
+        template = tok.chat_template
+        sources = template.values() if isinstance(template, dict) else [template or ""]
+        self.teaches_xml_calls = any("<function=" in t for t in sources)
 
     @property
     def engine(self) -> LLMEngine:
