@@ -9,33 +9,11 @@ import openai
 import pytest
 
 from tests.web.conftest import REASONING, SCRIPT
-from tests.web.test_node_agents import EXPECTED_CALLS
+from tests.web.test_node_agents import EXPECTED_CALLS, TOOLS
 
-FUNCTIONS = [
-    {
-        "type": "function",
-        "name": "get_weather",
-        "parameters": {
-            "type": "object",
-            "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
-        },
-    },
-    {
-        "type": "function",
-        "name": "search",
-        "parameters": {
-            "type": "object",
-            "properties": {
-                "query": {"type": "string"},
-                "limit": {"type": "integer"},
-                "exact": {"type": "boolean"},
-                "filters": {"type": "object"},
-                "score": {"type": "number"},
-            },
-        },
-    },
-    {"type": "web_search"},  # a built-in tool: cannot run here, left out, not refused
-]
+# The chat tests' tools in the Responses shape (flat), plus a built-in tool, which cannot
+# run here and is left out, not refused.
+FUNCTIONS = [{"type": "function", **t["function"]} for t in TOOLS] + [{"type": "web_search"}]
 
 
 @pytest.fixture(scope="module")
