@@ -71,15 +71,21 @@ def seed(db: Path, rows: int, seed_value: int = 0) -> list[str]:
                 rng.uniform(100, 9000),
             )
         )
+    insert_ledger_rows(db, data)
+    return [k.id for k in keys]
+
+
+def insert_ledger_rows(db: Path, rows: list[tuple]) -> None:
+    """Ledger rows written in one go (the ORM would take minutes for 100,000): each
+    (ts, account, key, model, node, prompt, completion, cost, status, ttft_ms, latency_ms)."""
     with sqlite3.connect(db) as conn:
         conn.executemany(
             "INSERT INTO spend_ledger (ts, account_id, key_id, model, node, prompt_tokens,"
             " completion_tokens, cached_tokens, reasoning_tokens, cost_usd, status, ttft_ms,"
             " latency_ms) VALUES (?, ?, ?, ?, ?, ?, ?, 0, 0, ?, ?, ?, ?)",
-            data,
+            rows,
         )
         conn.execute("ANALYZE")
-    return [k.id for k in keys]
 
 
 def free_port() -> int:

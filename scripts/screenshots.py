@@ -13,8 +13,6 @@ import random
 import re
 import shutil
 import signal
-import socket
-import sqlite3
 import subprocess
 import sys
 import tempfile
@@ -28,6 +26,7 @@ from playwright.sync_api import sync_playwright
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.admin_spend import free_port, insert_ledger_rows  # noqa: E402
 from helexa.db.session import make_engine, session_factory, upgrade  # noqa: E402
 from helexa.gateway.keys import KeyStore  # noqa: E402
 
@@ -39,12 +38,6 @@ CATALOGUE = [
     ("Qwen/Qwen3-8B", 'quant = "Q4_K_M"\ncost = { input = 0.05, output = 0.20 }'),
     ("Qwen/Qwen3-1.7B", "cost = { input = 0.01, output = 0.04 }"),
 ]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def seed(db: Path) -> None:
@@ -90,13 +83,7 @@ def seed(db: Path) -> None:
                 rng.uniform(200, 6000),
             )
         )
-    with sqlite3.connect(db) as conn:
-        conn.executemany(
-            "INSERT INTO spend_ledger (ts, account_id, key_id, model, node, prompt_tokens,"
-            " completion_tokens, cached_tokens, reasoning_tokens, cost_usd, status, ttft_ms,"
-            " latency_ms) VALUES (?, ?, ?, ?, ?, ?, ?, 0, 0, ?, ?, ?, ?)",
-            rows,
-        )
+    insert_ledger_rows(db, rows)
 
 
 def start(tmp: Path) -> tuple[list[subprocess.Popen], str]:
