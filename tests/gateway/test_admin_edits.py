@@ -5,26 +5,15 @@ from __future__ import annotations
 
 import asyncio
 from datetime import UTC, datetime, timedelta
-from pathlib import Path
 
 import pytest
 
 from helexa.db.models import SpendRecord
-from helexa.db.session import make_engine, session_factory, upgrade
 from helexa.gateway import catalogue_edit as edit
 from helexa.gateway.budgets import Budgets
 from helexa.gateway.keys import KeyStore
 
 NODES = ["a", "b"]
-
-
-@pytest.fixture
-def sessions(tmp_path: Path):
-    url = f"sqlite:///{tmp_path / 'helexa.db'}"
-    upgrade(url)
-    engine = make_engine(url)
-    yield session_factory(engine)
-    engine.dispose()
 
 
 def entry(**form):

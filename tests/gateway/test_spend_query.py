@@ -4,12 +4,10 @@ paging both ways, totals, time buckets, and each key's spend against its cap."""
 from __future__ import annotations
 
 from datetime import UTC, datetime, timedelta
-from pathlib import Path
 
 import pytest
 
 from helexa.db.models import SpendRecord
-from helexa.db.session import make_engine, session_factory, upgrade
 from helexa.gateway.keys import KeyStore
 from helexa.gateway.spend_query import (
     ANONYMOUS,
@@ -24,15 +22,6 @@ from helexa.gateway.spend_query import (
 )
 
 NOW = datetime(2026, 11, 22, 12, 0, tzinfo=UTC)
-
-
-@pytest.fixture
-def sessions(tmp_path: Path):
-    url = f"sqlite:///{tmp_path / 'helexa.db'}"
-    upgrade(url)
-    engine = make_engine(url)
-    yield session_factory(engine)
-    engine.dispose()
 
 
 def add_rows(sessions, rows: list[dict]) -> None:
