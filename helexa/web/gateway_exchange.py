@@ -26,6 +26,7 @@ if TYPE_CHECKING:
 DEFAULT_MAX_OUTPUT = 8192  # the node's own default cap when nothing says otherwise
 # The client's credentials stay at the gateway.
 _CREDENTIALS = ("authorization", "x-api-key")
+RESPONSES_PATH = "/v1/responses"
 _encoder = msgspec.json.Encoder()
 
 
@@ -91,7 +92,7 @@ async def open_exchange(
     rewrite = routes[0].model_id != model  # an alias, or a catalogue id known by source
     body["model"] = routes[0].model_id
     if principal.key is not None and principal.key.budget is not None:
-        await _reserve(gw, ex, body, raw, routes[0])
+        await _reserve(gw, ex, body, raw, routes[0], path)
         rewrite = True
     if rewrite:
         raw = _encoder.encode(body)
@@ -123,7 +124,7 @@ def _context_limit(routes: list[Route]) -> int | None:
 
 
 async def _reserve(
-    gw: GatewayState, ex: Exchange, body: dict[str, Any], raw: bytes, route: Route
+    gw: GatewayState, ex: Exchange, body: dict[str, Any], raw: bytes, route: Route, path: str
 ) -> None:
     """Reserve the request's upper bound on its key's budget; its max_tokens becomes what
     the reservation covers, so the node can never generate past the cap."""
@@ -132,7 +133,7 @@ async def _reserve(
     limit = (route.node.models.get(route.model_id) or {}).get("limit") or {}
     ex.prompt_estimate = estimate_prompt_tokens(raw)
     # the output limit under the name(s) this wire format reads it by
-    if "input" in body and "messages" not in body:  # a Responses body
+    if path == RESPONSES_PATH:
         names = ["max_output_tokens"]
     else:
         names = ["max_completion_tokens", "max_tokens"] if "max_completion_tokens" in body else []
