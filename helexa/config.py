@@ -116,7 +116,15 @@ class NodeConfig(_Listens):
     listen: HostPort = "0.0.0.0:13131"
     default_models: list[str] = field(default_factory=list)
     default_source: str = "huggingface"
-    gateway_secret: str | None = field(default=None, repr=False)
+    # Every route but GET /health needs `Authorization: Bearer <api_key>` when set
+    # (env HELEXA_NODE_API_KEY). A node listening beyond loopback refuses to start without
+    # one unless allow_unauthenticated is true.
+    api_key: str | None = field(default=None, repr=False)
+    allow_unauthenticated: bool = False
+    gateway_secret: str | None = field(default=None, repr=False)  # deprecated: api_key
+    # Where POST /models/load may read local models from; None: the hub cache and
+    # state_dir/models. Hub-style ids ("org/name") are always allowed.
+    model_dirs: list[Path] | None = None
     state_dir: Path = field(default_factory=lambda: Path.home() / ".local/state/helexa")
     max_running_requests: PositiveInt = 64
     max_waiting_requests: NonNegativeInt = 128
@@ -124,6 +132,8 @@ class NodeConfig(_Listens):
     per_principal_max: NonNegativeInt = 2
     drain_timeout_s: NonNegativeFloat = 60.0
     advertise_endpoint: Url | None = None
+    # A stream whose client reads nothing for this long is cut, freeing its slot and KV.
+    stream_write_timeout_s: PositiveFloat = 60.0
     # Memory (weights + KV pools, MiB) all loaded models may hold together; a load past it
     # is refused with 503 insufficient_vram so a gateway can evict and retry. None: no cap.
     max_model_memory_mb: PositiveInt | None = None
@@ -181,11 +191,26 @@ class GatewayConfig(_Listens):
 
 
 @dataclass(slots=True)
+class HttpConfig:
+    """[http]: the HTTP server of whichever role runs (uvicorn's limits)."""
+
+    # Connections plus in-flight requests one process holds; past it new ones get 503.
+    limit_concurrency: PositiveInt = 2048
+    keep_alive_timeout_s: PositiveFloat = 30.0  # an idle keep-alive connection is closed
+    header_timeout_s: PositiveFloat = 10.0  # a request's headers must arrive within this
+    max_body_mb: PositiveInt = 64  # a larger request body gets 413
+
+
+@dataclass(slots=True)
 class NodeEntry:
     """One [[nodes]] entry: a node the gateway polls and routes to."""
 
     name: NonEmpty
     endpoint: Url
+    # the node's [node] api_key, or the name of an environment variable holding it;
+    # neither: [node] api_key of this file (one file may serve both roles)
+    api_key: str | None = field(default=None, repr=False)
+    api_key_env: str | None = None
 
 
 @dataclass(slots=True)
@@ -247,6 +272,7 @@ class Config:
     models: list[ModelEntry] = field(default_factory=list)
     aliases: dict[str, str] = field(default_factory=dict)
     admin: AdminConfig = field(default_factory=AdminConfig)
+    http: HttpConfig = field(default_factory=HttpConfig)
     log: LogConfig = field(default_factory=LogConfig)
     path: Path | None = field(default=None, compare=False, metadata=DERIVED)  # file read
 
@@ -341,6 +367,14 @@ def _resolve(cfg: Config, env: Mapping[str, str], path: Path | None) -> None:
     cfg.path = path
     cfg.node.debug_poison = env.get("HELEXA_DEBUG_POISON") or None
     cfg.admin.password = env.get("HELEXA_ADMIN_PASSWORD") or None
+    node = cfg.node
+    if node.gateway_secret and not node.api_key:
+        node.api_key = node.gateway_secret  # the deprecated name, for one release
+    for entry in cfg.nodes:
+        if entry.api_key is None and entry.api_key_env:
+            entry.api_key = env.get(entry.api_key_env) or None
+        elif entry.api_key is None and not entry.api_key_env:
+            entry.api_key = node.api_key
     if not cfg.gateway.database_url:
         cfg.gateway.database_url = f"sqlite:///{cfg.node.state_dir / 'helexa.db'}"
     hf = cfg.sources["huggingface"]
@@ -350,6 +384,9 @@ def _resolve(cfg: Config, env: Mapping[str, str], path: Path | None) -> None:
         hf.cache_dir = Path(env["HF_HOME"]) / "hub"
     for src in cfg.sources.values():
         src.token = (env.get(src.token_env) or None) if src.token_env else None
+    if node.model_dirs is None:
+        hub = hf.cache_dir or Path(env.get("HF_HOME", Path.home() / ".cache/huggingface")) / "hub"
+        node.model_dirs = [Path(hub), node.state_dir / "models"]
 
 
 def _check(cfg: Config, problems: list[str], bad: set[str]) -> None:

@@ -20,7 +20,11 @@ from helexa.errors import HelexaError, invalid_request
 log = logging.getLogger(__name__)
 
 # Headers the gateway stamps for a node (clients' own `x-helexa-*` are dropped on the way).
-SECRET_HEADER = "x-helexa-gateway-secret"
+SECRET_HEADER = "x-helexa-gateway-secret"  # deprecated: the gateway sends Authorization
+# Stamped by the gateway on every proxied request: the node leaves per-principal caps of
+# anonymous gateway traffic to the gateway instead of counting them by client address.
+VIA_HEADER = "x-helexa-via"
+REQUEST_ID_HEADER = "x-request-id"
 ACCOUNT_HEADER = "x-helexa-account-id"
 KEY_HEADER = "x-helexa-key-id"
 BUDGET_HEADER = "x-helexa-budget"
