@@ -180,6 +180,8 @@ class GatewayConfig(_Listens):
     database_url: DatabaseUrl = ""  # "" → sqlite:///<node.state_dir>/helexa.db
     require_auth: bool = False
     poll_interval_s: PositiveFloat = 5.0
+    # Origins a browser may call the API from ("*": any); none: no CORS headers at all.
+    cors_allow_origins: list[str] = field(default_factory=list)
 
     @property
     def metrics_host(self) -> str:

@@ -21,6 +21,36 @@ def event(log: logging.Logger, level: int, what: str, **fields: Any) -> None:
     log.log(level, f"{what} {text}" if text else what, extra={_FIELDS: fields})
 
 
+def request_done(
+    log: logging.Logger,
+    *,
+    request_id: str,
+    model: str | None,
+    status: int,
+    prompt_tokens: int | None = None,
+    completion_tokens: int | None = None,
+    finish_reason: str | None = None,
+    ttft_ms: float | None = None,
+    total_ms: float,
+    **extra: Any,
+) -> None:
+    """The one line each role writes when a request ends (SPEC: operators' logs)."""
+    event(
+        log,
+        logging.INFO,
+        "request",
+        request_id=request_id,
+        model=model,
+        status=status,
+        prompt_tokens=prompt_tokens,
+        completion_tokens=completion_tokens,
+        finish_reason=finish_reason,
+        ttft_ms=None if ttft_ms is None else round(ttft_ms, 1),
+        total_ms=round(total_ms, 1),
+        **extra,
+    )
+
+
 class JsonFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
         entry: dict[str, Any] = {
