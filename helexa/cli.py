@@ -84,6 +84,46 @@ def _print_node_banner(host: str, port: int, models: list[str]) -> None:
     )
 
 
+def _serve_node(args: argparse.Namespace, cfg: Config) -> int:
+    import logging
+
+    from helexa.node.security import exposure_problem, unauthenticated_warning
+    from helexa.web.node_app import create_node_app
+    from helexa.web.node_guard import NodeGuard
+    from helexa.web.server import serve
+
+    node = cfg.node
+    node.default_models = list(dict.fromkeys([*node.default_models, *args.model]))
+    host = args.host or node.host
+    port = args.port if args.port is not None else node.port
+    node.listen = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    problem = exposure_problem(host, port, node)
+    if problem is not None:
+        print(f"helexa: {problem}", file=sys.stderr)
+        return 2
+    log = logging.getLogger("helexa.node")
+    if node.gateway_secret:
+        log.warning("[node] gateway_secret is deprecated: rename it to api_key")
+    warning = unauthenticated_warning(host, node)
+    if warning:
+        log.warning(warning)
+    app = create_node_app(cfg)
+    _print_node_banner(host, port, node.default_models)
+
+    def drain() -> None:
+        app.state.node.draining = True
+
+    return serve(
+        NodeGuard(app, node),
+        host,
+        port,
+        drain_timeout_s=node.drain_timeout_s,
+        http=cfg.http,
+        write_timeout_s=node.stream_write_timeout_s,
+        on_exit=drain,
+    )
+
+
 def cmd_serve(args: argparse.Namespace, cfg: Config) -> int:
     """Run a role's HTTP service until SIGTERM/SIGINT."""
     from helexa.logs import configure
@@ -92,19 +132,7 @@ def cmd_serve(args: argparse.Namespace, cfg: Config) -> int:
     from helexa.web.server import serve
 
     if args.role == "node":
-        from helexa.web.node_app import create_node_app
-
-        node = cfg.node
-        node.default_models = list(dict.fromkeys([*node.default_models, *args.model]))
-        host = args.host or node.host
-        port = args.port if args.port is not None else node.port
-        app = create_node_app(cfg)
-        _print_node_banner(host, port, node.default_models)
-
-        def drain() -> None:
-            app.state.node.draining = True
-
-        return serve(app, host, port, drain_timeout_s=node.drain_timeout_s, on_exit=drain)
+        return _serve_node(args, cfg)
     from helexa.web.gateway_app import create_gateway_apps
 
     gw = cfg.gateway
@@ -125,6 +153,7 @@ def cmd_serve(args: argparse.Namespace, cfg: Config) -> int:
         host,
         port,
         drain_timeout_s=cfg.node.drain_timeout_s,
+        http=cfg.http,
         companions=[(metrics_app, gw.metrics_host, gw.metrics_port)],
     )
 

@@ -203,6 +203,7 @@ class Generation:
         self._itl = metrics.itl.labels(model)
         self._t0 = time.monotonic()
         self._t_last: float | None = None
+        self.ttft_s: float | None = None  # until the first generated token
         self._recorded = False
 
     # -- running -------------------------------------------------------------------
@@ -289,7 +290,8 @@ class Generation:
         n = len(out.token_ids)
         if n:
             if self._t_last is None:
-                self._ttft.observe(now - self._t0)
+                self.ttft_s = now - self._t0
+                self._ttft.observe(self.ttft_s)
             else:
                 self._itl.observe((now - self._t_last) / n)
             self._t_last = now

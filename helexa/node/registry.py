@@ -73,6 +73,9 @@ class LoadOptions:
     devices: tuple[int, ...] | None = None
     tensor_parallel: int = 1
     revision: str | None = None
+    # what to load when it differs from model_id: a path's real location, or a hub id
+    # with its source scheme (see node/security.loadable_ref)
+    ref: str | None = None
 
 
 @dataclass(slots=True)
@@ -342,13 +345,14 @@ class ModelRegistry:
                     "see GET /discovery for the devices",
                 )
             kw["device"] = f"cuda:{options.devices[0]}"
-        scheme, sep, _rest = model_id.partition(":")
+        ref = options.ref or model_id
+        scheme, sep, _rest = ref.partition(":")
         source = self.cfg.sources.get(
             scheme if sep and "/" in _rest else self.cfg.node.default_source
         )
         if source is not None and source.cache_dir is not None:
             kw["cache_dir"] = str(source.cache_dir)
-        return EngineArgs.from_config(self.cfg.engine, model_id, **kw)
+        return EngineArgs.from_config(self.cfg.engine, ref, **kw)
 
     async def unload(self, model_id: str) -> bool:
         """Stop serving `model_id`, abort its requests, free its memory; False if absent."""

@@ -27,6 +27,7 @@ ROLES = ("system", "developer", "user", "assistant", "tool")
 MAX_N = 16
 MAX_STOP = 16
 MAX_TOP_LOGPROBS = 20
+MAX_LOGIT_BIAS = 300  # entries (OpenAI's own bound)
 MAX_TOP_K = 2**31 - 1  # any larger value means "off" anyway; beyond int64 breaks tensors
 _SEED_RANGE = (-(2**63), 2**64 - 1)
 _FLOAT_FIELDS = (
@@ -87,6 +88,7 @@ class _Sampling:
     min_tokens: int = 0
     skip_special_tokens: bool = True
     user: str | None = None
+    logit_bias: dict[int, float] | None = None  # token id → bias added to its logit
 
 
 @dataclass(slots=True)
@@ -270,6 +272,7 @@ def _parse_sampling(d: dict[str, Any], req: _Sampling) -> None:
     req.min_tokens = _int(d, "min_tokens", low=0) or 0
     req.skip_special_tokens = _bool(d, "skip_special_tokens", True)
     req.user = _str(d, "user")
+    req.logit_bias = _logit_bias(_dict(d, "logit_bias"))
 
 
 def _message(value: object, path: str) -> ChatMessage:
@@ -399,6 +402,25 @@ def _stop(value: object) -> list[str]:
         if not isinstance(s, str):
             _fail(f"stop[{i}]", "a string", s)
     return list(value)
+
+
+def _logit_bias(value: dict[str, Any] | None) -> dict[int, float] | None:
+    """`{"<token id>": bias}` with biases in [-100, 100], as OpenAI takes it."""
+    if not value:
+        return None
+    if len(value) > MAX_LOGIT_BIAS:
+        raise invalid_request(
+            f"logit_bias: at most {MAX_LOGIT_BIAS} entries, got {len(value)}", "logit_bias"
+        )
+    out: dict[int, float] = {}
+    for key, bias in value.items():
+        path = f"logit_bias.{key}"
+        if not key.isdigit():
+            _fail(path, "a token id (a non-negative integer as a string) as the key", key)
+        if isinstance(bias, bool) or not isinstance(bias, int | float) or not -100 <= bias <= 100:
+            _fail(path, "a number in -100..100", bias)
+        out[int(key)] = float(bias)
+    return out
 
 
 def _prompt(value: object) -> str | list[int]:

@@ -6,7 +6,7 @@ Every error a client can see leaves through `error_response` as the OpenAI envel
 from __future__ import annotations
 
 import asyncio
-import hmac
+import dataclasses
 import json
 import logging
 import time
@@ -20,6 +20,7 @@ from litestar import Litestar, Request, get, post
 from litestar.response import Response, Stream
 
 from helexa.config import Config
+from helexa.engine.loader.load import BUNDLED_MODEL_ID
 from helexa.errors import HelexaError, invalid_request, model_not_found, service_unavailable
 from helexa.node import openai_out
 from helexa.node.admission import Permit
@@ -29,7 +30,9 @@ from helexa.node.generation import Generation, prepare_prompt, render_prompt
 from helexa.node.metrics import NodeMetrics
 from helexa.node.registry import LoadOptions, ModelRegistry
 from helexa.node.responses_out import ResponsesView
+from helexa.node.security import loadable_ref, unauthenticated_warning
 from helexa.node.version import build_info
+from helexa.protocol.limits import check_bounds
 from helexa.protocol.openai import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -41,9 +44,8 @@ from helexa.web.common import (
     ACCOUNT_HEADER,
     BUDGET_HEADER,
     KEY_HEADER,
-    MAX_BODY_BYTES,
     METRICS_CONTENT_TYPE,
-    SECRET_HEADER,
+    VIA_HEADER,
     error_response,
     parse_json_body,
 )
@@ -76,34 +78,40 @@ async def _json_body(request: Request) -> Any:
     return parse_json_body(await request.body())
 
 
-def _from_gateway(request: Request, secret: str | None) -> bool:
-    """Whether the gateway's own headers on `request` may be believed: always when no
-    shared secret is configured (a trusted network), else only with the secret."""
-    if not secret:
-        return True
-    given = request.headers.get(SECRET_HEADER, "")
-    return hmac.compare_digest(given.encode(), secret.encode())
+def _trusted(request: Request) -> bool:
+    """Whether the gateway's headers on `request` may be believed (set by NodeGuard)."""
+    return bool(request.scope.get("state", {}).get("trusted"))
 
 
-def principal_of(request: Request, secret: str | None) -> str | None:
-    """Who the gateway says is calling: `account/key` from its headers, trusted only when
-    they come with the shared secret (if one is configured)."""
+def principal_of(request: Request) -> str | None:
+    """Who is calling, for the per-principal cap: `account/key` as the gateway stamps it;
+    None for the gateway's anonymous traffic (it caps that itself); anyone else is an
+    anonymous direct caller, counted by client address."""
     headers = request.headers
-    account, key = headers.get(ACCOUNT_HEADER), headers.get(KEY_HEADER)
-    if (not account and not key) or not _from_gateway(request, secret):
-        return None
-    return f"{account or '-'}/{key or '-'}"
+    if _trusted(request):
+        account, key = headers.get(ACCOUNT_HEADER), headers.get(KEY_HEADER)
+        if account or key:
+            return f"{account or '-'}/{key or '-'}"
+        if headers.get(VIA_HEADER):
+            return None
+    client = request.client
+    return f"client:{client.host if client else '?'}"
 
 
-def budget_of(request: Request, secret: str | None) -> SpendBudget | None:
+def budget_of(request: Request) -> SpendBudget | None:
     """The gateway's reservation for this request (`x-helexa-budget`), if it sent one."""
     value = request.headers.get(BUDGET_HEADER)
-    if not value or not _from_gateway(request, secret):
+    if not value or not _trusted(request):
         return None
     try:
         return SpendBudget.parse(value)
     except ValueError as e:
         raise invalid_request(f"{BUDGET_HEADER}: {e}", BUDGET_HEADER) from None
+
+
+def _note(request: Request, **fields: Any) -> None:
+    """What the request's log line should say (NodeGuard writes it when the answer ends)."""
+    request.scope.setdefault("state", {}).update(fields)  # type: ignore[typeddict-item]
 
 
 def _sse(obj: Any) -> bytes:
@@ -128,13 +136,16 @@ async def _serve(
     """Admit, render and run one request; answer in the chat/completions shapes, or in the
     Responses API's when `echo` (the Responses fields the answer repeats) is given."""
     node = _node(request)
+    _note(request, model=req.model)
     if node.draining:
         raise service_unavailable("the node is shutting down; retry on another node", 5)
+    check_bounds(req)
     served = node.registry.get(req.model)
-    principal = principal_of(request, node.cfg.node.gateway_secret)
+    principal = principal_of(request)
     served.admission.check(principal)  # a full queue answers before any tokenizing
     prompt = await asyncio.to_thread(prepare_prompt, served, req)
-    budget = budget_of(request, node.cfg.node.gateway_secret)
+    _note(request, prompt_tokens=len(prompt.ids))
+    budget = budget_of(request)
     if budget is not None:
         budget.apply(req, len(prompt.ids))  # the output the gateway's reservation covers
     permit = await served.admission.acquire(principal)
@@ -144,8 +155,11 @@ async def _serve(
     except BaseException:
         permit.release()
         raise
+    state = request.scope["state"]
     if req.stream:
-        body = _stream(gen, permit) if view is None else _stream_responses(view, permit)
+        body = (
+            _stream(gen, permit, state) if view is None else _stream_responses(view, permit, state)
+        )
         weakref.finalize(body, permit.release)  # a stream never started still frees its slot
         return Stream(body, media_type="text/event-stream", headers=SSE_HEADERS)
     try:
@@ -159,6 +173,7 @@ async def _serve(
         gone.cancel()
         return Response(content=work.result())
     finally:
+        _note_outcome(state, gen)
         permit.release()
 
 
@@ -168,7 +183,15 @@ async def _collect(gen: Generation, view: ResponsesView | None) -> dict[str, Any
     return openai_out.full_response(gen) if view is None else view.whole()
 
 
-async def _stream(gen: Generation, permit: Permit) -> AsyncIterator[bytes]:
+def _note_outcome(state: dict[str, Any], gen: Generation) -> None:
+    reasons = {c.finish_reason or "abort" for c in gen.choices}
+    state["completion_tokens"] = sum(c.num_tokens for c in gen.choices)
+    state["finish_reason"] = ",".join(sorted(reasons))
+    if gen.ttft_s is not None:
+        state["ttft_ms"] = gen.ttft_s * 1000
+
+
+async def _stream(gen: Generation, permit: Permit, state: dict[str, Any]) -> AsyncIterator[bytes]:
     try:
         for chunk in openai_out.opening_chunks(gen):
             yield _sse(chunk)
@@ -179,13 +202,17 @@ async def _stream(gen: Generation, permit: Permit) -> AsyncIterator[bytes]:
             yield _sse(openai_out.usage_chunk(gen))
     except HelexaError as e:  # headers are gone: the error travels as an SSE event
         log.warning("stream %s failed: %s", gen.id, e.message)
+        state["error"] = e.status
         yield _sse(e.to_envelope())
     finally:
+        _note_outcome(state, gen)
         permit.release()
     yield b"data: [DONE]\n\n"
 
 
-async def _stream_responses(view: ResponsesView, permit: Permit) -> AsyncIterator[bytes]:
+async def _stream_responses(
+    view: ResponsesView, permit: Permit, state: dict[str, Any]
+) -> AsyncIterator[bytes]:
     """Named events (`event: response.output_text.delta`), no `[DONE]`: the API's own."""
     gen = view.gen
     try:
@@ -198,8 +225,10 @@ async def _stream_responses(view: ResponsesView, permit: Permit) -> AsyncIterato
             yield _named_sse(e)
     except HelexaError as e:
         log.warning("stream %s failed: %s", view.id, e.message)
+        state["error"] = e.status
         yield _named_sse(view.failed(e))
     finally:
+        _note_outcome(state, gen)
         permit.release()
 
 
@@ -240,6 +269,8 @@ async def tokenize(request: Request) -> dict[str, Any]:
     req = parse_chat_request(body) if chat else parse_completion_request(body)
     if isinstance(req, ChatCompletionRequest):
         req.include_thinking = include_thinking(request)
+    _note(request, model=req.model)
+    check_bounds(req)
     served = _node(request).registry.get(req.model)
     prompt = await asyncio.to_thread(render_prompt, served, req)
     return {"count": len(prompt.ids), "max_model_len": served.max_model_len, "tokens": prompt.ids}
@@ -277,9 +308,13 @@ async def health(request: Request) -> dict[str, Any]:
 
 @get("/discovery")
 async def discovery_route(request: Request) -> dict[str, Any]:
-    models = _node(request).registry.models.values()
-    inputs = [m.limit["input"] for m in models]
-    return await asyncio.to_thread(discovery, min(inputs) if inputs else None)
+    node = _node(request)
+    inputs = [m.limit["input"] for m in node.registry.models.values()]
+    found = await asyncio.to_thread(discovery, min(inputs) if inputs else None)
+    found["auth"] = "api_key" if node.cfg.node.api_key else "none"
+    warning = unauthenticated_warning(node.cfg.node.host, node.cfg.node)
+    found["warnings"] = [warning] if warning else []
+    return found
 
 
 @get("/version")
@@ -318,7 +353,9 @@ async def load_model(request: Request) -> dict[str, Any]:
     if node.draining:
         raise service_unavailable("the node is shutting down", 5)
     options = _load_options(await _json_body(request))
-    served = await node.registry.load(options)
+    _note(request, model=options.model_id)
+    ref = loadable_ref(options.model_id, node.cfg.node.model_dirs or [], BUNDLED_MODEL_ID)
+    served = await node.registry.load(dataclasses.replace(options, ref=ref))
     return {"status": "loaded", "model": served.describe()}
 
 
@@ -410,7 +447,7 @@ def create_node_app(cfg: Config, *, load_defaults: bool = True) -> Litestar:
         ],
         exception_handlers={Exception: error_response},
         lifespan=[lifespan],
-        request_max_body_size=MAX_BODY_BYTES,
+        request_max_body_size=cfg.http.max_body_mb << 20,
         openapi_config=None,
         logging_config=None,  # the CLI configures logging once
     )

@@ -14,6 +14,9 @@ from types import FrameType
 import uvicorn
 from litestar.types import ASGIApp
 
+from helexa.config import HttpConfig
+from helexa.web.connection_guard import guarded_protocol
+
 log = logging.getLogger(__name__)
 
 
@@ -47,12 +50,16 @@ def serve(
     port: int,
     *,
     drain_timeout_s: float,
+    http: HttpConfig | None = None,
+    write_timeout_s: float | None = None,
     on_exit: Callable[[], None] | None = None,
     companions: list[tuple[ASGIApp, str, int]] | None = None,
 ) -> int:
-    """Serve until a signal; returns the process exit code."""
-    main = _Server(_config(app, host, port, drain_timeout_s), on_exit)
-    others = [_Companion(_config(a, h, p, 1.0)) for a, h, p in companions or []]
+    """Serve until a signal; returns the process exit code. `http` sets the connection
+    limits; `write_timeout_s` cuts a client that reads nothing for that long."""
+    http = http or HttpConfig()
+    main = _Server(_config(app, host, port, drain_timeout_s, http, write_timeout_s), on_exit)
+    others = [_Companion(_config(a, h, p, 1.0, http, None)) for a, h, p in companions or []]
     if not others:
         main.run()
         return 0 if main.started else 1
@@ -75,14 +82,23 @@ def serve(
     return 0 if main.started and all(s.started for s in others) else 1
 
 
-def _config(app: ASGIApp, host: str, port: int, drain_timeout_s: float) -> uvicorn.Config:
+def _config(
+    app: ASGIApp,
+    host: str,
+    port: int,
+    drain_timeout_s: float,
+    http: HttpConfig,
+    write_timeout_s: float | None,
+) -> uvicorn.Config:
     return uvicorn.Config(
         app,
         host=host,
         port=port,
+        http=guarded_protocol(http.header_timeout_s, write_timeout_s),
         log_config=None,  # helexa configures logging once, in the CLI
         access_log=False,
         timeout_graceful_shutdown=max(1, round(drain_timeout_s)),
-        timeout_keep_alive=30,
+        timeout_keep_alive=max(1, round(http.keep_alive_timeout_s)),
+        limit_concurrency=http.limit_concurrency,
         lifespan="on",
     )

@@ -8,6 +8,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -67,18 +68,26 @@ class NodeProcess:
     proc: subprocess.Popen
     base_url: str
     log_path: Path
+    api_key: str | None = None  # sent as a Bearer token by client/get/post when set
 
     @property
     def v1(self) -> str:
         return self.base_url + "/v1"
 
+    @property
+    def auth(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
     def client(self, **kw) -> httpx.Client:
+        kw["headers"] = {**self.auth, **kw.get("headers", {})}
         return httpx.Client(base_url=self.base_url, timeout=60, **kw)
 
-    def get(self, path: str) -> httpx.Response:
-        return httpx.get(self.base_url + path, timeout=30)
+    def get(self, path: str, **kw) -> httpx.Response:
+        kw["headers"] = {**self.auth, **kw.get("headers", {})}
+        return httpx.get(self.base_url + path, timeout=30, **kw)
 
     def post(self, path: str, body: object = None, **kw) -> httpx.Response:
+        kw["headers"] = {**self.auth, **kw.get("headers", {})}
         return httpx.post(self.base_url + path, json=body, timeout=120, **kw)
 
     def log(self) -> str:
@@ -111,6 +120,7 @@ def start_node(
         "listen": f"127.0.0.1:{port}",
         "default_models": [str(m) for m in models],
         "state_dir": str(tmp / "state"),
+        "model_dirs": [tempfile.gettempdir()],  # where the tests' model dirs live
         **(node or {}),
     }
     engine_cfg = {"kv_cache_memory_mb": 16, "num_threads": 1, **(engine or {})}
@@ -128,7 +138,7 @@ def start_node(
             stderr=subprocess.STDOUT,
             env=proc_env,
         )
-    node_proc = NodeProcess(proc, f"http://127.0.0.1:{port}", log_path)
+    node_proc = NodeProcess(proc, f"http://127.0.0.1:{port}", log_path, node_cfg.get("api_key"))
     if wait_ready:
         wait_ready_or_fail(node_proc)
     return node_proc

@@ -57,7 +57,9 @@ def resolve_model(
     picks one, so a load never pulls every file of the repo.
     """
     path = Path(ref).expanduser()
-    if path.exists():
+    scheme, colon, rest = ref.partition(":")
+    hub_only = bool(colon and "/" not in scheme and "/" in rest)  # `hf:org/name`
+    if not hub_only and path.exists():
         return path
     if ref == BUNDLED_MODEL_ID:
         bundled = bundled_model_path()

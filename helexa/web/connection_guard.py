@@ -1,0 +1,84 @@
+"""uvicorn's HTTP protocol with two guards it lacks: a deadline for a request's headers
+(slow-header clients are dropped instead of held forever) and a deadline for a stalled
+reader (a client that reads nothing while the server has data queued for it is cut, so
+its request is cancelled and its slot and KV blocks are freed).
+
+Both act on the connection, below the ASGI app: a cut looks to the app like any client
+disconnect, which the streaming responses already handle.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+log = logging.getLogger(__name__)
+
+
+def guarded_protocol(
+    header_timeout_s: float, write_timeout_s: float | None
+) -> type[HttpToolsProtocol]:
+    """A protocol class for `uvicorn.Config(http=...)` with these deadlines."""
+
+    class GuardedProtocol(HttpToolsProtocol):
+        _header_timer: asyncio.TimerHandle | None = None
+        _stall_timer: asyncio.TimerHandle | None = None
+
+        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+            super().connection_made(transport)
+            self._start_header_timer()
+
+        def data_received(self, data: bytes) -> None:
+            before = self.cycle
+            super().data_received(data)
+            if self.cycle is not before:  # a request's headers are complete
+                self._cancel("_header_timer")
+            elif self.cycle is None or self.cycle.response_complete:
+                self._start_header_timer()  # the first bytes of the next request
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self._cancel("_header_timer")
+            self._cancel("_stall_timer")
+            super().connection_lost(exc)
+
+        def pause_writing(self) -> None:
+            super().pause_writing()
+            if write_timeout_s is not None and self._stall_timer is None:
+                self._stall_timer = self.loop.call_later(write_timeout_s, self._stalled)
+
+        def resume_writing(self) -> None:
+            super().resume_writing()
+            self._cancel("_stall_timer")
+
+        def _start_header_timer(self) -> None:
+            if self._header_timer is None:
+                self._header_timer = self.loop.call_later(header_timeout_s, self._no_headers)
+
+        def _cancel(self, name: str) -> None:
+            timer = getattr(self, name)
+            if timer is not None:
+                timer.cancel()
+                setattr(self, name, None)
+
+        def _no_headers(self) -> None:
+            self._header_timer = None
+            log.info(
+                "closing %s: no complete request headers within %gs", self._peer(), header_timeout_s
+            )
+            self.transport.abort()
+
+        def _stalled(self) -> None:
+            self._stall_timer = None
+            log.warning(
+                "cutting %s: it read nothing for %gs while a response waited",
+                self._peer(),
+                write_timeout_s,
+            )
+            self.transport.abort()  # connection_lost → the app sees a disconnect
+
+        def _peer(self) -> str:
+            return f"{self.client[0]}:{self.client[1]}" if self.client else "a client"
+
+    return GuardedProtocol

@@ -1,0 +1,123 @@
+"""The node's door: every HTTP request passes here before any handler.
+
+- Authentication: with `[node] api_key` set, every route but `GET /health` needs
+  `Authorization: Bearer <api_key>` (compared in constant time); anything else is a 401.
+- Trust: whether the gateway's `x-helexa-*` headers on this request may be believed
+  (`scope["state"]["trusted"]`): with an api_key, only requests that carry it get this
+  far; without one, only loopback peers are believed.
+- `x-request-id`: the caller's (when sane) or a new one, returned on every response.
+- One log line per request when its response ends (`helexa.logs.request_done`), with
+  what the handler left in `scope["state"]`: model, token counts, finish reason, TTFT.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import time
+import uuid
+from typing import Any
+
+from litestar.types import ASGIApp, Message, Receive, Scope, Send
+
+from helexa.config import NodeConfig
+from helexa.errors import invalid_api_key
+from helexa.logs import request_done
+from helexa.node.security import bearer, is_loopback, key_matches
+from helexa.web.common import REQUEST_ID_HEADER, SECRET_HEADER
+
+log = logging.getLogger("helexa.node.requests")
+_SANE_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
+_OPEN = {("GET", "/health"), ("HEAD", "/health")}
+
+
+def request_id_from(given: str | None) -> str:
+    """The caller's request id when it is a sane token, else a new one."""
+    return given if given is not None and _SANE_ID.fullmatch(given) else uuid.uuid4().hex
+
+
+class NodeGuard:
+    """ASGI middleware: authentication, trust, request ids and the per-request log line."""
+
+    def __init__(self, app: ASGIApp, node: NodeConfig) -> None:
+        self.app = app
+        self.api_key = node.api_key
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+        rid = request_id_from(headers.get(REQUEST_ID_HEADER))
+        state: dict[str, Any] = scope.setdefault("state", {})  # type: ignore[typeddict-item]
+        state["request_id"] = rid
+        peer = (scope.get("client") or ("", 0))[0]
+        method, path = scope["method"], scope["path"]
+        t0 = time.perf_counter()
+        seen: dict[str, Any] = {"status": 0, "logged": False}
+
+        def finish() -> None:
+            if seen["logged"]:
+                return
+            seen["logged"] = True
+            quiet = method in ("GET", "HEAD") and seen["status"] < 400
+            if quiet and not log.isEnabledFor(logging.DEBUG):
+                return
+            request_done(
+                log,
+                request_id=rid,
+                model=state.get("model"),
+                status=seen["status"] or 499,  # 499: the client left before an answer
+                prompt_tokens=state.get("prompt_tokens"),
+                completion_tokens=state.get("completion_tokens"),
+                finish_reason=state.get("finish_reason"),
+                ttft_ms=state.get("ttft_ms"),
+                total_ms=(time.perf_counter() - t0) * 1000,
+                route=f"{method} {path}",
+                client=peer,
+            )
+
+        async def send_with_id(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                seen["status"] = message["status"]
+                message["headers"] = [
+                    *message.get("headers", ()),
+                    (REQUEST_ID_HEADER.encode(), rid.encode()),
+                ]
+            await send(message)
+            if message["type"] == "http.response.body" and not message.get("more_body"):
+                finish()
+
+        if self.api_key and (method, path) not in _OPEN:
+            given = bearer(headers) or headers.get(SECRET_HEADER)  # the latter: deprecated
+            if not key_matches(given, self.api_key):
+                await _unauthorized(
+                    send_with_id,
+                    "Authorization: Bearer <api_key> required"
+                    if given is None
+                    else "Invalid API key",
+                )
+                return
+        state["trusted"] = bool(self.api_key) or is_loopback(peer)
+        try:
+            await self.app(scope, receive, send_with_id)
+        finally:
+            finish()
+
+
+async def _unauthorized(send: Send, message: str) -> None:
+    err = invalid_api_key(f"{message}: this node requires its [node] api_key")
+    body = json.dumps(err.to_envelope()).encode()
+    await send(
+        {
+            "type": "http.response.start",
+            "status": 401,
+            "headers": [
+                (b"content-type", b"application/json"),
+                (b"content-length", str(len(body)).encode()),
+                (b"www-authenticate", b'Bearer realm="helexa-node"'),
+            ],
+        }
+    )
+    await send({"type": "http.response.body", "body": body})
