@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from helexa.engine.detokenizer import IncrementalDetokenizer, find_stop, held_back
+from helexa.engine.detokenizer import IncrementalDetokenizer, StopMatcher
 from helexa.engine.sampling_params import SamplingParams
 from helexa.engine.tokenizer import Tokenizer
 
@@ -79,8 +79,15 @@ class Sequence:
         self.generator: torch.Generator | None = None
         if params.seed is not None:
             self.generator = torch.Generator().manual_seed(params.seed)
-        self._detok = IncrementalDetokenizer(tokenizer, params.skip_special_tokens)
-        self.output_text = ""
+        self._detok = IncrementalDetokenizer(
+            tokenizer, params.skip_special_tokens, start=self.num_prompt_tokens
+        )
+        self._stops = StopMatcher(params.stop) if params.stop else None
+        # The output text in pieces, so that growing it never copies what came before:
+        # what deltas have emitted, then what they have not (new, or held back).
+        self._sent: list[str] = []
+        self._unsent: list[str] = []
+        self.num_chars = 0
         self.num_emitted_tokens = 0  # for deltas
         self.num_emitted_chars = 0
         self.num_emitted_logprobs = 0
@@ -105,6 +112,10 @@ class Sequence:
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
 
+    @property
+    def output_text(self) -> str:
+        return "".join(self._sent) + "".join(self._unsent)
+
     # -- generation ----------------------------------------------------------------
     def append_token(self, token_id: int, logprob: TokenLogprob | None = None) -> None:
         """Add a sampled token and decide whether the sequence is done."""
@@ -115,17 +126,31 @@ class Sequence:
         if token_id in self._stop_ids and n_out > self.params.min_tokens:
             self._finish("stop", token_id)
             return
-        start = len(self.output_text)
-        self.output_text += self._detok.step(self.output_token_ids)
-        if self.params.stop and n_out > self.params.min_tokens:
-            hit = find_stop(self.output_text, start, self.params.stop)
-            if hit is not None:
-                self.output_text = self.output_text[: hit[0]]
+        start = self.num_chars
+        new = self._detok.step(self.token_ids)
+        self._add_text(new)
+        if self._stops is not None:
+            hit = self._stops.feed(new)
+            if hit is not None and n_out > self.params.min_tokens:
+                self._truncate(start + hit[0])
                 self._finish("stop", hit[1])
                 return
         if n_out >= self.max_tokens:
-            self.output_text += self._detok.step(self.output_token_ids, final=True)
+            self._add_text(self._detok.step(self.token_ids, final=True))
             self._finish("length", None)
+
+    def _add_text(self, text: str) -> None:
+        if text:
+            self._unsent.append(text)
+            self.num_chars += len(text)
+
+    def _truncate(self, num_chars: int) -> None:
+        """Keep the first `num_chars` of the output; held-back text is never emitted,
+        so the cut falls in what deltas have not sent."""
+        assert num_chars >= self.num_emitted_chars, (num_chars, self.num_emitted_chars)
+        unsent = "".join(self._unsent)[: num_chars - self.num_emitted_chars]
+        self._unsent = [unsent] if unsent else []
+        self.num_chars = num_chars
 
     def _finish(self, reason: str, stop_reason: str | int | None) -> None:
         self.status = SequenceStatus.FINISHED
@@ -138,11 +163,13 @@ class Sequence:
     def take_delta(self) -> RequestOutput:
         """What is new since the last delta; text that may start a stop string is held."""
         finished = self.is_finished
-        end = len(self.output_text)
-        if not finished and self.params.stop:
-            end -= held_back(self.output_text, self.params.stop)
-        text = self.output_text[self.num_emitted_chars : end]
-        self.num_emitted_chars = max(self.num_emitted_chars, end)
+        unsent = "".join(self._unsent)
+        held = self._stops.num_held if self._stops is not None and not finished else 0
+        text = unsent[: max(0, len(unsent) - held)]
+        self._unsent = [unsent[len(text) :]] if len(text) < len(unsent) else []
+        if text:
+            self._sent.append(text)
+            self.num_emitted_chars += len(text)
         ids = self.token_ids[self.num_prompt_tokens + self.num_emitted_tokens :]
         self.num_emitted_tokens += len(ids)
         lps = None
