@@ -144,8 +144,8 @@ class AsyncLLM:
                 continue
             try:
                 updated = self.engine.step()
-            except Exception as e:  # one bad step fails its requests, not the engine
-                log.exception("engine step failed")
+            except Exception as e:  # a failed step (the forward pass, a device fault)
+                log.exception("engine step failed")  # fails its requests, not the engine
                 self._fail_all(e)
                 continue
             for seq in updated:
@@ -177,7 +177,18 @@ class AsyncLLM:
         stream = self._streams.get(seq.request_id)
         if stream is None:
             return
-        delta = seq.take_delta()
+        error = seq.error
+        if error is None:
+            try:
+                delta = seq.take_delta()
+            except Exception as e:  # this request's own state: it fails alone
+                log.warning("request %s failed alone: %r", seq.request_id, e)
+                self.engine.abort(seq.request_id)
+                error = e
+        if error is not None:  # the request's stream alone gets the error
+            del self._streams[seq.request_id]
+            stream.put(error)
+            return
         if delta.finished:
             del self._streams[seq.request_id]
         if delta.token_ids or delta.text or delta.finished:

@@ -1,11 +1,12 @@
 """The engine: requests in, one `step()` at a time, outputs back.
 
 `step()` is three calls: scheduler.schedule() → model_runner.run(batch) →
-scheduler.postprocess(batch, tokens).
+scheduler.postprocess(batch, tokens, logprobs, errors).
 """
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass, fields
 
@@ -24,6 +25,7 @@ from helexa.engine.sampling_params import SamplingParams
 from helexa.engine.scheduler import Scheduler, SchedulerConfig
 from helexa.engine.sequence import RequestOutput, Sequence
 
+log = logging.getLogger(__name__)
 MiB = 1 << 20
 # When nothing else says: generation stops after this many tokens (SPEC: at most 8192).
 DEFAULT_MAX_TOKENS_CAP = 8192
@@ -230,15 +232,21 @@ class LLMEngine:
 
     # -- the loop ------------------------------------------------------------------
     def step(self) -> list[Sequence]:
-        """Run one batch; return the sequences that got new tokens (finished or not)."""
+        """Run one batch; return the sequences that got new tokens or finished. One that
+        failed alone (its sampling, its row of logits, its detokenizer) is finished with
+        finish_reason "error" and `error` set; an error of the whole step raises."""
         batch = self.scheduler.schedule()
         if batch is None:
             return []
-        tokens, logprobs = self.runner.run(batch)
-        finished = self.scheduler.postprocess(batch, tokens, logprobs)
+        tokens, logprobs, errors = self.runner.run(batch)
+        finished = self.scheduler.postprocess(batch, tokens, logprobs, errors)
         for seq in finished:
             self._seqs.pop(seq.request_id, None)
-        return [s for s, t in zip(batch.seqs, tokens, strict=True) if t is not None]
+            if seq.error is not None:
+                log.warning("request %s failed alone: %r", seq.request_id, seq.error)
+        return [
+            s for s, t in zip(batch.seqs, tokens, strict=True) if t is not None or s.is_finished
+        ]
 
     def generate(
         self, prompts: list[str | list[int]], params: SamplingParams | list[SamplingParams]

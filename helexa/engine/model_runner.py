@@ -15,7 +15,11 @@ from helexa.engine.sequence import Sequence, TokenLogprob
 
 
 class NonFiniteLogitsError(RuntimeError):
-    """The forward pass produced NaN/Inf logits: a sign of a device fault or bad weights."""
+    """Every row of a step's logits was NaN/Inf: a sign of a device fault or bad weights."""
+
+
+class NonFiniteRowError(RuntimeError):
+    """One sequence's logits were NaN/Inf while its batch-mates' were finite: it fails alone."""
 
 
 class ModelRunner:
@@ -128,8 +132,12 @@ class ModelRunner:
     @torch.inference_mode()
     def run(
         self, batch: ScheduledBatch
-    ) -> tuple[list[int | None], list[TokenLogprob | None] | None]:
-        """Forward the batch; sample one token for each sequence that reached its end."""
+    ) -> tuple[list[int | None], list[TokenLogprob | None] | None, dict[int, Exception]]:
+        """Forward the batch; sample one token for each sequence that reached its end.
+
+        Returns tokens and logprobs by batch index, and the sequences that failed alone
+        (non-finite logits in their row only, or their sampling raised) with the error.
+        A failure of the forward pass, or non-finite logits in every row, raises."""
         input_ids, positions, ctx, sample_rows, sample_seqs = self.prepare(batch)
         has_prompt = any(s.num_computed_tokens < s.num_prompt_tokens for s in batch.seqs)
         token = PREFILL_STEP.set(has_prompt)
@@ -138,21 +146,68 @@ class ModelRunner:
         finally:
             PREFILL_STEP.reset(token)
         out: list[int | None] = [None] * len(batch.seqs)
+        errors: dict[int, Exception] = {}
         if not sample_seqs:
-            return out, None
+            return out, None, errors
         sampling = [batch.seqs[i] for i in sample_seqs]
         logits = self.model.compute_logits(hidden[sample_rows], sampling)
-        if not torch.isfinite(logits).all():
-            bad = [
-                s.request_id
-                for s, row in zip(sampling, logits, strict=True)
-                if not row.isfinite().all()
-            ]
+        if any(s.params.debug_fault == "nonfinite" for s in sampling):
+            for j, s in enumerate(sampling):
+                if s.params.debug_fault == "nonfinite":
+                    logits[j] = torch.nan
+        finite = logits.isfinite().all(-1).tolist()
+        if not any(finite):  # a lone sequence, or all of them: the device, not a request
+            bad = [s.request_id for s in sampling]
             raise NonFiniteLogitsError(f"non-finite logits for requests {bad}")
-        tokens, lps = self.sampler(logits, sampling)
+        if not all(finite):
+            for j, ok in enumerate(finite):
+                if not ok:
+                    errors[sample_seqs[j]] = NonFiniteRowError(
+                        f"non-finite logits for request {sampling[j].request_id} "
+                        "while its batch-mates' were finite"
+                    )
+            keep = [j for j, ok in enumerate(finite) if ok]
+            logits = logits[keep]
+            sampling = [sampling[j] for j in keep]
+            sample_seqs = [sample_seqs[j] for j in keep]
+        tokens, lps, failed = self._sample(logits, sampling)
         out_lps: list[TokenLogprob | None] = [None] * len(batch.seqs)
         for j, i in enumerate(sample_seqs):
+            if failed[j] is not None:
+                errors[i] = failed[j]
+                continue
             out[i] = tokens[j]
             if lps is not None:
                 out_lps[i] = lps[j]
-        return out, (out_lps if lps is not None else None)
+        return out, (out_lps if lps is not None else None), errors
+
+    def _sample(
+        self, logits: torch.Tensor, seqs: list[Sequence]
+    ) -> tuple[list[int | None], list[TokenLogprob | None] | None, list[Exception | None]]:
+        """The sampler over the batch; when that raises, again row by row, so that one
+        sequence's error fails it alone and the others get the tokens they would have got
+        (seeded rows from their generators as they were before the failed attempt)."""
+        # logits: [num_seqs, vocab]
+        num = len(seqs)
+        states = [s.generator.get_state() if s.generator is not None else None for s in seqs]
+        try:
+            tokens, lps = self.sampler(logits, seqs)
+            return tokens, lps, [None] * num
+        except Exception:
+            pass  # found again below, row by row
+        out: list[int | None] = [None] * num
+        out_lps: list[TokenLogprob | None] = [None] * num
+        errors: list[Exception | None] = [None] * num
+        for j, (seq, state) in enumerate(zip(seqs, states, strict=True)):
+            if seq.generator is not None and state is not None:
+                seq.generator.set_state(state)
+            try:
+                row_tokens, row_lps = self.sampler(logits[j : j + 1], [seq])
+            except Exception as e:
+                errors[j] = e
+                continue
+            out[j] = row_tokens[0]
+            if row_lps is not None:
+                out_lps[j] = row_lps[0]
+        wants_logprobs = any(s.params.logprobs is not None for s in seqs)
+        return out, (out_lps if wants_logprobs else None), errors

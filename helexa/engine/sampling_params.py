@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal
+
+DEBUG_FAULTS = ("sampler", "detokenizer", "nonfinite")
 
 
 class SamplingParamsError(ValueError):
@@ -32,6 +35,8 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # None = off; N = chosen token + top-N alternatives
     skip_special_tokens: bool = True
+    # Tests only (HELEXA_DEBUG_FAULT): make this sequence alone fail at that point.
+    debug_fault: Literal["sampler", "detokenizer", "nonfinite"] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -65,6 +70,8 @@ class SamplingParams:
             bad("min_tokens", "must be >= 0")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             bad("logprobs", "must be in [0, 20]")
+        if self.debug_fault not in (None, *DEBUG_FAULTS):
+            bad("debug_fault", f"must be one of {DEBUG_FAULTS}")
 
     @property
     def is_greedy(self) -> bool:

@@ -113,16 +113,27 @@ class Scheduler:
         batch: ScheduledBatch,
         sampled: list[int | None],
         logprobs: list[TokenLogprob | None] | None = None,
+        errors: dict[int, Exception] | None = None,
     ) -> list[Sequence]:
-        """Advance computed counts, append sampled tokens; return sequences that finished."""
+        """Advance computed counts, append sampled tokens; return sequences that finished.
+
+        A sequence with an error (`errors` by batch index, or raised while its token is
+        appended: its detokenizer, its stop strings) fails alone: it finishes with that
+        error and its blocks are freed, and its batch-mates go on."""
         finished = []
         for i, seq in enumerate(batch.seqs):
-            seq.num_computed_tokens += batch.num_new_tokens[i]
-            self.block_manager.register_computed(seq)
-            token = sampled[i]
-            if token is None:
-                continue
-            seq.append_token(token, logprobs[i] if logprobs else None)
+            error = errors.get(i) if errors else None
+            if error is None:
+                try:
+                    seq.num_computed_tokens += batch.num_new_tokens[i]
+                    self.block_manager.register_computed(seq)
+                    token = sampled[i]
+                    if token is not None:
+                        seq.append_token(token, logprobs[i] if logprobs else None)
+                except Exception as e:
+                    error = e
+            if error is not None:
+                seq.fail(error)
             if seq.is_finished:
                 self._remove(seq)
                 finished.append(seq)

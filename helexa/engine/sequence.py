@@ -40,7 +40,7 @@ class RequestOutput:
     token_ids: list[int]
     text: str
     finished: bool
-    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     stop_reason: str | int | None = None  # the stop string or stop token id that matched
     logprobs: list[TokenLogprob] | None = None
     num_cached_tokens: int = 0
@@ -75,6 +75,7 @@ class Sequence:
         self.arrival_time = time.monotonic()
         self.finish_reason: str | None = None
         self.stop_reason: str | int | None = None
+        self.error: Exception | None = None  # why this sequence alone failed
         self.logprobs: list[TokenLogprob] | None = [] if params.logprobs is not None else None
         self.generator: torch.Generator | None = None
         if params.seed is not None:
@@ -119,6 +120,8 @@ class Sequence:
     # -- generation ----------------------------------------------------------------
     def append_token(self, token_id: int, logprob: TokenLogprob | None = None) -> None:
         """Add a sampled token and decide whether the sequence is done."""
+        if self.params.debug_fault == "detokenizer":
+            raise RuntimeError("fault injected by HELEXA_DEBUG_FAULT=detokenizer")
         self.token_ids.append(token_id)
         if self.logprobs is not None and logprob is not None:
             self.logprobs.append(logprob)
@@ -159,6 +162,11 @@ class Sequence:
 
     def abort(self) -> None:
         self._finish("abort", None)
+
+    def fail(self, error: Exception) -> None:
+        """End this sequence alone with `error`; its batch-mates go on."""
+        self.error = error
+        self._finish("error", None)
 
     def take_delta(self) -> RequestOutput:
         """What is new since the last delta; text that may start a stop string is held."""

@@ -65,6 +65,8 @@ class Sampler:
         self, logits: torch.Tensor, seqs: list[Sequence]
     ) -> tuple[list[int], list[TokenLogprob | None] | None]:
         # logits: [num_seqs, vocab]
+        if any(s.params.debug_fault == "sampler" for s in seqs):
+            raise RuntimeError("fault injected by HELEXA_DEBUG_FAULT=sampler")
         logits = logits.float()
         want_logprobs = any(s.params.logprobs is not None for s in seqs)
         raw_logprobs = logits.log_softmax(-1) if want_logprobs else None
