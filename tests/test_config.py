@@ -10,6 +10,7 @@ from helexa.config import (
     Cost,
     EngineConfig,
     GatewayConfig,
+    HttpConfig,
     LogConfig,
     ModelEntry,
     NodeConfig,
@@ -409,7 +410,7 @@ def test_the_example_documents_every_key():
     comments = "\n".join(line for line in EXAMPLE.read_text().splitlines() if line.startswith("#"))
     documented = set(re.findall(r"(\w+) = ", comments))
     sections = (NodeConfig, EngineConfig, SourceConfig, GatewayConfig, NodeEntry, ModelEntry)
-    sections += (Cost, AdminConfig, LogConfig)
+    sections += (Cost, AdminConfig, LogConfig, HttpConfig)
     keys = {f.name for cls in sections for f in fields(cls) if not f.metadata.get("derived")}
     assert keys - documented == set()
 

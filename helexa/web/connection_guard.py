@@ -10,17 +10,36 @@ disconnect, which the streaming responses already handle.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 
+from litestar.types import Receive, Scope, Send
+from uvicorn.protocols.http import httptools_impl
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
+from helexa.errors import service_unavailable
+
 log = logging.getLogger(__name__)
+_OVERLOADED = service_unavailable(
+    "the server holds as many connections as [http] limit_concurrency allows; retry shortly", 1
+)
+
+
+async def _overloaded(scope: Scope, receive: Receive, send: Send) -> None:
+    """uvicorn's answer past `limit_concurrency`, as the OpenAI envelope (its own is text)."""
+    body = json.dumps(_OVERLOADED.to_envelope()).encode()
+    headers = [(b"content-type", b"application/json"), (b"connection", b"close")]
+    headers += [(k.lower().encode(), v.encode()) for k, v in _OVERLOADED.headers().items()]
+    headers.append((b"content-length", str(len(body)).encode()))
+    await send({"type": "http.response.start", "status": 503, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
 
 
 def guarded_protocol(
     header_timeout_s: float, write_timeout_s: float | None
 ) -> type[HttpToolsProtocol]:
     """A protocol class for `uvicorn.Config(http=...)` with these deadlines."""
+    httptools_impl.service_unavailable = _overloaded  # the app uvicorn runs past the limit
 
     class GuardedProtocol(HttpToolsProtocol):
         _header_timer: asyncio.TimerHandle | None = None

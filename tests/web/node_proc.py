@@ -121,6 +121,8 @@ def start_node(
         "default_models": [str(m) for m in models],
         "state_dir": str(tmp / "state"),
         "model_dirs": [tempfile.gettempdir()],  # where the tests' model dirs live
+        # every test client is 127.0.0.1: the per-address cap is tested where it is set
+        "per_principal_max": 0,
         **(node or {}),
     }
     engine_cfg = {"kv_cache_memory_mb": 16, "num_threads": 1, **(engine or {})}
