@@ -91,7 +91,11 @@ PasswordHash = Annotated[
 DERIVED = {"derived": True}  # filled by load_config from the environment; not a TOML key
 HF_DEFAULTS = {"endpoint": "https://huggingface.co", "token_env": "HF_TOKEN"}
 # HELEXA_* variables that are not [section] overrides.
-ENV_NOT_OVERRIDES = frozenset({"HELEXA_CONFIG", "HELEXA_DEBUG_POISON", "HELEXA_ADMIN_PASSWORD"})
+ENV_NOT_OVERRIDES = frozenset(
+    {"HELEXA_CONFIG", "HELEXA_DEBUG_POISON", "HELEXA_DEBUG_FAULT", "HELEXA_ADMIN_PASSWORD"}
+)
+# HELEXA_DEBUG_FAULT: where a request whose `user` is "helexa-debug-fault" fails, alone.
+DEBUG_FAULTS = ("sampler", "detokenizer", "nonfinite")
 
 
 class _Listens:
@@ -138,6 +142,7 @@ class NodeConfig(_Listens):
     # is refused with 503 insufficient_vram so a gateway can evict and retry. None: no cap.
     max_model_memory_mb: PositiveInt | None = None
     debug_poison: str | None = field(default=None, metadata=DERIVED)  # HELEXA_DEBUG_POISON
+    debug_fault: str | None = field(default=None, metadata=DERIVED)  # HELEXA_DEBUG_FAULT
 
 
 @dataclass(slots=True)
@@ -368,6 +373,7 @@ def _resolve(cfg: Config, env: Mapping[str, str], path: Path | None) -> None:
     """Fill in what defaults to something derived from other keys or the environment."""
     cfg.path = path
     cfg.node.debug_poison = env.get("HELEXA_DEBUG_POISON") or None
+    cfg.node.debug_fault = env.get("HELEXA_DEBUG_FAULT") or None
     cfg.admin.password = env.get("HELEXA_ADMIN_PASSWORD") or None
     node = cfg.node
     if node.gateway_secret and not node.api_key:
@@ -394,6 +400,10 @@ def _resolve(cfg: Config, env: Mapping[str, str], path: Path | None) -> None:
 def _check(cfg: Config, problems: list[str], bad: set[str]) -> None:
     """Rules that span keys; each runs only when the sections it reads converted cleanly."""
     e, g = cfg.engine, cfg.gateway
+    if cfg.node.debug_fault not in (None, *DEBUG_FAULTS):
+        problems.append(
+            f"HELEXA_DEBUG_FAULT: {cfg.node.debug_fault!r} is not one of {', '.join(DEBUG_FAULTS)}"
+        )
     if "engine" not in bad and e.max_prefill_chunk > e.max_num_batched_tokens:
         problems.append(
             f"[engine] max_prefill_chunk: {e.max_prefill_chunk} exceeds "

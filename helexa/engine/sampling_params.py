@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-DEBUG_FAULTS = ("sampler", "detokenizer", "nonfinite")
+from helexa.config import DEBUG_FAULTS
 
 
 class SamplingParamsError(ValueError):

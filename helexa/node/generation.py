@@ -44,6 +44,8 @@ from helexa.protocol.tool_calls import tool_schemas
 
 log = logging.getLogger(__name__)
 _SEED_MASK = (1 << 64) - 1
+# Requests from this `user` fail where HELEXA_DEBUG_FAULT says, alone (tests only).
+DEBUG_FAULT_USER = "helexa-debug-fault"
 
 
 @dataclass(frozen=True, slots=True)
@@ -193,6 +195,9 @@ class Generation:
         self._params = choice_params(req)
         if self.is_chat and served.markers_are_special:
             self._params = [dataclasses.replace(p, skip_special_tokens=False) for p in self._params]
+        fault = registry.cfg.node.debug_fault
+        if fault is not None and req.user == DEBUG_FAULT_USER:
+            self._params = [dataclasses.replace(p, debug_fault=fault) for p in self._params]
         if self._one_call_only(req):  # the first call's end marker ends the answer
             assert served.tool_call_markers is not None
             end = served.tool_call_markers.end
@@ -247,10 +252,13 @@ class Generation:
             raise
         except (asyncio.CancelledError, GeneratorExit):
             raise
-        except Exception as e:
+        except Exception:  # this request alone: the cause stays in the log
             log.exception("request %s on %s failed", self.id, self.served.id)
             raise HelexaError(
-                500, "server_error", f"generation failed: {type(e).__name__}: {e}"
+                500,
+                "server_error",
+                f"generation failed for this request (request id {self.id}); "
+                "the cause is in the node's log",
             ) from None
 
     async def _merged(self) -> AsyncIterator[tuple[int, RequestOutput]]:
