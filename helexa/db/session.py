@@ -3,22 +3,28 @@
 SQLite (the default) gets WAL, a busy timeout and enforced foreign keys on every
 connection; any other SQLAlchemy URL passes through. The schema is Alembic's
 (`migrations/` at the repository root), run here programmatically.
+
+Alembic is imported when a migration runs, with its logger at WARNING: it announces each
+of its plugins at INFO on import, which would top every gateway start-up log.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import TYPE_CHECKING, Literal
 
-from alembic import command
-from alembic.config import Config as AlembicConfig
-from alembic.runtime.migration import MigrationContext
 from sqlalchemy import Connection, Engine, create_engine, event, make_url
 from sqlalchemy.orm import Session, sessionmaker
 from sqlalchemy.pool import StaticPool
 
 import helexa
 from helexa.config import Config
+
+if TYPE_CHECKING:
+    from alembic.config import Config as AlembicConfig
 
 MIGRATIONS_DIR = Path(helexa.__file__).resolve().parents[1] / "migrations"
 SQLITE_PRAGMAS = (
@@ -65,6 +71,8 @@ def session_factory(engine: Engine) -> sessionmaker[Session]:
 
 def alembic_config(url: str, connection: Connection | None = None) -> AlembicConfig:
     """Alembic's configuration for `url`, without reading alembic.ini."""
+    with _quiet(logging.getLogger("alembic")):
+        from alembic.config import Config as AlembicConfig
     cfg = AlembicConfig()
     cfg.set_main_option("script_location", str(MIGRATIONS_DIR))
     cfg.set_main_option("sqlalchemy.url", url.replace("%", "%%"))  # configparser interpolation
@@ -73,11 +81,13 @@ def alembic_config(url: str, connection: Connection | None = None) -> AlembicCon
     return cfg
 
 
-def _migrate(engine: Engine, step: Callable[[AlembicConfig, str], None], revision: str) -> None:
+def _migrate(engine: Engine, step: Literal["upgrade", "downgrade"], revision: str) -> None:
     """Run an Alembic command on one of `engine`'s connections and commit it."""
+    with _quiet(logging.getLogger("alembic")):
+        from alembic import command
     url = engine.url.render_as_string(hide_password=False)
     with engine.connect() as conn:
-        step(alembic_config(url, conn), revision)
+        getattr(command, step)(alembic_config(url, conn), revision)
         conn.commit()
         if conn.dialect.name == "sqlite":  # env.py turned it off; this connection goes back
             conn.exec_driver_sql("PRAGMA foreign_keys=ON")  # to the pool
@@ -88,7 +98,7 @@ def upgrade(url: str, revision: str = "head") -> None:
     """Migrate the database at `url` forward to `revision`."""
     engine = make_engine(url)
     try:
-        _migrate(engine, command.upgrade, revision)
+        _migrate(engine, "upgrade", revision)
     finally:
         engine.dispose()
 
@@ -97,7 +107,7 @@ def downgrade(url: str, revision: str) -> None:
     """Migrate the database at `url` back to `revision` ("base": drop everything)."""
     engine = make_engine(url)
     try:
-        _migrate(engine, command.downgrade, revision)
+        _migrate(engine, "downgrade", revision)
     finally:
         engine.dispose()
 
@@ -107,6 +117,8 @@ def current(url: str) -> str | None:
     file = make_url(url).database or ""
     if is_sqlite(url) and file not in ("", ":memory:") and not Path(file).expanduser().exists():
         return None  # don't create the file just to look
+    with _quiet(logging.getLogger("alembic")):
+        from alembic.runtime.migration import MigrationContext
     engine = make_engine(url)
     try:
         with engine.connect() as conn:
@@ -116,7 +128,20 @@ def current(url: str) -> str | None:
 
 
 def open_database(cfg: Config) -> tuple[Engine, sessionmaker[Session]]:
-    """The gateway's database, migrated to head, and a session factory over it."""
+    """The gateway's database, migrated to head, and a session factory over it. Alembic's
+    per-step INFO lines stay out of the start-up log (`helexa db upgrade` says what ran)."""
     engine = make_engine(cfg.gateway.database_url)
-    _migrate(engine, command.upgrade, "head")
+    with _quiet(logging.getLogger("alembic")):
+        _migrate(engine, "upgrade", "head")
     return engine, session_factory(engine)
+
+
+@contextmanager
+def _quiet(logger: logging.Logger) -> Iterator[None]:
+    """`logger` at WARNING or above for the duration."""
+    level = logger.level
+    logger.setLevel(max(logging.WARNING, level))
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
