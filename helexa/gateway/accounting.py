@@ -38,6 +38,24 @@ def usage_counts(usage: dict[str, Any]) -> tuple[int, int, int, int]:
     )
 
 
+def settled_counts(
+    ex: Exchange, status: int, usage: dict[str, Any] | None
+) -> tuple[int, int, int, int]:
+    """(prompt, completion, cached, reasoning) tokens to settle: the node's usage, or for a
+    stream cut before it, the prompt estimate and the content chunks that arrived."""
+    if usage:
+        return usage_counts(usage)
+    if ex.first_byte is not None and status == 200:  # cut short: count what came
+        return ex.prompt_estimate, ex.content_events, 0, 0
+    return 0, 0, 0, 0  # never ran
+
+
+def finish_reason(ex: Exchange) -> str | None:
+    """The last `finish_reason` the node sent (in the tail of its answer), if any."""
+    found = _FINISH.findall(bytes(ex.tail))
+    return found[-1].decode() if found else None
+
+
 class Accountant:
     def __init__(self, budgets: Budgets, ledger: Ledger, metrics: GatewayMetrics) -> None:
         self.budgets = budgets
@@ -45,17 +63,11 @@ class Accountant:
         self.metrics = metrics
 
     def close(self, ex: Exchange, status: int, usage: dict[str, Any] | None) -> None:
-        if usage:
-            prompt, completion, cached, reasoning = usage_counts(usage)
-        elif ex.first_byte is not None and status == 200:  # cut short: count what came
-            prompt, completion, cached, reasoning = ex.prompt_estimate, ex.content_events, 0, 0
-        else:  # never ran
-            prompt = completion = cached = reasoning = 0
+        prompt, completion, cached, reasoning = settled_counts(ex, status, usage)
         in_price, out_price = ex.price
         cost = (prompt * in_price + completion * out_price) / 1e6
         if ex.reservation is not None:
             self.budgets.settle(ex.reservation, prompt + completion, cost)
-        finish = _FINISH.findall(bytes(ex.tail))
         key = ex.principal.key
         self.ledger.record(
             account_id=key.account_id if key else None,
@@ -68,7 +80,7 @@ class Accountant:
             reasoning_tokens=reasoning,
             cost_usd=cost,
             status=status,
-            finish_reason=finish[-1].decode() if finish else None,
+            finish_reason=finish_reason(ex),
             ttft_ms=(ex.first_byte - ex.started) * 1000 if ex.first_byte else None,
             latency_ms=((ex.last_byte or ex.first_byte or ex.started) - ex.started) * 1000,
         )

@@ -6,6 +6,7 @@ The poller writes it; the router and `/v1/models` read it. Plain data, no I/O.
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
@@ -19,6 +20,7 @@ class NodeState:
 
     name: str
     endpoint: str  # as configured, no trailing slash
+    api_key: str | None = field(default=None, repr=False)  # the node's [node] api_key
     up: bool = False
     last_seen: float | None = None
     last_error: str | None = None
@@ -47,6 +49,10 @@ class NodeState:
         if not advertised:
             return self.endpoint
         return with_reachable_host(advertised, self.endpoint)
+
+    def auth_headers(self) -> dict[str, str]:
+        """What every call to this node carries: its own key, never a client's."""
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
 
     def mark_up(
         self,
@@ -101,8 +107,13 @@ def with_reachable_host(advertised: str, configured: str) -> str:
 class Fleet:
     """All configured nodes, by name."""
 
-    def __init__(self, nodes: list[tuple[str, str]]) -> None:
-        self.nodes = {name: NodeState(name, endpoint.rstrip("/")) for name, endpoint in nodes}
+    def __init__(
+        self, nodes: list[tuple[str, str]], api_keys: Mapping[str, str | None] | None = None
+    ) -> None:
+        keys = api_keys or {}
+        self.nodes = {
+            name: NodeState(name, endpoint.rstrip("/"), keys.get(name)) for name, endpoint in nodes
+        }
 
     def up(self) -> list[NodeState]:
         return [n for n in self.nodes.values() if n.up]

@@ -94,7 +94,7 @@ class ModelJobs:
         if node is None:
             raise ValueError(f"node: {name!r} is not a configured node")
         if not node.up:
-            raise ValueError(f"node: {name} is down ({node.last_error or 'not answering'})")
+            raise ValueError(f"node: {name} is down (the fleet page and the log say why)")
         return node
 
     def _running(self, action: str, node: str, model_id: str) -> Job | None:
@@ -112,8 +112,9 @@ class ModelJobs:
         async def guarded() -> None:
             try:
                 await work
-            except Exception as e:  # the job shows it; the gateway carries on
-                self._finish(job, "failed", f"{type(e).__name__}: {e}")
+            except Exception:  # the job shows that it failed, the log why; we carry on
+                log.exception("admin %s on %s failed", job.action, job.node)
+                self._finish(job, "failed", "failed unexpectedly; the gateway's log says why")
 
         self._jobs.append(job)
         finished = [j for j in self._jobs if j.finished_at is not None]

@@ -15,6 +15,7 @@ from helexa.gateway.fleet import Fleet, NodeState
 
 log = logging.getLogger(__name__)
 POLL_TIMEOUT_S = 5.0
+KEY_HINT = "check its [[nodes]] api_key / api_key_env against the node's [node] api_key"
 
 
 class Poller:
@@ -65,17 +66,18 @@ class Poller:
         except asyncio.CancelledError:
             raise
         except Exception as e:
+            error = describe_error(e)
+            if isinstance(e, aiohttp.ClientResponseError) and e.status == 401:
+                error = f"it refused the gateway's api_key (401): {KEY_HINT}"
             if node.up or node.last_error is None:
-                log.warning(
-                    "node %s stopped answering (%s); it leaves routing",
-                    node.name,
-                    describe_error(e),
-                )
-            node.mark_down(describe_error(e))
+                log.warning("node %s stopped answering (%s); it leaves routing", node.name, error)
+            node.mark_down(error)
 
     async def _get(self, node: NodeState, path: str) -> Any:
         timeout = aiohttp.ClientTimeout(total=POLL_TIMEOUT_S)
-        async with self.session.get(node.endpoint + path, timeout=timeout) as r:
+        async with self.session.get(
+            node.endpoint + path, timeout=timeout, headers=node.auth_headers()
+        ) as r:
             r.raise_for_status()
             return await r.json(content_type=None)
 
@@ -89,7 +91,10 @@ LOAD_TIMEOUT_S = 3600.0  # a cold load may fetch and place tens of GB
 
 
 class NodeCalls:
-    """The node management calls the router makes (load, unload) and a poll on demand."""
+    """The node management calls the router makes (load, unload) and a poll on demand.
+
+    What a failure says is for clients and the admin console: the node's name, never the
+    wire detail (addresses, exception text), which goes to the log."""
 
     def __init__(self, session: aiohttp.ClientSession, poller: Poller) -> None:
         self.session = session
@@ -99,19 +104,31 @@ class NodeCalls:
         timeout = aiohttp.ClientTimeout(total=LOAD_TIMEOUT_S)
         try:
             async with self.session.post(
-                node.endpoint + "/models/load", json=body, timeout=timeout
+                node.endpoint + "/models/load",
+                json=body,
+                timeout=timeout,
+                headers=node.auth_headers(),
             ) as r:
+                if r.status == 401:
+                    log.warning("loading on %s: 401; %s", node.name, KEY_HINT)
+                    return 503, refused(node)
                 return r.status, await _json_or_empty(r)
         except (aiohttp.ClientError, TimeoutError) as e:
+            log.warning("loading on %s failed: %s", node.name, describe_error(e))
             node.mark_down(describe_error(e))
-            return 503, {"error": {"message": f"node {node.name} unreachable: {describe_error(e)}"}}
+            return 503, unreachable(node)
 
     async def unload(self, node: NodeState, model_id: str) -> int:
         timeout = aiohttp.ClientTimeout(total=POLL_TIMEOUT_S * 12)
         try:
             async with self.session.post(
-                node.endpoint + "/models/unload", json={"model_id": model_id}, timeout=timeout
+                node.endpoint + "/models/unload",
+                json={"model_id": model_id},
+                timeout=timeout,
+                headers=node.auth_headers(),
             ) as r:
+                if r.status == 401:
+                    log.warning("unloading on %s: 401; %s", node.name, KEY_HINT)
                 return r.status
         except (aiohttp.ClientError, TimeoutError) as e:
             log.warning("unloading %s from %s failed: %s", model_id, node.name, describe_error(e))
@@ -119,6 +136,17 @@ class NodeCalls:
 
     async def refresh(self, node: NodeState) -> None:
         await self.poller.refresh(node)
+
+
+def unreachable(node: NodeState) -> dict[str, Any]:
+    """The error a failed call to `node` shows: generic, the detail is in the log."""
+    message = f"node {node.name} could not be reached; retry shortly"
+    return {"error": {"message": message, "code": "service_unavailable"}}
+
+
+def refused(node: NodeState) -> dict[str, Any]:
+    message = f"node {node.name} did not accept the gateway's credentials; retry shortly"
+    return {"error": {"message": message, "code": "service_unavailable"}}
 
 
 async def _json_or_empty(r: aiohttp.ClientResponse) -> dict[str, Any]:

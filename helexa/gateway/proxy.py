@@ -14,11 +14,12 @@ from typing import Any
 import aiohttp
 
 from helexa.errors import service_unavailable
-from helexa.gateway.accounting import Accountant, usage_counts
+from helexa.gateway.accounting import Accountant, finish_reason, settled_counts, usage_counts
 from helexa.gateway.auth import ANONYMOUS, Principal
 from helexa.gateway.budgets import Reservation
 from helexa.gateway.metrics import GatewayMetrics
-from helexa.gateway.poller import describe_error
+from helexa.gateway.poller import KEY_HINT, describe_error
+from helexa.gateway.request_log import RequestRecord
 from helexa.gateway.router import NO_NODE_RETRY_AFTER_S, Route, Router
 from helexa.logs import event
 
@@ -106,6 +107,7 @@ class Exchange:
     last_byte: float | None = None
     content_events: int = 0  # SSE chunks carrying text: the fallback token count
     tail: bytearray = field(default_factory=bytearray)
+    record: RequestRecord | None = None  # the request's log line, held open until we finish
 
 
 class Upstream:
@@ -124,22 +126,32 @@ class Upstream:
     async def open(
         self, routes: list[Route], path: str, body: bytes, headers: dict[str, str]
     ) -> tuple[Route, aiohttp.ClientResponse]:
-        """Send to the best route; when it fails before answering (refused, reset, 503),
-        try the next one once."""
-        last_error = ""
+        """Send to the best route; when it fails before answering (refused, reset, 503, our
+        key refused), try the next one once. The client is told which node failed, never
+        how: the wire detail is logged."""
+        failed: list[str] = []
         for i, route in enumerate(routes[:2]):
             retry_left = i + 1 < min(2, len(routes))
             try:
-                resp = await self.session.post(route.base_url + path, data=body, headers=headers)
+                resp = await self.session.post(
+                    route.base_url + path, data=body, headers=headers | route.node.auth_headers()
+                )
             except (aiohttp.ClientConnectionError, TimeoutError) as e:
-                last_error = describe_error(e)
+                error = describe_error(e)
                 warn(
                     "proxy failure: node unreachable, it leaves routing until it answers",
                     route,
                     path,
-                    error=last_error,
+                    error=error,
                 )
-                route.node.mark_down(last_error)
+                route.node.mark_down(error)
+                failed.append(route.node.name)
+                continue
+            if resp.status == 401:  # the node's 401 is about our key, not the client's
+                warn("proxy failure: the node refused the gateway's api_key", route, path)
+                resp.release()
+                route.node.mark_down(f"it refused the gateway's api_key (401): {KEY_HINT}")
+                failed.append(route.node.name)
                 continue
             if resp.status == 503 and retry_left:
                 warn(
@@ -151,10 +163,12 @@ class Upstream:
                 resp.release()
                 continue
             return route, resp
-        raise service_unavailable(
-            f"no node could take the request ({last_error or 'all replicas busy'}); retry shortly",
-            NO_NODE_RETRY_AFTER_S,
-        )
+        if failed:
+            names = ("nodes " if len(failed) > 1 else "node ") + ", ".join(failed)
+            message = f"{names} could not be reached; retry shortly"
+        else:
+            message = "every replica is busy; retry shortly"
+        raise service_unavailable(message, NO_NODE_RETRY_AFTER_S)
 
     async def relay(self, ex: Exchange, resp: aiohttp.ClientResponse) -> AsyncIterator[bytes]:
         """Stream the upstream body through; settle metrics and books however it ends."""
@@ -169,6 +183,8 @@ class Upstream:
                 resp.release()
             else:  # the client left (or the node did): drop the upstream connection too
                 resp.close()
+                if ex.record is not None and finish_reason(ex) is None:
+                    ex.record.cut = True
             self.finish(ex, resp.status)
 
     async def read(self, ex: Exchange, resp: aiohttp.ClientResponse) -> bytes:
@@ -194,6 +210,7 @@ class Upstream:
         """A request that never reached a node: release its reservation, log its row."""
         if self.accountant is not None:
             self.accountant.close(ex, status, None)
+        _settle_record(ex, status, None)
 
     def finish(self, ex: Exchange, status: int) -> None:
         assert ex.route is not None
@@ -205,6 +222,7 @@ class Upstream:
         usage = extract_usage(ex.tail.decode("utf-8", "replace")) if status == 200 else None
         if self.accountant is not None:
             self.accountant.close(ex, status, usage)
+        _settle_record(ex, status, usage)
         if usage:
             prompt, completion, _, _ = usage_counts(usage)
             m.prompt_tokens.labels(*labels).inc(prompt)
@@ -214,3 +232,15 @@ class Upstream:
                 window = (ex.last_byte or time.monotonic()) - ex.started
             if completion > 0 and window > 0:
                 m.tokens_per_second.labels(*labels).observe(completion / window)
+
+
+def _settle_record(ex: Exchange, status: int, usage: dict[str, Any] | None) -> None:
+    """What the exchange learned, into its request's log line (written once all ended)."""
+    record = ex.record
+    if record is None:
+        return
+    record.prompt_tokens, record.completion_tokens, _, _ = settled_counts(ex, status, usage)
+    record.finish_reason = finish_reason(ex)
+    record.first_byte = ex.first_byte
+    record.node = ex.route.node.name if ex.route is not None else None
+    record.release()

@@ -33,7 +33,13 @@ from helexa.protocol.anthropic_out import (
     sse_event,
 )
 from helexa.web.common import as_helexa_error, parse_json_body
-from helexa.web.gateway_exchange import check_scope, gateway_of, node_headers, open_exchange
+from helexa.web.gateway_exchange import (
+    check_scope,
+    gateway_of,
+    node_headers,
+    note_model,
+    open_exchange,
+)
 
 log = logging.getLogger(__name__)
 
@@ -97,6 +103,7 @@ async def count_tokens(request: Request) -> dict[str, int]:
     assert gw.auth is not None and gw.router is not None and gw.upstream is not None
     principal = await gw.auth.authenticate(request.headers)
     t = to_openai_chat(parse_json_body(await request.body(), _decoder.decode), counting=True)
+    note_model(request, t.model)
     check_scope(gw, principal, t.model)
     routes = await gw.router.routes(t.model)  # cold-loads, like the chat path
     body = _encoder.encode(tokenize_body(t, routes[0].model_id))
@@ -110,7 +117,8 @@ async def count_tokens(request: Request) -> dict[str, int]:
         count = (_json_object(data) or {}).get("count")
         if isinstance(count, int):
             return {"input_tokens": count}
-        raise HelexaError(502, "api_error", f"the node's /tokenize answered {_head(data)}")
+        warn("unexpected /tokenize answer", route, TOKENIZE_PATH, body=_head(data))
+        raise HelexaError(502, "api_error", f"node {route.node.name} gave no token count")
     err = upstream_error(resp.status, data, resp.headers, route.node.name)
     if resp.status in (404, 405) and err.code != "model_not_found":
         # a node from before /tokenize: the gateway's own estimate beats no answer
@@ -170,9 +178,10 @@ async def _next(upstream: AsyncGenerator[bytes, None]) -> bytes:
 
 
 def upstream_error(status: int, data: bytes, headers: Any, node: str) -> HelexaError:
-    """The node's OpenAI error envelope (or whatever it sent) as an error to re-raise,
-    with its Retry-After and the node that sent it."""
-    message, code = _head(data) or f"the node answered {status}", None
+    """The node's OpenAI error envelope as an error to re-raise, with its Retry-After and
+    the node that sent it. Anything else it sent (a proxy's HTML page, a traceback) is
+    logged, and the client told only the status."""
+    message, code = f"node {node} answered {status}", None
     try:
         envelope = json.loads(data)
     except ValueError:
@@ -180,6 +189,8 @@ def upstream_error(status: int, data: bytes, headers: Any, node: str) -> HelexaE
     if isinstance(envelope, dict) and isinstance(envelope.get("error"), dict):
         message = str(envelope["error"].get("message") or message)
         code = envelope["error"].get("code")
+    else:
+        event(log, logging.WARNING, "node error without an envelope", node=node, body=_head(data))
     retry = headers.get("Retry-After")
     retry_after = float(retry) if retry and retry.replace(".", "", 1).isdigit() else None
     err = HelexaError(status, "upstream_error", message, code=code, retry_after=retry_after)

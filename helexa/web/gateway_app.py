@@ -15,6 +15,7 @@ from typing import Any
 import aiohttp
 import msgspec
 from litestar import Litestar, Request, get, head, post
+from litestar.exceptions import HTTPException
 from litestar.response import Response, Stream
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -38,7 +39,6 @@ from helexa.logs import event
 from helexa.web.admin import admin_router, admin_static, admin_templates
 from helexa.web.admin_common import AdminState
 from helexa.web.common import (
-    MAX_BODY_BYTES,
     METRICS_CONTENT_TYPE,
     error_response,
     parse_json_body,
@@ -49,6 +49,7 @@ from helexa.web.gateway_anthropic import (
     is_anthropic_path,
     messages,
 )
+from helexa.web.gateway_asgi import Cors, GatewayASGI
 from helexa.web.gateway_exchange import open_exchange
 
 log = logging.getLogger(__name__)
@@ -171,50 +172,12 @@ async def metrics(request: Request) -> Response:
     return Response(content=request.app.state.metrics.render(), media_type=METRICS_CONTENT_TYPE)
 
 
-_ROUTES = {
-    "/v1/chat/completions",
-    "/v1/completions",
-    "/v1/responses",
-    "/v1/messages",
-    "/v1/messages/count_tokens",
-    "/v1/models",
-    "/health",
-}
-
-
-class CountedApp:
-    """The API app wrapped so that `helexa_requests_total{route,code}` sees every request,
-    unmatched paths (404) and refused methods (405) included."""
-
-    def __init__(self, app: Litestar, gw: GatewayState) -> None:
-        self.app = app
-        self.gw = gw
-        self.state = app.state
-
-    async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        status = 500
-
-        async def counting_send(message) -> None:
-            nonlocal status
-            if message["type"] == "http.response.start":
-                status = message["status"]
-            await send(message)
-
-        try:
-            await self.app(scope, receive, counting_send)
-        finally:
-            path = scope["path"]
-            route = path if path in _ROUTES else "other"  # bounded label values
-            self.gw.metrics.requests.labels(route, str(status)).inc()
-
-
-def create_gateway_apps(cfg: Config) -> tuple[CountedApp, Litestar]:
+def create_gateway_apps(cfg: Config) -> tuple[GatewayASGI, Litestar]:
     """The API app and the metrics app; they share one fleet picture."""
-    fleet = Fleet([(n.name, n.endpoint) for n in cfg.nodes])
+    _warn_about_node_keys(cfg)
+    fleet = Fleet([(n.name, n.endpoint) for n in cfg.nodes], {n.name: n.api_key for n in cfg.nodes})
     gw = GatewayState(cfg, fleet, GatewayMetrics(fleet))
+    max_body_bytes = cfg.http.max_body_mb << 20
     admin = AdminState.from_config(cfg.admin)
 
     @asynccontextmanager
@@ -248,6 +211,21 @@ def create_gateway_apps(cfg: Config) -> tuple[CountedApp, Litestar]:
                 await ledger.close()  # every pending row is written before we exit
 
     def handle(request: Request, exc: Exception) -> Response:
+        if isinstance(exc, HTTPException) and exc.status_code == 413:
+            exc = HelexaError(
+                413,
+                "invalid_request_error",
+                f"the request body is larger than {cfg.http.max_body_mb} MiB, the gateway's "
+                "limit ([http] max_body_mb)",
+                code="request_too_large",
+            )
+        elif isinstance(exc, aiohttp.ClientError | TimeoutError):  # a node's answer broke off
+            event(
+                log, logging.WARNING, "node answer failed", path=request.url.path, error=repr(exc)
+            )
+            exc = HelexaError(
+                502, "server_error", "the node's answer broke off; retry", code="upstream_error"
+            )
         if isinstance(exc, HelexaError):
             event(
                 log,
@@ -279,7 +257,7 @@ def create_gateway_apps(cfg: Config) -> tuple[CountedApp, Litestar]:
         template_config=admin_templates(),
         exception_handlers={Exception: handle},
         lifespan=[lifespan],
-        request_max_body_size=MAX_BODY_BYTES,
+        request_max_body_size=max_body_bytes,
         openapi_config=None,
         logging_config=None,
     )
@@ -292,4 +270,21 @@ def create_gateway_apps(cfg: Config) -> tuple[CountedApp, Litestar]:
         exception_handlers={Exception: error_response},
     )
     metrics_app.state.metrics = gw.metrics
-    return CountedApp(api, gw), metrics_app
+    cors = Cors(cfg.gateway.cors_allow_origins) if cfg.gateway.cors_allow_origins else None
+    return GatewayASGI(api, gw, cors), metrics_app
+
+
+def _warn_about_node_keys(cfg: Config) -> None:
+    """Say at start what would otherwise show up only as nodes refusing the gateway."""
+    if cfg.node.gateway_secret:
+        log.warning(
+            "[node] gateway_secret is deprecated and will be removed in the next release: it "
+            "is read as [node] api_key (the key the gateway sends its nodes); rename it"
+        )
+    for n in cfg.nodes:
+        if n.api_key is None and n.api_key_env:
+            log.warning(
+                "node %s: api_key_env %s is not set; calls to it carry no key",
+                n.name,
+                n.api_key_env,
+            )

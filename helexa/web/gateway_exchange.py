@@ -17,8 +17,9 @@ from helexa.gateway.auth import Principal
 from helexa.gateway.budgets import estimate_prompt_tokens
 from helexa.gateway.edge import advice, check_context
 from helexa.gateway.proxy import Exchange, forward_headers, response_headers
+from helexa.gateway.request_log import RECORD_STATE, RequestRecord
 from helexa.gateway.router import Route
-from helexa.web.common import ACCOUNT_HEADER, BUDGET_HEADER, KEY_HEADER, SECRET_HEADER
+from helexa.web.common import ACCOUNT_HEADER, BUDGET_HEADER, KEY_HEADER, VIA_HEADER
 
 if TYPE_CHECKING:
     from helexa.web.gateway_app import GatewayState
@@ -38,17 +39,28 @@ def node_headers(
     gw: GatewayState, request: Request, principal: Principal, drop: Collection[str] = ()
 ) -> dict[str, str]:
     """The client's headers for the node: its key, any `x-helexa-*` claims and `drop`
-    removed, the authenticated principal stamped, with the shared node secret when set."""
+    removed, the authenticated principal and `x-helexa-via` stamped. `x-request-id` (made
+    sane by the app) goes along; the node's own key is added per route by the upstream."""
     dropped = {*_CREDENTIALS, *drop}
     headers = {
         k: v for k, v in forward_headers(request.headers).items() if k.lower() not in dropped
     }
+    headers[VIA_HEADER] = "gateway"
     if principal.key is not None:
         headers[ACCOUNT_HEADER] = principal.key.account_id
         headers[KEY_HEADER] = principal.key.id
-    if gw.cfg.node.gateway_secret:
-        headers[SECRET_HEADER] = gw.cfg.node.gateway_secret
     return headers
+
+
+def record_of(request: Request) -> RequestRecord | None:
+    """The request's log line in the making (set by the app's outer layer)."""
+    return request.state.get(RECORD_STATE)
+
+
+def note_model(request: Request, model: str) -> None:
+    record = record_of(request)
+    if record is not None:
+        record.model = model
 
 
 def check_scope(gw: GatewayState, principal: Principal, model: str) -> None:
@@ -75,6 +87,7 @@ async def open_exchange(
     gw = gateway_of(request)
     assert gw.router is not None and gw.upstream is not None
     model = body["model"]
+    note_model(request, model)
     check_scope(gw, principal, model)
     routes = await gw.router.routes(model)
     context = _context_limit(routes)
@@ -86,6 +99,7 @@ async def open_exchange(
             e.extra_headers = {"X-Helexa-Advice": hint}
         raise
     concrete = gw.router.concrete(model)
+    note_model(request, concrete)  # the ledger's name for it, not an alias
     entry = gw.router.catalogue.get(concrete)
     ex = Exchange(None, concrete, principal)
     ex.price = (entry.cost.input, entry.cost.output) if entry else (0.0, 0.0)
@@ -102,6 +116,9 @@ async def open_exchange(
         headers[BUDGET_HEADER] = (
             f"tokens={res.tokens}; cost={res.cost!r}; in={ex.price[0]!r}; out={ex.price[1]!r}"
         )
+    ex.record = record_of(request)
+    if ex.record is not None:
+        ex.record.hold()  # the exchange settles it (finish or abandon)
     try:
         route, resp = await gw.upstream.open(routes, path, raw, headers)
     except BaseException:

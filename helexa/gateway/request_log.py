@@ -1,0 +1,74 @@
+"""The one log line the gateway writes per API request (`helexa.logs.request_done`).
+
+What a request learns is spread over its life: the handler knows the model, the exchange
+with the node knows tokens, finish reason and first byte, the HTTP layer knows the status.
+A stream's exchange may settle after its response has ended (a client that leaves), or
+before: the line is written when the last of them ends, so it always has everything.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import time
+import uuid
+from dataclasses import dataclass, field
+
+from helexa.logs import request_done
+
+log = logging.getLogger("helexa.gateway.requests")
+
+RECORD_STATE = "helexa_request"  # its key in the ASGI scope's state
+_SANE_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
+
+
+def request_id(given: str | None) -> str:
+    """The client's `x-request-id` when it is sane (≤ 128 of [A-Za-z0-9._:-]), else a new one."""
+    if given is not None and _SANE_ID.fullmatch(given):
+        return given
+    return uuid.uuid4().hex
+
+
+@dataclass(slots=True)
+class RequestRecord:
+    request_id: str
+    started: float = field(default_factory=time.monotonic)
+    model: str | None = None
+    node: str | None = None
+    status: int = 500
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+    finish_reason: str | None = None
+    first_byte: float | None = None  # of the node's answer (all of it, for a non-stream)
+    cut: bool = False  # a stream that ended before its node finished
+    open_parts: int = 1  # the response, plus each exchange with a node not yet settled
+    written: bool = False
+
+    def hold(self) -> None:
+        """An exchange with a node began: the line waits for it too."""
+        self.open_parts += 1
+
+    def release(self) -> None:
+        """The response, or an exchange, ended; the last one writes the line."""
+        self.open_parts -= 1
+        if self.open_parts <= 0 and not self.written:
+            self.written = True
+            self.write()
+
+    def write(self) -> None:
+        now = time.monotonic()
+        extra: dict[str, object] = {"node": self.node} if self.node else {}
+        if self.cut:
+            extra["cut"] = True
+        request_done(
+            log,
+            request_id=self.request_id,
+            model=self.model,
+            status=self.status,
+            prompt_tokens=self.prompt_tokens,
+            completion_tokens=self.completion_tokens,
+            finish_reason=self.finish_reason,
+            ttft_ms=None if self.first_byte is None else (self.first_byte - self.started) * 1000,
+            total_ms=(now - self.started) * 1000,
+            **extra,
+        )

@@ -1,0 +1,168 @@
+"""The gateway's outermost layer, around its Litestar app: what every HTTP request gets
+whichever route (or none) answers it — an `x-request-id`, CORS, the request counter — and,
+for API requests (`/v1/...`), the one log line when it ends.
+
+It sits outside Litestar so that a CORS preflight is answered before any handler (and its
+auth) runs, and so that errors, 404s and 405s get the same headers as answers do.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+from litestar import Litestar
+
+from helexa.gateway.request_log import RECORD_STATE, RequestRecord, request_id
+from helexa.web.common import REQUEST_ID_HEADER
+
+if TYPE_CHECKING:
+    from helexa.web.gateway_app import GatewayState
+
+# bounded label values for helexa_requests_total{route}
+ROUTES = {
+    "/v1/chat/completions",
+    "/v1/completions",
+    "/v1/responses",
+    "/v1/messages",
+    "/v1/messages/count_tokens",
+    "/v1/models",
+    "/health",
+}
+# What browser clients of the OpenAI and Anthropic APIs send (the SDKs add `x-stainless-*`
+# ones, which a preflight names and gets back).
+ALLOW_HEADERS = (
+    "authorization",
+    "content-type",
+    "x-api-key",
+    "anthropic-version",
+    "anthropic-beta",
+    "anthropic-dangerous-direct-browser-access",
+    "x-request-id",
+)
+EXPOSE_HEADERS = "x-request-id, x-helexa-node, retry-after, request-id"
+ALLOW_METHODS = "GET, POST, HEAD, OPTIONS"
+PREFLIGHT_MAX_AGE_S = 600
+_TOKEN = re.compile(r"[A-Za-z0-9!#$%&'*+.^_`|~-]{1,64}")
+_REQUEST_ID = REQUEST_ID_HEADER.encode()
+
+Headers = list[tuple[bytes, bytes]]
+
+
+class Cors:
+    """`[gateway] cors_allow_origins`: exact origins ("https://app.example"), or "*"."""
+
+    def __init__(self, origins: list[str]) -> None:
+        self.any = "*" in origins
+        self.origins = {o.rstrip("/") for o in origins if o != "*"}
+
+    def allows(self, origin: str) -> bool:
+        return self.any or origin in self.origins
+
+    def allow_origin(self, origin: str) -> bytes:
+        return b"*" if self.any else origin.encode("latin-1")
+
+    def preflight(self, origin: str, requested: str) -> tuple[int, Headers, bytes]:
+        """The answer to an `OPTIONS` preflight: 204 and what may be sent, or 403."""
+        if not self.allows(origin):
+            body = msgspec.json.encode(
+                {
+                    "error": {
+                        "message": f"origin {origin!r} is not in [gateway] cors_allow_origins",
+                        "type": "invalid_request_error",
+                        "code": None,
+                        "param": None,
+                    }
+                }
+            )
+            return 403, [(b"content-type", b"application/json"), (b"vary", b"Origin")], body
+        names = dict.fromkeys(ALLOW_HEADERS)
+        names |= dict.fromkeys(
+            h.strip().lower() for h in requested.split(",") if _TOKEN.fullmatch(h.strip())
+        )
+        headers = [
+            (b"access-control-allow-origin", self.allow_origin(origin)),
+            (b"access-control-allow-methods", ALLOW_METHODS.encode()),
+            (b"access-control-allow-headers", ", ".join(names).encode()),
+            (b"access-control-max-age", str(PREFLIGHT_MAX_AGE_S).encode()),
+            (b"vary", b"Origin"),
+        ]
+        return 204, headers, b""
+
+    def response_headers(self, headers: Headers, origin: str | None) -> Headers:
+        """An answer's headers with `Vary: Origin`, and the allow headers for an allowed
+        origin; a disallowed one gets none."""
+        out = [(k, v) for k, v in headers if k.lower() != b"vary"]
+        vary = [v.decode("latin-1") for k, v in headers if k.lower() == b"vary"]
+        if not any("origin" in v.lower() or "*" in v for v in vary):
+            vary.append("Origin")
+        out.append((b"vary", ", ".join(vary).encode("latin-1")))
+        if origin is not None and self.allows(origin):
+            out.append((b"access-control-allow-origin", self.allow_origin(origin)))
+            out.append((b"access-control-expose-headers", EXPOSE_HEADERS.encode()))
+        return out
+
+
+class GatewayASGI:
+    """The API app with request ids, CORS, counting and the per-request log line."""
+
+    def __init__(self, app: Litestar, gw: GatewayState, cors: Cors | None) -> None:
+        self.app = app
+        self.gw = gw
+        self.cors = cors
+        self.state = app.state
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        path: str = scope["path"]
+        rid = request_id(_header(scope, _REQUEST_ID))
+        # the handlers (and the node, through them) see the sane id, never the client's raw one
+        scope["headers"] = [(k, v) for k, v in scope["headers"] if k.lower() != _REQUEST_ID]
+        scope["headers"].append((_REQUEST_ID, rid.encode()))
+        record = RequestRecord(rid)
+        scope.setdefault("state", {})[RECORD_STATE] = record
+        origin = _header(scope, b"origin")
+        cors = self.cors if self.cors is not None and not path.startswith("/admin") else None
+        status = 500
+
+        async def wrapped_send(message: dict[str, Any]) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+                headers = [
+                    (k, v) for k, v in message.get("headers", []) if k.lower() != _REQUEST_ID
+                ]
+                headers.append((_REQUEST_ID, rid.encode()))
+                if cors is not None:
+                    headers = cors.response_headers(headers, origin)
+                message = {**message, "headers": headers}
+            await send(message)
+
+        try:
+            requested = _header(scope, b"access-control-request-method")
+            if cors is not None and scope["method"] == "OPTIONS" and origin and requested:
+                code, headers, body = cors.preflight(
+                    origin, _header(scope, b"access-control-request-headers") or ""
+                )
+                status = code  # answered here, before any handler or auth
+                headers.append((_REQUEST_ID, rid.encode()))
+                await send({"type": "http.response.start", "status": code, "headers": headers})
+                await send({"type": "http.response.body", "body": body})
+                return
+            await self.app(scope, receive, wrapped_send)
+        finally:
+            route = path if path in ROUTES else "other"
+            self.gw.metrics.requests.labels(route, str(status)).inc()
+            record.status = status
+            if path.startswith("/v1/") and scope["method"] != "OPTIONS":
+                record.release()  # written now, or when its exchange with a node settles
+
+
+def _header(scope: Any, name: bytes) -> str | None:
+    for k, v in scope["headers"]:
+        if k.lower() == name:
+            return v.decode("latin-1")
+    return None
