@@ -41,10 +41,13 @@ def start_gateway(
     gateway: dict | None = None,
     node: dict | None = None,
     admin: dict | None = None,
+    http: dict | None = None,
+    node_entries: dict[str, dict] | None = None,
     env: dict[str, str] | None = None,
 ) -> GatewayProcess:
     """Start `helexa serve --role gateway` and wait until it answers and (with `wait_up`)
-    sees every node up. A node is a running NodeProcess or just a base URL."""
+    sees every node up. A node is a running NodeProcess or just a base URL; `node_entries`
+    adds keys to a node's [[nodes]] entry (`api_key`, `api_key_env`)."""
     tmp.mkdir(parents=True, exist_ok=True)
     port, mport = free_port(), free_port()
     lines = [
@@ -60,9 +63,11 @@ def start_gateway(
     for name, node in nodes.items():
         url = node if isinstance(node, str) else node.base_url
         lines += ["[[nodes]]", f'name = "{name}"', f'endpoint = "{url}"']
+        lines += [f"{k} = {_toml_value(v)}" for k, v in (node_entries or {}).get(name, {}).items()]
     for entry in models or []:
         lines += ["[[models]]", *(f"{k} = {_toml_value(v)}" for k, v in entry.items())]
     lines += ["[admin]", *(f"{k} = {_toml_value(v)}" for k, v in (admin or {}).items())]
+    lines += ["[http]", *(f"{k} = {_toml_value(v)}" for k, v in (http or {}).items())]
     lines += [
         "[aliases]",
         *(f"{json.dumps(k)} = {json.dumps(v)}" for k, v in (aliases or {}).items()),
@@ -92,8 +97,8 @@ def start_gateway(
         proc,
         f"http://127.0.0.1:{port}",
         log_path,
-        f"http://127.0.0.1:{mport}",
-        f"sqlite:///{tmp / 'gw-state' / 'helexa.db'}",
+        metrics_url=f"http://127.0.0.1:{mport}",
+        database_url=f"sqlite:///{tmp / 'gw-state' / 'helexa.db'}",
     )
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:

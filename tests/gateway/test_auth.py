@@ -13,7 +13,7 @@ from tests.gateway.gateway_proc import start_gateway
 from tests.web.node_proc import start_node
 from tests.web.test_node_lifecycle import HeldStream
 
-SECRET = "node-s3cret"
+NODE_KEY = "node-s3cret"
 
 
 def _chat(model: str, **kw) -> dict:
@@ -29,14 +29,14 @@ def node(tmp_path_factory, model_dirs):
     node = start_node(
         tmp_path_factory.mktemp("auth-node"),
         [model_dirs["tiny"], model_dirs["long"]],
-        node={"gateway_secret": SECRET, "per_principal_max": 2},
+        node={"api_key": NODE_KEY, "per_principal_max": 2},
     )
     yield node
     node.stop()
 
 
 def _gateway(tmp, node, **gateway):
-    return start_gateway(tmp, {"n": node}, gateway=gateway, node={"gateway_secret": SECRET})
+    return start_gateway(tmp, {"n": node}, gateway=gateway, node={"api_key": NODE_KEY})
 
 
 def _store(gw) -> KeyStore:
@@ -72,7 +72,7 @@ def test_a_known_key_reaches_the_node_as_its_principal(open_gw, node, long_id):
         for _ in range(2)
     ]
     try:
-        # the node caps one principal at 2: the stamped (and secret-signed) key counts
+        # the node caps one principal at 2: the stamped key counts (it came with the node's key)
         r = open_gw.post("/v1/chat/completions", _chat(long_id), headers=_bearer(secret))
         assert r.status_code == 429, r.text
         assert r.json()["error"]["code"] == "rate_limit_exceeded"
@@ -127,3 +127,13 @@ def test_a_key_scoped_to_models_sees_only_those(closed_gw, tiny_id, long_id):
     assert ok.status_code == 200
     listed = httpx.get(closed_gw.v1 + "/models", headers=_bearer(secret), timeout=10).json()
     assert [m["id"] for m in listed["data"]] == [tiny_id]
+
+
+def test_the_deprecated_gateway_secret_still_keys_the_nodes_and_warns(tmp_path, node, tiny_id):
+    gw = start_gateway(tmp_path, {"n": node}, node={"gateway_secret": NODE_KEY})
+    try:
+        r = gw.post("/v1/chat/completions", _chat(tiny_id, max_tokens=2))
+        assert r.status_code == 200, r.text
+        assert "[node] gateway_secret is deprecated" in gw.log()
+    finally:
+        gw.stop()
