@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import socket
 
 from litestar.types import Receive, Scope, Send
 from uvicorn.protocols.http import httptools_impl
@@ -35,6 +36,13 @@ async def _overloaded(scope: Scope, receive: Receive, send: Send) -> None:
     await send({"type": "http.response.body", "body": body})
 
 
+# With a write deadline, the kernel's send buffer is capped: autotuned, it grows to
+# megabytes, and a client that reads nothing would hold its slot and KV blocks until
+# thousands of tokens had been generated into it. 256 KiB still covers a LAN's
+# bandwidth-delay product.
+STALL_SEND_BUFFER = 256 << 10
+
+
 def guarded_protocol(
     header_timeout_s: float, write_timeout_s: float | None
 ) -> type[HttpToolsProtocol]:
@@ -47,6 +55,9 @@ def guarded_protocol(
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             super().connection_made(transport)
+            sock = transport.get_extra_info("socket")
+            if write_timeout_s is not None and sock is not None:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, STALL_SEND_BUFFER)
             self._start_header_timer()
 
         def data_received(self, data: bytes) -> None:

@@ -5,8 +5,6 @@ client its own address."""
 
 from __future__ import annotations
 
-import threading
-
 import httpx
 import pytest
 
@@ -25,12 +23,12 @@ class Held:
             headers={**node.auth, **(headers or {})},
             timeout=60,
         )
-        self.started = threading.Event()
         body = {"model": model, "messages": [{"role": "user", "content": "Hi"}], **LONG}
         self._cm = self.client.stream("POST", node.v1 + "/chat/completions", json=body)
         self.response = self._cm.__enter__()
         assert self.response.status_code == 200, self.response.read()
-        next(self.response.iter_lines())  # admitted and streaming
+        self.lines = self.response.iter_lines()  # kept: dropping it would close the stream
+        next(self.lines)  # admitted and streaming
 
     def close(self) -> None:
         self._cm.__exit__(None, None, None)
