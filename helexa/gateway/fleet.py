@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
+NOT_ANSWERING = "not answering"
+KEY_REFUSED = "refused the gateway's api_key"
 LOOPBACK_HOSTS = {"127.0.0.1", "localhost", "::1", "0.0.0.0", "[::1]", "::"}
 
 
@@ -23,7 +25,8 @@ class NodeState:
     api_key: str | None = field(default=None, repr=False)  # the node's [node] api_key
     up: bool = False
     last_seen: float | None = None
-    last_error: str | None = None
+    last_error: str | None = None  # the wire detail: for the log and the admin console
+    down_reason: str | None = None  # what the public GET /health says instead
     discovery: dict[str, Any] | None = None
     models: dict[str, dict[str, Any]] = field(default_factory=dict)  # /models by id
     load: dict[str, int] = field(default_factory=dict)  # id -> in_flight + queue_depth
@@ -61,7 +64,7 @@ class NodeState:
     ) -> None:
         self.up = True
         self.last_seen = time.time()
-        self.last_error = None
+        self.last_error = self.down_reason = None
         self.models = {m["id"]: m for m in models if isinstance(m, dict) and "id" in m}
         self.load = {
             m["id"]: int(m.get("in_flight", 0)) + int(m.get("queue_depth", 0))
@@ -73,9 +76,9 @@ class NodeState:
         for gone in set(self.endpoints) - set(self.models):
             del self.endpoints[gone]
 
-    def mark_down(self, error: str) -> None:
+    def mark_down(self, error: str, reason: str = NOT_ANSWERING) -> None:
         self.up = False
-        self.last_error = error
+        self.last_error, self.down_reason = error, reason
 
     def describe(self) -> dict[str, Any]:
         return {
@@ -83,7 +86,7 @@ class NodeState:
             "endpoint": self.endpoint,
             "up": self.up,
             "last_seen": self.last_seen,
-            "last_error": self.last_error,
+            "last_error": self.down_reason,  # never addresses or exception text
             "models": sorted(self.models),
             "load": dict(self.load),
             "devices": self.devices,

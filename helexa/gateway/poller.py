@@ -11,7 +11,7 @@ from urllib.parse import quote
 
 import aiohttp
 
-from helexa.gateway.fleet import Fleet, NodeState
+from helexa.gateway.fleet import KEY_REFUSED, NOT_ANSWERING, Fleet, NodeState
 
 log = logging.getLogger(__name__)
 POLL_TIMEOUT_S = 5.0
@@ -66,12 +66,12 @@ class Poller:
         except asyncio.CancelledError:
             raise
         except Exception as e:
-            error = describe_error(e)
+            error, reason = describe_error(e), NOT_ANSWERING
             if isinstance(e, aiohttp.ClientResponseError) and e.status == 401:
-                error = f"it refused the gateway's api_key (401): {KEY_HINT}"
+                error, reason = f"it refused the gateway's api_key (401): {KEY_HINT}", KEY_REFUSED
             if node.up or node.last_error is None:
                 log.warning("node %s stopped answering (%s); it leaves routing", node.name, error)
-            node.mark_down(error)
+            node.mark_down(error, reason)
 
     async def _get(self, node: NodeState, path: str) -> Any:
         timeout = aiohttp.ClientTimeout(total=POLL_TIMEOUT_S)

@@ -17,6 +17,7 @@ from helexa.errors import service_unavailable
 from helexa.gateway.accounting import Accountant, finish_reason, settled_counts, usage_counts
 from helexa.gateway.auth import ANONYMOUS, Principal
 from helexa.gateway.budgets import Reservation
+from helexa.gateway.fleet import KEY_REFUSED
 from helexa.gateway.metrics import GatewayMetrics
 from helexa.gateway.poller import KEY_HINT, describe_error
 from helexa.gateway.request_log import RequestRecord
@@ -150,7 +151,9 @@ class Upstream:
             if resp.status == 401:  # the node's 401 is about our key, not the client's
                 warn("proxy failure: the node refused the gateway's api_key", route, path)
                 resp.release()
-                route.node.mark_down(f"it refused the gateway's api_key (401): {KEY_HINT}")
+                route.node.mark_down(
+                    f"it refused the gateway's api_key (401): {KEY_HINT}", KEY_REFUSED
+                )
                 failed.append(route.node.name)
                 continue
             if resp.status == 503 and retry_left:
@@ -190,8 +193,11 @@ class Upstream:
     async def read(self, ex: Exchange, resp: aiohttp.ClientResponse) -> bytes:
         try:
             data = await resp.read()
-        finally:
-            resp.release()
+        except BaseException:  # the node broke off (or the client left): settle all the same
+            resp.close()
+            self.finish(ex, 502)
+            raise
+        resp.release()
         self._seen(ex, data)
         self.finish(ex, resp.status)
         return data

@@ -211,21 +211,7 @@ def create_gateway_apps(cfg: Config) -> tuple[GatewayASGI, Litestar]:
                 await ledger.close()  # every pending row is written before we exit
 
     def handle(request: Request, exc: Exception) -> Response:
-        if isinstance(exc, HTTPException) and exc.status_code == 413:
-            exc = HelexaError(
-                413,
-                "invalid_request_error",
-                f"the request body is larger than {cfg.http.max_body_mb} MiB, the gateway's "
-                "limit ([http] max_body_mb)",
-                code="request_too_large",
-            )
-        elif isinstance(exc, aiohttp.ClientError | TimeoutError):  # a node's answer broke off
-            event(
-                log, logging.WARNING, "node answer failed", path=request.url.path, error=repr(exc)
-            )
-            exc = HelexaError(
-                502, "server_error", "the node's answer broke off; retry", code="upstream_error"
-            )
+        exc = _as_client_error(request, exc, cfg.http.max_body_mb)
         if isinstance(exc, HelexaError):
             event(
                 log,
@@ -272,6 +258,25 @@ def create_gateway_apps(cfg: Config) -> tuple[GatewayASGI, Litestar]:
     metrics_app.state.metrics = gw.metrics
     cors = Cors(cfg.gateway.cors_allow_origins) if cfg.gateway.cors_allow_origins else None
     return GatewayASGI(api, gw, cors), metrics_app
+
+
+def _as_client_error(request: Request, exc: Exception, max_body_mb: int) -> Exception:
+    """The gateway's own wording for a body over the limit, and for a node's answer that
+    broke off while we read it (its wire detail goes to the log only)."""
+    if isinstance(exc, HTTPException) and exc.status_code == 413:
+        return HelexaError(
+            413,
+            "invalid_request_error",
+            f"the request body is larger than {max_body_mb} MiB, the gateway's limit "
+            "([http] max_body_mb)",
+            code="request_too_large",
+        )
+    if isinstance(exc, aiohttp.ClientError | TimeoutError):
+        event(log, logging.WARNING, "node answer failed", path=request.url.path, error=repr(exc))
+        return HelexaError(
+            502, "server_error", "the node's answer broke off; retry", code="upstream_error"
+        )
+    return exc
 
 
 def _warn_about_node_keys(cfg: Config) -> None:

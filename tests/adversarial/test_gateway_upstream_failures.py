@@ -53,6 +53,8 @@ def test_a_chat_to_a_vanished_node_names_it_and_logs_the_detail(vanished, tiny_i
     assert error["code"] == "service_unavailable"
     assert_no_wire_detail(r.text, port)
     assert port in gw.log()  # the operator still gets the detail
+    [node] = gw.get("/health").json()["nodes"]
+    assert (node["up"], node["last_error"]) == (False, "not answering")
 
 
 def test_an_anthropic_message_to_a_vanished_node_names_it_only(vanished, tiny_id):
