@@ -11,6 +11,7 @@ from helexa.engine import LLM, AsyncLLM, SamplingParams
 from helexa.engine.detokenizer import IncrementalDetokenizer
 from helexa.engine.layers.sampler import Sampler
 from helexa.engine.model_runner import NonFiniteLogitsError, NonFiniteRowError
+from helexa.engine.sequence import Sequence
 from tests.engine.tiny import FIXTURE_MODELS, make_tiny_model
 
 pytestmark = pytest.mark.skipif(not FIXTURE_MODELS.is_dir(), reason="shared fixtures absent")
@@ -169,8 +170,19 @@ def test_non_finite_logits_in_every_row_are_still_a_device_fault(llm, monkeypatc
             engine.abort(request_id)
 
 
-def test_an_async_stream_gets_its_own_error_while_the_others_finish(llm, solo, monkeypatch):
-    _inject(monkeypatch, llm, "sampler")
+@pytest.mark.parametrize("fault", ["sampler", "take_delta"])
+def test_an_async_stream_gets_its_own_error_while_the_others_finish(llm, solo, monkeypatch, fault):
+    if fault == "take_delta":  # on the engine thread, as the delta is published
+        take_delta = Sequence.take_delta
+
+        def failing_take_delta(self):
+            if self.request_id == f"r{VICTIM}" and self.num_output_tokens > 2:
+                raise InjectedError("take_delta")
+            return take_delta(self)
+
+        monkeypatch.setattr(Sequence, "take_delta", failing_take_delta)
+    else:
+        _inject(monkeypatch, llm, fault)
 
     async def one(engine: AsyncLLM, i: int, prompt: list[int]) -> list[int]:
         tokens = []
@@ -191,3 +203,5 @@ def test_an_async_stream_gets_its_own_error_while_the_others_finish(llm, solo, m
     for i, tokens in enumerate(results):
         if i != VICTIM:
             assert tokens == solo["greedy"][i]
+    bm = llm.engine.block_manager
+    assert not llm.engine.has_unfinished() and bm.num_free_blocks == bm.num_blocks
