@@ -35,6 +35,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # None = off; N = chosen token + top-N alternatives
     skip_special_tokens: bool = True
+    logit_bias: dict[int, float] | None = None  # token id → added to its logit
     # Tests only (HELEXA_DEBUG_FAULT): make this sequence alone fail at that point.
     debug_fault: Literal["sampler", "detokenizer", "nonfinite"] | None = None
 

@@ -107,6 +107,15 @@ def render_prompt(served: ServedModel, req: ChatCompletionRequest | CompletionRe
         )
     if not ids:
         raise HelexaError(400, "invalid_request_error", "the prompt is empty", param="prompt")
+    unknown = sorted(t for t in req.logit_bias or () if t >= vocab)
+    if unknown:
+        raise HelexaError(
+            400,
+            "invalid_request_error",
+            f"logit_bias: token ids {unknown[:5]} are outside the model's vocabulary "
+            f"(size {vocab})",
+            param="logit_bias",
+        )
     return Prompt(ids, opens, call_prefix)
 
 

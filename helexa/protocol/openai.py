@@ -204,6 +204,7 @@ def to_sampling_params(
             ignore_eos=req.ignore_eos,
             logprobs=logprobs,
             skip_special_tokens=req.skip_special_tokens,
+            logit_bias=req.logit_bias,
         )
     except SamplingParamsError as e:
         raise invalid_request(str(e), e.param) from None

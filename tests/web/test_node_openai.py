@@ -376,3 +376,24 @@ def test_a_gateway_budget_header_caps_prompt_plus_output_exactly(node, tiny_id):
     assert "Retry-After" not in refused.headers
     bad = send("tokens=lots")
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "x-helexa-budget"
+
+
+# -- logit_bias ---------------------------------------------------------------------------
+
+
+def test_logit_bias_steers_greedy_decoding_and_unknown_ids_are_refused(node, tiny_id):
+    """+100 on one token makes it the argmax at every step; -100 on the unbiased answer's
+    first token keeps it out of first place."""
+    body = {"model": tiny_id, "prompt": "Once upon", "max_tokens": 4, "temperature": 0}
+    body["logprobs"] = 0
+    plain = node.post("/v1/completions", body).json()["choices"][0]
+    forced = node.post("/v1/completions", {**body, "logit_bias": {"42": 100}}).json()
+    tokens = forced["choices"][0]["logprobs"]["tokens"]
+    one = node.post("/tokenize", {"model": tiny_id, "prompt": tokens[0]}).json()["tokens"]
+    assert len(set(tokens)) == 1 and one[-1] == 42, tokens
+    first = plain["logprobs"]["tokens"][0]
+    first_id = node.post("/tokenize", {"model": tiny_id, "prompt": first}).json()["tokens"][-1]
+    banned = node.post("/v1/completions", {**body, "logit_bias": {str(first_id): -100}}).json()
+    assert banned["choices"][0]["logprobs"]["tokens"][0] != first
+    r = node.post("/v1/completions", {**body, "logit_bias": {"99999999": 5}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "logit_bias"

@@ -29,6 +29,17 @@ def _apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> None:
             row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0)
 
 
+def _apply_logit_bias(logits: torch.Tensor, seqs: list[Sequence]) -> None:
+    """OpenAI's logit_bias: each listed token's logit moved by its bias (ids checked
+    against the vocabulary when the request was admitted)."""
+    for i, seq in enumerate(seqs):
+        bias = seq.params.logit_bias
+        if bias:
+            ids = torch.tensor(list(bias), dtype=torch.long, device=logits.device)
+            values = torch.tensor(list(bias.values()), dtype=logits.dtype, device=logits.device)
+            logits[i].index_add_(0, ids, values)
+
+
 def _filter(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     """Temperature, top-k, top-p and min-p, vectorized; returns probabilities."""
     dev = logits.device
@@ -70,17 +81,23 @@ class Sampler:
         logits = logits.float()
         want_logprobs = any(s.params.logprobs is not None for s in seqs)
         raw_logprobs = logits.log_softmax(-1) if want_logprobs else None
-        if any(s.params.has_penalties for s in seqs):
+        if any(s.params.has_penalties or s.params.logit_bias for s in seqs):
             logits = logits.clone()
             _apply_penalties(logits, seqs)
+            _apply_logit_bias(logits, seqs)
         greedy = [s.params.is_greedy for s in seqs]
         tokens = logits.argmax(-1)
         if not all(greedy):
             probs = _filter(logits, seqs)
             noise = torch.empty_like(probs)
             for i, seq in enumerate(seqs):
-                if not greedy[i]:
-                    noise[i].exponential_(generator=seq.generator)
+                if greedy[i]:
+                    continue
+                g = seq.generator  # a CPU generator: its draws are the same on every device
+                if g is None or noise.device.type == "cpu":
+                    noise[i].exponential_(generator=g)
+                else:
+                    noise[i].copy_(torch.empty(noise.shape[1]).exponential_(generator=g))
             is_greedy = torch.tensor(greedy, device=noise.device)
             noise[is_greedy] = 1.0
             sampled = (probs / noise).argmax(-1)
