@@ -19,6 +19,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from helexa.engine.detokenizer import held_back
 from helexa.engine.sampling_params import SamplingParams
 from helexa.engine.sequence import Sequence
 from helexa.engine.tokenizer import Tokenizer
@@ -58,12 +59,7 @@ def naive_step(text: str, start: int, stops: list[str]) -> None:
     """The per-step search this replaced: find over the tail, then held back by prefixes."""
     for stop in stops:
         text.find(stop, max(0, start - len(stop) + 1))
-    hold = 0
-    for stop in stops:
-        for n in range(min(len(stop) - 1, len(text)), hold, -1):
-            if stop.startswith(text[-n:]):
-                hold = n
-                break
+    held_back(text, stops)  # still the plain prefix scan, kept for short protocol markers
 
 
 def main() -> None:

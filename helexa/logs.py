@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 import logging
+import re
+import uuid
 from typing import Any
 
 from helexa.config import LogConfig
@@ -19,6 +21,17 @@ _FIELDS = "helexa_fields"
 def event(log: logging.Logger, level: int, what: str, **fields: Any) -> None:
     text = " ".join(f"{k}={v!r}" if isinstance(v, str) else f"{k}={v}" for k, v in fields.items())
     log.log(level, f"{what} {text}" if text else what, extra={_FIELDS: fields})
+
+
+_SANE_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
+
+
+def request_id(given: str | None) -> str:
+    """The caller's `x-request-id` when it is sane (≤ 128 of [A-Za-z0-9._:-]), else a new
+    one: both roles log under it and return it."""
+    if given is not None and _SANE_ID.fullmatch(given):
+        return given
+    return uuid.uuid4().hex
 
 
 def request_done(

@@ -9,9 +9,7 @@ before: the line is written when the last of them ends, so it always has everyth
 from __future__ import annotations
 
 import logging
-import re
 import time
-import uuid
 from dataclasses import dataclass, field
 
 from helexa.logs import request_done
@@ -19,14 +17,6 @@ from helexa.logs import request_done
 log = logging.getLogger("helexa.gateway.requests")
 
 RECORD_STATE = "helexa_request"  # its key in the ASGI scope's state
-_SANE_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
-
-
-def request_id(given: str | None) -> str:
-    """The client's `x-request-id` when it is sane (≤ 128 of [A-Za-z0-9._:-]), else a new one."""
-    if given is not None and _SANE_ID.fullmatch(given):
-        return given
-    return uuid.uuid4().hex
 
 
 @dataclass(slots=True)

@@ -14,7 +14,8 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 from litestar import Litestar
 
-from helexa.gateway.request_log import RECORD_STATE, RequestRecord, request_id
+from helexa.gateway.request_log import RECORD_STATE, RequestRecord
+from helexa.logs import request_id
 from helexa.web.common import REQUEST_ID_HEADER
 
 if TYPE_CHECKING:

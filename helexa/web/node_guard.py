@@ -14,27 +14,19 @@ from __future__ import annotations
 
 import json
 import logging
-import re
 import time
-import uuid
 from typing import Any
 
 from litestar.types import ASGIApp, Message, Receive, Scope, Send
 
 from helexa.config import NodeConfig
 from helexa.errors import invalid_api_key
-from helexa.logs import request_done
+from helexa.logs import request_done, request_id
 from helexa.node.security import bearer, is_loopback, key_matches
 from helexa.web.common import REQUEST_ID_HEADER, SECRET_HEADER
 
 log = logging.getLogger("helexa.node.requests")
-_SANE_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 _OPEN = {("GET", "/health"), ("HEAD", "/health")}
-
-
-def request_id_from(given: str | None) -> str:
-    """The caller's request id when it is a sane token, else a new one."""
-    return given if given is not None and _SANE_ID.fullmatch(given) else uuid.uuid4().hex
 
 
 class NodeGuard:
@@ -49,7 +41,7 @@ class NodeGuard:
             await self.app(scope, receive, send)
             return
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
-        rid = request_id_from(headers.get(REQUEST_ID_HEADER))
+        rid = request_id(headers.get(REQUEST_ID_HEADER))
         state: dict[str, Any] = scope.setdefault("state", {})  # type: ignore[typeddict-item]
         state["request_id"] = rid
         peer = (scope.get("client") or ("", 0))[0]
