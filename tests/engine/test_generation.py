@@ -210,7 +210,8 @@ def test_a_hub_id_resolves_offline_from_the_hf_cache(tmp_path):
 
 def test_concurrent_async_requests_match_the_sync_results_and_leave_the_loop_free(tiny):
     prompts = [[1, 2, 3], [4, 5], [6], [7, 8, 9, 10]]
-    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    # long enough to span many ticks however fast a step is on this machine
+    params = SamplingParams(temperature=0, max_tokens=128, ignore_eos=True)
     expected = [o.token_ids for o in tiny.generate(prompts, params)]
 
     async def run():
@@ -242,7 +243,7 @@ def test_concurrent_async_requests_match_the_sync_results_and_leave_the_loop_fre
     results, gaps = asyncio.run(run())
     assert results == expected
     # The loop kept ticking while the engine thread ran forward passes (generous bound:
-    # a step of this tiny model takes milliseconds; a blocked loop would stall for all 24).
+    # a step of this tiny model takes milliseconds; a blocked loop would stall for all 128).
     assert len(gaps) > 5 and max(gaps) < 1.0
 
 
