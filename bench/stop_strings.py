@@ -19,10 +19,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from helexa.engine.detokenizer import held_back
 from helexa.engine.sampling_params import SamplingParams
 from helexa.engine.sequence import Sequence
 from helexa.engine.tokenizer import Tokenizer
+from helexa.protocol.markers import held_back
 
 NUM_TOKENS = 2000
 NUM_STOPS = 16

@@ -72,6 +72,9 @@ Device = Annotated[
     Check('"auto", "cpu", "cuda" or "cuda:N"', lambda v: re.fullmatch(r"auto|cpu|cuda(:\d+)?", v)),
 ]
 DType = Literal["auto", "float32", "bfloat16", "float16"]
+DTYPES: tuple[str, ...] = get_args(DType)  # the one list: config, loads and the console
+InSituQuant = Literal["int8", "int4"]
+IN_SITU_QUANTS: tuple[str, ...] = get_args(InSituQuant)
 
 
 def _is_password_hash(v: str) -> bool:
@@ -151,7 +154,7 @@ class EngineConfig:
 
     device: Device = "auto"
     dtype: DType = "auto"
-    quant: Literal["int8", "int4"] | None = None
+    quant: InSituQuant | None = None
     kv_cache_memory_mb: PositiveInt | None = None
     kv_cache_memory_fraction: Fraction = 0.9
     kv_cache_cpu_max_mb: PositiveInt = 2048

@@ -108,17 +108,3 @@ def _extend_failure(stop: str, failure: list[int]) -> None:
     if i and stop[i] == stop[k]:
         k += 1
     failure.append(k)
-
-
-def held_back(text: str, stops: list[str]) -> int:
-    """Chars at the end of `text` that might begin one of `stops` (not yet safe to emit).
-
-    O(len(stop)²) per call: for the short markers of the protocol parsers; a sequence's
-    stop strings go through `StopMatcher`."""
-    hold = 0
-    for stop in stops:
-        for n in range(min(len(stop) - 1, len(text)), hold, -1):
-            if stop.startswith(text[-n:]):
-                hold = n
-                break
-    return hold

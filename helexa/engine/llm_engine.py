@@ -24,11 +24,10 @@ from helexa.engine.model_runner import ModelRunner
 from helexa.engine.sampling_params import SamplingParams
 from helexa.engine.scheduler import Scheduler, SchedulerConfig
 from helexa.engine.sequence import RequestOutput, Sequence
+from helexa.protocol.wire import DEFAULT_MAX_OUTPUT_TOKENS
 
 log = logging.getLogger(__name__)
 MiB = 1 << 20
-# When nothing else says: generation stops after this many tokens (SPEC: at most 8192).
-DEFAULT_MAX_TOKENS_CAP = 8192
 _DTYPES = {
     "float32": torch.float32,
     "fp32": torch.float32,
@@ -190,7 +189,7 @@ class LLMEngine:
         room = self.max_model_len - len(ids)
         if room < 1:
             raise ContextLengthExceededError(len(ids), self.max_model_len)
-        cap = params.max_tokens if params.max_tokens is not None else DEFAULT_MAX_TOKENS_CAP
+        cap = params.max_tokens if params.max_tokens is not None else DEFAULT_MAX_OUTPUT_TOKENS
         return Sequence(ids, params, self.tokenizer, request_id, max_tokens=min(cap, room))
 
     def add_request(

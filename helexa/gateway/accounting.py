@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 from helexa.gateway.budgets import Budgets
 from helexa.gateway.ledger import Ledger
 from helexa.gateway.metrics import GatewayMetrics
+from helexa.protocol.wire import cost_usd
 
 if TYPE_CHECKING:
     from helexa.gateway.proxy import Exchange
@@ -65,7 +66,7 @@ class Accountant:
     def close(self, ex: Exchange, status: int, usage: dict[str, Any] | None) -> None:
         prompt, completion, cached, reasoning = settled_counts(ex, status, usage)
         in_price, out_price = ex.price
-        cost = (prompt * in_price + completion * out_price) / 1e6
+        cost = cost_usd(prompt, completion, in_price, out_price)
         if ex.reservation is not None:
             self.budgets.settle(ex.reservation, prompt + completion, cost)
         key = ex.principal.key

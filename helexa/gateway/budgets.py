@@ -21,8 +21,8 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from helexa.db.models import SpendRecord
 from helexa.errors import HelexaError, insufficient_quota, rate_limit_exceeded
-from helexa.gateway.edge import CHARS_PER_TOKEN
 from helexa.gateway.keys import BudgetInfo, KeyInfo
+from helexa.protocol.wire import CHARS_PER_TOKEN, cost_usd, output_room
 
 # Chat templates add tokens the request text does not show (role markers, default system
 # prompts): reserved on top of the ~4 characters a token estimate.
@@ -83,21 +83,16 @@ class Budgets:
         now = time.time()
         if budget.window == "rolling" and budget.window_seconds:
             books.expire(budget.window_seconds, now)
-        out = max_output
-        in_price, out_price = price[0] / 1e6, price[1] / 1e6
+        tokens_left = cost_left = None
         if budget.cap_tokens is not None:
-            room = budget.cap_tokens - books.spent_tokens - books.reserved_tokens
-            out = min(out, room - prompt_tokens)
-        if budget.cap_cost_usd is not None and out_price > 0:
-            room_cost = budget.cap_cost_usd - books.spent_cost - books.reserved_cost
-            out = min(out, math.floor((room_cost - prompt_tokens * in_price) / out_price))
-        elif budget.cap_cost_usd is not None:
-            room_cost = budget.cap_cost_usd - books.spent_cost - books.reserved_cost
-            if prompt_tokens * in_price > room_cost:
-                out = 0
+            tokens_left = budget.cap_tokens - books.spent_tokens - books.reserved_tokens
+        if budget.cap_cost_usd is not None:
+            cost_left = budget.cap_cost_usd - books.spent_cost - books.reserved_cost
+        room = output_room(prompt_tokens, tokens_left, cost_left, *price)
+        out = max_output if room is None else min(max_output, room)
         if out < 1:
             raise self._over_cap(budget, books, now)
-        tokens, cost = prompt_tokens + out, prompt_tokens * in_price + out * out_price
+        tokens, cost = prompt_tokens + out, cost_usd(prompt_tokens, out, *price)
         books.reserved_tokens += tokens
         books.reserved_cost += cost
         return Reservation(key.id, tokens, cost, out)

@@ -6,16 +6,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from typing import get_args
 
 from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
-from helexa.config import DType, ModelEntry
+from helexa.config import DTYPES, ModelEntry
 from helexa.db.models import Alias, CatalogueModel, utcnow
 from helexa.db.seed import load_catalogue, row_of
 
-DTYPES = tuple(get_args(DType))
 MAX_ID_CHARS = 500
 
 

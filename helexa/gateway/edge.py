@@ -8,8 +8,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from helexa.errors import HelexaError, context_length_exceeded
-
-CHARS_PER_TOKEN = 4
+from helexa.protocol.wire import CHARS_PER_TOKEN
 
 # User-Agent fragment (lower case) -> how that client is told the context size.
 _ADVICE = {

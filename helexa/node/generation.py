@@ -19,7 +19,6 @@ from typing import Any
 from helexa.engine.async_engine import EngineDeadError
 from helexa.engine.chat_template import TemplateRenderError, render_chat
 from helexa.engine.model_runner import NonFiniteLogitsError
-from helexa.engine.sampling_params import SamplingParams
 from helexa.engine.sequence import RequestOutput, TokenLogprob
 from helexa.errors import (
     HelexaError,
@@ -31,6 +30,7 @@ from helexa.errors import (
 )
 from helexa.node.metrics import NodeMetrics
 from helexa.node.registry import RECOVERY_RETRY_AFTER_S, ModelRegistry, ServedModel
+from helexa.node.sampling import choice_params
 from helexa.protocol.assistant_output import AssistantOutput, Pieces
 from helexa.protocol.openai import (
     ChatCompletionRequest,
@@ -38,12 +38,10 @@ from helexa.protocol.openai import (
     has_image_parts,
     template_messages,
     template_tools,
-    to_sampling_params,
 )
 from helexa.protocol.tool_calls import tool_schemas
 
 log = logging.getLogger(__name__)
-_SEED_MASK = (1 << 64) - 1
 # Requests from this `user` fail where HELEXA_DEBUG_FAULT says, alone (tests only).
 DEBUG_FAULT_USER = "helexa-debug-fault"
 
@@ -145,15 +143,6 @@ def _utf8(text: str, param: str) -> str:
             param=param,
         ) from None
     return text
-
-
-def choice_params(req: ChatCompletionRequest | CompletionRequest) -> list[SamplingParams]:
-    """One SamplingParams per choice; with a seed, choice i uses seed + i so the n choices
-    differ yet the whole response is reproducible."""
-    base = to_sampling_params(req)
-    if base.seed is None:
-        return [base] + [dataclasses.replace(base) for _ in range(req.n - 1)]
-    return [dataclasses.replace(base, seed=(base.seed + i) & _SEED_MASK) for i in range(req.n)]
 
 
 @dataclass(slots=True)

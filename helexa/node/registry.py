@@ -16,9 +16,8 @@ from typing import Any
 
 import torch
 
-from helexa.config import Config
+from helexa.config import DTYPES, IN_SITU_QUANTS, Config
 from helexa.engine import AsyncLLM, EngineArgs, LLMEngine
-from helexa.engine.llm_engine import DEFAULT_MAX_TOKENS_CAP
 from helexa.engine.loader.load import BUNDLED_MODEL_ID, ModelNotFoundError
 from helexa.engine.models import UnsupportedModelError
 from helexa.errors import HelexaError, model_not_found, service_unavailable
@@ -26,16 +25,15 @@ from helexa.node.activation import Activation
 from helexa.node.admission import Admission, AdmissionLimits
 from helexa.protocol.reasoning import ReasoningMarkers
 from helexa.protocol.tool_calls import ToolCallMarkers
+from helexa.protocol.wire import DEFAULT_MAX_OUTPUT_TOKENS
 
 log = logging.getLogger(__name__)
 
 MiB = 1 << 20
-IN_SITU_QUANTS = ("int8", "int4")
 GGUF_QUANTS = (
     "F32", "F16", "BF16", "Q8_0", "Q6_K", "Q5_K_M", "Q5_K_S", "Q5_K", "Q5_0", "Q5_1",
     "Q4_K_M", "Q4_K_S", "Q4_K", "Q4_0", "Q4_1", "Q3_K_L", "Q3_K_M", "Q3_K_S", "Q2_K",
 )  # fmt: skip
-DTYPES = ("auto", "float32", "bfloat16", "float16")
 RECOVERY_RETRY_AFTER_S = 10.0
 
 
@@ -124,7 +122,7 @@ class ServedModel:
         request may generate by default; input = the rest, rounded down to 1024 when
         large enough to round."""
         context = self.max_model_len
-        output = min(DEFAULT_MAX_TOKENS_CAP, max(1, context // 4))
+        output = min(DEFAULT_MAX_OUTPUT_TOKENS, max(1, context // 4))
         room = context - output
         return {
             "context": context,

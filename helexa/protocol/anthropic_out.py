@@ -20,7 +20,6 @@ from typing import Any
 from helexa.protocol.anthropic import Translated
 
 Event = tuple[str, dict[str, Any]]  # (SSE event name, its data)
-_LINE_BREAKS = ("\x85", "\u2028", "\u2029")
 # helexa.errors.context_length_exceeded's wording
 _CONTEXT = re.compile(
     r"maximum context length is (?P<max>\d+) tokens(?:; the prompt has (?P<prompt>\d+))?"
@@ -348,36 +347,6 @@ class StreamTranslator:
         events = self._close()
         self.done = True
         return [*events, ("error", {"type": "error", "error": {"type": kind, "message": message}})]
-
-
-def sse_event(event: Event) -> bytes:
-    """One event on the wire: `event: <name>` and its JSON `data:` line."""
-    name, data = event
-    payload = json.dumps(data, ensure_ascii=False, separators=(",", ":"))
-    for char in _LINE_BREAKS:  # legal in JSON strings, but some line splitters break on them
-        payload = payload.replace(char, f"\\u{ord(char):04x}")
-    return f"event: {name}\ndata: {payload}\n\n".encode()
-
-
-class SSEReader:
-    """An OpenAI SSE byte stream in, however it is split into chunks; `data:` payloads out."""
-
-    def __init__(self) -> None:
-        self.buffer = b""
-
-    def feed(self, chunk: bytes) -> list[str]:
-        self.buffer = (self.buffer + chunk).replace(b"\r\n", b"\n")
-        payloads = []
-        while b"\n\n" in self.buffer:
-            event, self.buffer = self.buffer.split(b"\n\n", 1)
-            data = [
-                line[5:].removeprefix(b" ")
-                for line in event.split(b"\n")
-                if line.startswith(b"data:")
-            ]
-            if data:
-                payloads.append(b"\n".join(data).decode("utf-8", "replace"))
-        return payloads
 
 
 def _str(value: object) -> str:

@@ -11,6 +11,7 @@ from helexa.protocol.openai import (
     ChatCompletionRequest,
     CompletionRequest,
 )
+from helexa.protocol.wire import DEFAULT_MAX_OUTPUT_TOKENS
 
 __all__ = ["MAX_LOGIT_BIAS", "MAX_STOP", "check_bounds"]  # the parser checks those two
 
@@ -21,7 +22,6 @@ MAX_PROMPT_CHARS = 8_000_000  # message text, tool definitions and arguments tog
 # Non-streaming answers are held whole in memory until the last token.
 MAX_BUFFERED_TOKENS = 131_072  # n × max_tokens (absent max_tokens counts as 8192)
 MAX_BUFFERED_LOGPROBS = 100  # n × top_logprobs
-_DEFAULT_MAX_TOKENS = 8192
 
 
 def check_bounds(req: ChatCompletionRequest | CompletionRequest) -> None:
@@ -37,7 +37,7 @@ def check_bounds(req: ChatCompletionRequest | CompletionRequest) -> None:
             "stop_token_ids",
         )
     if not req.stream:
-        limit = req.output_limit or _DEFAULT_MAX_TOKENS
+        limit = req.output_limit or DEFAULT_MAX_OUTPUT_TOKENS
         if req.n * limit > MAX_BUFFERED_TOKENS:
             raise invalid_request(
                 f"n × max_tokens: at most {MAX_BUFFERED_TOKENS} tokens in one non-streaming "

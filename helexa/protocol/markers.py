@@ -26,3 +26,17 @@ class MarkerPair:
             if tokenizer.token_to_id(start) is not None and tokenizer.token_to_id(end) is not None:
                 return cls(start, end)
         return None
+
+
+def held_back(text: str, stops: list[str]) -> int:
+    """Chars at the end of `text` that might begin one of `stops` (not yet safe to emit).
+
+    O(len(stop)²) per call: for short markers; a sequence's stop strings go through the
+    engine's incremental `StopMatcher` instead."""
+    hold = 0
+    for stop in stops:
+        for n in range(min(len(stop) - 1, len(text)), hold, -1):
+            if stop.startswith(text[-n:]):
+                hold = n
+                break
+    return hold

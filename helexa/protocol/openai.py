@@ -11,7 +11,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from helexa.engine.sampling_params import SamplingParams, SamplingParamsError
 from helexa.errors import HelexaError, invalid_request
 from helexa.protocol.fields import array as _list
 from helexa.protocol.fields import boolean as _bool
@@ -30,7 +29,7 @@ MAX_TOP_LOGPROBS = 20
 MAX_LOGIT_BIAS = 300  # entries (OpenAI's own bound)
 MAX_TOP_K = 2**31 - 1  # any larger value means "off" anyway; beyond int64 breaks tensors
 _SEED_RANGE = (-(2**63), 2**64 - 1)
-_FLOAT_FIELDS = (
+FLOAT_FIELDS = (
     "temperature",
     "top_p",
     "min_p",
@@ -184,32 +183,6 @@ def parse_completion_request(body: object) -> CompletionRequest:
     return req
 
 
-def to_sampling_params(
-    req: ChatCompletionRequest | CompletionRequest, *, max_tokens_default: int | None = None
-) -> SamplingParams:
-    """The engine's SamplingParams for `req`; a range error is the 400 naming its field."""
-    if isinstance(req, ChatCompletionRequest):
-        logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    else:
-        logprobs = req.logprobs
-    given = {name: getattr(req, name) for name in (*_FLOAT_FIELDS, "top_k")}
-    try:
-        return SamplingParams(
-            **{k: v for k, v in given.items() if v is not None},
-            seed=req.seed,
-            max_tokens=req.output_limit or max_tokens_default,
-            min_tokens=req.min_tokens,
-            stop=list(req.stop),
-            stop_token_ids=list(req.stop_token_ids),
-            ignore_eos=req.ignore_eos,
-            logprobs=logprobs,
-            skip_special_tokens=req.skip_special_tokens,
-            logit_bias=req.logit_bias,
-        )
-    except SamplingParamsError as e:
-        raise invalid_request(str(e), e.param) from None
-
-
 def template_messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
     """Plain message dicts for `render_chat`: all-text part lists joined with "\\n" (as vLLM
     does), lists with other parts kept for multimodal templates; None fields left out."""
@@ -262,7 +235,7 @@ def _parse_sampling(d: dict[str, Any], req: _Sampling) -> None:
     req.include_usage = _bool(options, "include_usage", False, "stream_options.")
     req.n = _int(d, "n", low=1, high=MAX_N) or 1
     req.max_tokens = _int(d, "max_tokens", low=1)
-    for name in _FLOAT_FIELDS:
+    for name in FLOAT_FIELDS:
         setattr(req, name, _float(d, name))
     req.top_k = _int(d, "top_k", high=MAX_TOP_K)
     req.seed = _int(d, "seed", low=_SEED_RANGE[0], high=_SEED_RANGE[1])
@@ -461,5 +434,4 @@ __all__ = [
     "parse_completion_request",
     "template_messages",
     "template_tools",
-    "to_sampling_params",
 ]

@@ -10,8 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from helexa.engine.detokenizer import held_back
-from helexa.protocol.markers import MarkerPair
+from helexa.protocol.markers import MarkerPair, held_back
 
 
 @dataclass(frozen=True, slots=True)

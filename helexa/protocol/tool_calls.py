@@ -20,8 +20,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from helexa.engine.detokenizer import held_back
-from helexa.protocol.markers import MarkerPair
+from helexa.protocol.markers import MarkerPair, held_back
 
 MAX_EXTRA_BRACES = 3
 

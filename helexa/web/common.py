@@ -1,5 +1,5 @@
-"""What both roles' HTTP layers share: the gateway→node header names, the body limit, JSON
-body decoding, and the one place exceptions become the OpenAI error envelope.
+"""What both roles' HTTP layers share: JSON body decoding and the one place exceptions
+become the OpenAI error envelope. (The node ↔ gateway headers are in protocol/wire.py.)
 
 Nothing here imports the engine: the gateway process never loads torch.
 """
@@ -19,16 +19,6 @@ from helexa.errors import HelexaError, invalid_request
 
 log = logging.getLogger(__name__)
 
-# Headers the gateway stamps for a node (clients' own `x-helexa-*` are dropped on the way).
-SECRET_HEADER = "x-helexa-gateway-secret"  # deprecated: the gateway sends Authorization
-# Stamped by the gateway on every proxied request: the node leaves per-principal caps of
-# anonymous gateway traffic to the gateway instead of counting them by client address.
-VIA_HEADER = "x-helexa-via"
-REQUEST_ID_HEADER = "x-request-id"
-ACCOUNT_HEADER = "x-helexa-account-id"
-KEY_HEADER = "x-helexa-key-id"
-BUDGET_HEADER = "x-helexa-budget"
-MAX_BODY_BYTES = 64 << 20  # long agent conversations with pasted files are large
 METRICS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 

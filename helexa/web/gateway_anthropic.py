@@ -25,13 +25,12 @@ from helexa.gateway.proxy import warn
 from helexa.logs import event
 from helexa.protocol.anthropic import Translated, to_openai_chat, tokenize_body
 from helexa.protocol.anthropic_out import (
-    SSEReader,
     StreamTranslator,
     error_body,
     from_openai_chat,
     message_id,
-    sse_event,
 )
+from helexa.protocol.wire import SSEReader, sse_event
 from helexa.web.common import as_helexa_error, parse_json_body
 from helexa.web.gateway_exchange import (
     check_scope,
@@ -139,13 +138,13 @@ async def anthropic_events(
     pending: asyncio.Task[bytes] | None = None
     try:
         for e in translator.start():
-            yield sse_event(e)
+            yield sse_event(*e)
         while not translator.done:
             if pending is None:
                 pending = asyncio.ensure_future(_next(upstream))
             done, _ = await asyncio.wait({pending}, timeout=ping_interval_s)
             if not done:
-                yield sse_event(("ping", {"type": "ping"}))
+                yield sse_event("ping", {"type": "ping"})
                 continue
             task, pending = pending, None
             try:
@@ -155,7 +154,8 @@ async def anthropic_events(
             except (aiohttp.ClientError, TimeoutError) as exc:
                 event(log, logging.WARNING, "upstream stream broke", error=repr(exc))
                 break
-            for data in reader.feed(chunk):
+            for sse in reader.feed(chunk):
+                data = sse.data
                 if data.strip() == "[DONE]":
                     continue
                 try:
@@ -163,9 +163,9 @@ async def anthropic_events(
                 except ValueError:
                     continue  # not a chunk we understand: the node never sends one
                 for e in translator.feed(parsed):
-                    yield sse_event(e)
+                    yield sse_event(*e)
         for e in translator.finish():
-            yield sse_event(e)
+            yield sse_event(*e)
     finally:
         if pending is not None:
             pending.cancel()

@@ -16,7 +16,7 @@ from litestar import Litestar
 
 from helexa.gateway.request_log import RECORD_STATE, RequestRecord
 from helexa.logs import request_id
-from helexa.web.common import REQUEST_ID_HEADER
+from helexa.protocol.wire import REQUEST_ID_HEADER
 
 if TYPE_CHECKING:
     from helexa.web.gateway_app import GatewayState

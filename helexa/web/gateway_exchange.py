@@ -19,12 +19,18 @@ from helexa.gateway.edge import advice, check_context
 from helexa.gateway.proxy import Exchange, forward_headers, response_headers
 from helexa.gateway.request_log import RECORD_STATE, RequestRecord
 from helexa.gateway.router import Route
-from helexa.web.common import ACCOUNT_HEADER, BUDGET_HEADER, KEY_HEADER, VIA_HEADER
+from helexa.protocol.wire import (
+    ACCOUNT_HEADER,
+    BUDGET_HEADER,
+    DEFAULT_MAX_OUTPUT_TOKENS,
+    KEY_HEADER,
+    VIA_HEADER,
+    SpendBudget,
+)
 
 if TYPE_CHECKING:
     from helexa.web.gateway_app import GatewayState
 
-DEFAULT_MAX_OUTPUT = 8192  # the node's own default cap when nothing says otherwise
 # The client's credentials stay at the gateway.
 _CREDENTIALS = ("authorization", "x-api-key")
 RESPONSES_PATH = "/v1/responses"
@@ -113,9 +119,7 @@ async def open_exchange(
     headers = node_headers(gw, request, principal, drop_headers)
     if ex.reservation is not None:  # the node enforces it against the real prompt length
         res = ex.reservation
-        headers[BUDGET_HEADER] = (
-            f"tokens={res.tokens}; cost={res.cost!r}; in={ex.price[0]!r}; out={ex.price[1]!r}"
-        )
+        headers[BUDGET_HEADER] = SpendBudget(res.tokens, res.cost, *ex.price).header()
     ex.record = record_of(request)
     if ex.record is not None:
         ex.record.hold()  # the exchange settles it (finish or abandon)
@@ -157,7 +161,7 @@ async def _reserve(
         names = names or ["max_tokens"]
     requested = next((body[n] for n in names if body.get(n)), None)
     if not isinstance(requested, int) or isinstance(requested, bool) or requested < 1:
-        requested = limit.get("output") or DEFAULT_MAX_OUTPUT
+        requested = limit.get("output") or DEFAULT_MAX_OUTPUT_TOKENS
     if isinstance(limit.get("context"), int):
         requested = min(requested, max(1, limit["context"] - ex.prompt_estimate))
     ex.reservation = await gw.budgets.reserve(key, ex.prompt_estimate, requested, ex.price)

@@ -24,7 +24,6 @@ from helexa.engine.loader.load import BUNDLED_MODEL_ID
 from helexa.errors import HelexaError, invalid_request, model_not_found, service_unavailable
 from helexa.node import openai_out
 from helexa.node.admission import Permit
-from helexa.node.budget import SpendBudget
 from helexa.node.discovery import device_stats, discovery
 from helexa.node.generation import Generation, prepare_prompt, render_prompt
 from helexa.node.metrics import NodeMetrics
@@ -40,15 +39,17 @@ from helexa.protocol.openai import (
     parse_completion_request,
 )
 from helexa.protocol.responses import parse_responses_request
-from helexa.web.common import (
+from helexa.protocol.wire import (
     ACCOUNT_HEADER,
     BUDGET_HEADER,
     KEY_HEADER,
-    METRICS_CONTENT_TYPE,
+    SSE_DONE,
     VIA_HEADER,
-    error_response,
-    parse_json_body,
+    SpendBudget,
+    sse_data,
+    sse_event,
 )
+from helexa.web.common import METRICS_CONTENT_TYPE, error_response, parse_json_body
 
 log = logging.getLogger(__name__)
 
@@ -112,10 +113,6 @@ def budget_of(request: Request) -> SpendBudget | None:
 def _note(request: Request, **fields: Any) -> None:
     """What the request's log line should say (NodeGuard writes it when the answer ends)."""
     request.scope.setdefault("state", {}).update(fields)  # type: ignore[typeddict-item]
-
-
-def _sse(obj: Any) -> bytes:
-    return b"data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
 
 
 async def _until_disconnected(request: Request) -> None:
@@ -194,20 +191,20 @@ def _note_outcome(state: dict[str, Any], gen: Generation) -> None:
 async def _stream(gen: Generation, permit: Permit, state: dict[str, Any]) -> AsyncIterator[bytes]:
     try:
         for chunk in openai_out.opening_chunks(gen):
-            yield _sse(chunk)
+            yield sse_data(chunk)
         async for i, out in gen.deltas():
             for chunk in openai_out.delta_chunks(gen, i, out):
-                yield _sse(chunk)
+                yield sse_data(chunk)
         if gen.req.include_usage:
-            yield _sse(openai_out.usage_chunk(gen))
+            yield sse_data(openai_out.usage_chunk(gen))
     except HelexaError as e:  # headers are gone: the error travels as an SSE event
         log.warning("stream %s failed: %s", gen.id, e.message)
         state["error"] = e.status
-        yield _sse(e.to_envelope())
+        yield sse_data(e.to_envelope())
     finally:
         _note_outcome(state, gen)
         permit.release()
-    yield b"data: [DONE]\n\n"
+    yield SSE_DONE
 
 
 async def _stream_responses(
@@ -217,23 +214,20 @@ async def _stream_responses(
     gen = view.gen
     try:
         for e in view.opening():
-            yield _named_sse(e)
+            yield sse_event(e["type"], e)
         async for _, _out in gen.deltas():
             for e in view.delta(gen.choices[0].last):
-                yield _named_sse(e)
+                yield sse_event(e["type"], e)
         for e in view.closing():
-            yield _named_sse(e)
+            yield sse_event(e["type"], e)
     except HelexaError as e:
         log.warning("stream %s failed: %s", view.id, e.message)
         state["error"] = e.status
-        yield _named_sse(view.failed(e))
+        failed = view.failed(e)
+        yield sse_event(failed["type"], failed)
     finally:
         _note_outcome(state, gen)
         permit.release()
-
-
-def _named_sse(event: dict[str, Any]) -> bytes:
-    return f"event: {event['type']}\n".encode() + _sse(event)
 
 
 @post("/v1/chat/completions", status_code=200)

@@ -23,7 +23,7 @@ from helexa.config import NodeConfig
 from helexa.errors import invalid_api_key
 from helexa.logs import request_done, request_id
 from helexa.node.security import bearer, is_loopback, key_matches
-from helexa.web.common import REQUEST_ID_HEADER, SECRET_HEADER
+from helexa.protocol.wire import REQUEST_ID_HEADER, SECRET_HEADER
 
 log = logging.getLogger("helexa.node.requests")
 _OPEN = {("GET", "/health"), ("HEAD", "/health")}

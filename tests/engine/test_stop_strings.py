@@ -5,10 +5,11 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from helexa.engine.detokenizer import StopMatcher, held_back
+from helexa.engine.detokenizer import StopMatcher
 from helexa.engine.sampling_params import SamplingParams
 from helexa.engine.sequence import Sequence
 from helexa.engine.tokenizer import Tokenizer
+from helexa.protocol.markers import held_back
 
 # A small alphabet, so stop strings overlap themselves and the text often.
 TEXT = st.text(alphabet="abé ", max_size=6)

@@ -12,13 +12,8 @@ from hypothesis import strategies as st
 
 from helexa.errors import HelexaError, context_length_exceeded
 from helexa.protocol.anthropic import to_openai_chat, tokenize_body
-from helexa.protocol.anthropic_out import (
-    SSEReader,
-    StreamTranslator,
-    error_body,
-    from_openai_chat,
-    sse_event,
-)
+from helexa.protocol.anthropic_out import StreamTranslator, error_body, from_openai_chat
+from helexa.protocol.wire import SSEReader, sse_event
 from tests.gateway.anthropic_events import assert_well_formed, parse_events
 
 
@@ -569,7 +564,7 @@ def test_a_streamed_answer_builds_the_same_message_as_the_whole_one(answer, data
     for c in chunks:
         events += translator.feed(c)
     events += translator.finish()
-    wire = b"".join(sse_event(e) for e in events).decode().splitlines()
+    wire = b"".join(sse_event(*e) for e in events).decode().splitlines()
     streamed = assert_well_formed(parse_events(wire))
     assert streamed["content"] == whole["content"]
     assert (streamed["stop_reason"], streamed["usage"]) == (whole["stop_reason"], whole["usage"])
@@ -584,7 +579,7 @@ def test_sse_payloads_survive_any_split_of_the_byte_stream(payloads, data):
     cuts = sorted(data.draw(st.sets(st.integers(0, len(wire)), max_size=8)))
     reader, got = SSEReader(), []
     for a, b in zip([0, *cuts], [*cuts, len(wire)], strict=True):
-        got += reader.feed(wire[a:b])
+        got += [e.data for e in reader.feed(wire[a:b])]
     assert got == [json.dumps(p) for p in payloads] + ["[DONE]"]
 
 
@@ -681,11 +676,11 @@ _junk = st.recursive(
 def test_odd_upstream_answers_and_chunks_never_crash_the_translators(answer, chunks):
     body = {"model": "m", "max_tokens": 9, "messages": [{"role": "user", "content": "x"}]}
     t = to_openai_chat(body | {"thinking": {"type": "adaptive"}})
-    sse_event(("message", from_openai_chat(answer, t, "msg_1")))
+    sse_event("message", from_openai_chat(answer, t, "msg_1"))
     translator = StreamTranslator(t, "msg_1")
     events = translator.start()
     for c in chunks:
         events += translator.feed(c)
     events += translator.finish()
     assert events[-1][0] in ("message_stop", "error")
-    assert all(sse_event(e) for e in events)
+    assert all(sse_event(*e) for e in events)

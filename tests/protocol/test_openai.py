@@ -11,13 +11,13 @@ from typing import Any
 import pytest
 
 from helexa.errors import HelexaError
+from helexa.node.sampling import to_sampling_params
 from helexa.protocol.openai import (
     ChatCompletionRequest,
     parse_chat_request,
     parse_completion_request,
     template_messages,
     template_tools,
-    to_sampling_params,
 )
 
 TRAFFIC_DIR = (

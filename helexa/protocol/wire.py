@@ -1,0 +1,165 @@
+"""The node ↔ gateway contract, in one place: the headers the gateway stamps, the budget
+header's format and parser, the price formula, the output default both sides assume, and
+server-sent events (encoded by the node, parsed by the gateway). No I/O."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from helexa.errors import insufficient_quota
+from helexa.protocol.openai import ChatCompletionRequest, CompletionRequest
+
+# Headers the gateway stamps for a node (clients' own `x-helexa-*` are dropped on the way).
+ACCOUNT_HEADER = "x-helexa-account-id"
+KEY_HEADER = "x-helexa-key-id"
+BUDGET_HEADER = "x-helexa-budget"
+# On every proxied request: the node leaves per-principal caps of anonymous gateway
+# traffic to the gateway instead of counting them by client address.
+VIA_HEADER = "x-helexa-via"
+SECRET_HEADER = "x-helexa-gateway-secret"  # deprecated: the gateway sends Authorization
+REQUEST_ID_HEADER = "x-request-id"
+
+# When a request names no output limit, generation stops after this many tokens.
+DEFAULT_MAX_OUTPUT_TOKENS = 8192
+# The gateway's estimate of a prompt's tokens before the node has tokenized it.
+CHARS_PER_TOKEN = 4
+
+
+def cost_usd(
+    prompt_tokens: int, completion_tokens: int, in_price: float, out_price: float
+) -> float:
+    """What tokens cost at prices in USD per 1M prompt and output tokens."""
+    return (prompt_tokens * in_price + completion_tokens * out_price) / 1e6
+
+
+def output_room(
+    prompt_tokens: int,
+    tokens_left: int | None,
+    cost_left: float | None,
+    in_price: float,
+    out_price: float,
+) -> int | None:
+    """Output tokens that fit after the prompt in what a budget has left (None: it sets no
+    bound); 0 or less when not one fits."""
+    room: int | None = None
+    if tokens_left is not None:
+        room = tokens_left - prompt_tokens
+    if cost_left is not None:
+        left = cost_left - cost_usd(prompt_tokens, 0, in_price, 0.0)
+        if left < 0:
+            return 0
+        if out_price > 0:
+            by_cost = math.floor(left / cost_usd(0, 1, 0.0, out_price))
+            room = by_cost if room is None else min(room, by_cost)
+    return room
+
+
+@dataclass(slots=True, frozen=True)
+class SpendBudget:
+    tokens: int | None = None
+    cost: float | None = None
+    in_price: float = 0.0  # USD per 1M prompt tokens
+    out_price: float = 0.0  # USD per 1M output tokens
+
+    @classmethod
+    def parse(cls, value: str) -> SpendBudget:
+        fields: dict[str, str] = {}
+        for part in value.split(";"):
+            name, sep, raw = part.strip().partition("=")
+            if not sep or name not in ("tokens", "cost", "in", "out"):
+                raise ValueError(f"expected tokens=N; cost=USD; in=P; out=P, got {value!r}")
+            fields[name] = raw.strip()
+        try:
+            budget = cls(
+                tokens=int(fields["tokens"]) if "tokens" in fields else None,
+                cost=float(fields["cost"]) if "cost" in fields else None,
+                in_price=float(fields.get("in", 0)),
+                out_price=float(fields.get("out", 0)),
+            )
+        except ValueError:
+            raise ValueError(f"expected numbers, got {value!r}") from None
+        numbers = (budget.cost or 0.0, budget.in_price, budget.out_price)
+        if not all(math.isfinite(x) and x >= 0 for x in numbers):
+            raise ValueError(f"expected finite non-negative numbers, got {value!r}")
+        return budget
+
+    def header(self) -> str:
+        """The `x-helexa-budget` value `parse` reads back."""
+        parts = [f"tokens={self.tokens}"] if self.tokens is not None else []
+        parts += [f"cost={self.cost!r}"] if self.cost is not None else []
+        return "; ".join([*parts, f"in={self.in_price!r}", f"out={self.out_price!r}"])
+
+    def max_output(self, prompt_tokens: int) -> int | None:
+        """Output tokens the budget leaves after the prompt (None: no limit from it)."""
+        return output_room(prompt_tokens, self.tokens, self.cost, self.in_price, self.out_price)
+
+    def apply(self, req: ChatCompletionRequest | CompletionRequest, prompt_tokens: int) -> None:
+        """Lower the request's output limit to what the budget covers (split over `n`)."""
+        room = self.max_output(prompt_tokens)
+        if room is None:
+            return
+        per_choice = room // req.n
+        if per_choice < 1:
+            raise insufficient_quota(
+                f"the key's remaining budget does not cover this request: the prompt has "
+                f"{prompt_tokens} tokens"
+            )
+        limit = req.output_limit
+        capped = per_choice if limit is None else min(limit, per_choice)
+        req.max_tokens = capped
+        if isinstance(req, ChatCompletionRequest):
+            req.max_completion_tokens = capped
+
+
+# -- server-sent events --------------------------------------------------------------------
+
+SSE_DONE = b"data: [DONE]\n\n"
+_LINE_BREAKS = ("\u2028", "\u2029", "\x85")  # legal in JSON strings; some splitters break on them
+
+
+def sse_data(obj: Any) -> bytes:
+    """One unnamed event (OpenAI's chunks): `data: <json>`."""
+    return b"data: " + _json(obj).encode() + b"\n\n"
+
+
+def sse_event(name: str, obj: Any) -> bytes:
+    """One named event (Anthropic's and the Responses API's): `event: <name>` + `data:`."""
+    return f"event: {name}\ndata: {_json(obj)}\n\n".encode()
+
+
+def _json(obj: Any) -> str:
+    payload = json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
+    for char in _LINE_BREAKS:
+        payload = payload.replace(char, f"\\u{ord(char):04x}")
+    return payload
+
+
+@dataclass(slots=True, frozen=True)
+class SSEEvent:
+    name: str | None  # the `event:` line, if any
+    data: str  # the `data:` lines joined
+
+
+class SSEReader:
+    """An SSE byte stream in, however it is split into chunks; whole events out."""
+
+    def __init__(self) -> None:
+        self.buffer = b""
+
+    def feed(self, chunk: bytes) -> list[SSEEvent]:
+        self.buffer = (self.buffer + chunk).replace(b"\r\n", b"\n")
+        events = []
+        while b"\n\n" in self.buffer:
+            block, self.buffer = self.buffer.split(b"\n\n", 1)
+            name, data = None, []
+            for line in block.split(b"\n"):
+                if line.startswith(b"data:"):
+                    data.append(line[5:].removeprefix(b" "))
+                elif line.startswith(b"event:"):
+                    name = line[6:].strip().decode("utf-8", "replace")
+            if data:
+                events.append(SSEEvent(name, b"\n".join(data).decode("utf-8", "replace")))
+        return events
