@@ -252,7 +252,7 @@ def cmd_admin(args: argparse.Namespace, cfg: Config) -> int:
     """`helexa admin hash-password`: a hash for `[admin] password_hash`."""
     import getpass
 
-    from helexa.gateway.admin_auth import hash_password
+    from helexa.passwords import hash_password
 
     if args.stdin or not sys.stdin.isatty():
         password = sys.stdin.readline().rstrip("\r\n")

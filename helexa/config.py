@@ -78,7 +78,7 @@ IN_SITU_QUANTS: tuple[str, ...] = get_args(InSituQuant)
 
 
 def _is_password_hash(v: str) -> bool:
-    from helexa.gateway.admin_auth import parse_hash
+    from helexa.passwords import parse_hash
 
     try:
         parse_hash(v)

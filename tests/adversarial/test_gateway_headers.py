@@ -27,7 +27,7 @@ def gw(tmp_path_factory):
 
 
 def _hash() -> str:
-    from helexa.gateway.admin_auth import hash_password
+    from helexa.passwords import hash_password
 
     return hash_password("pw")
 

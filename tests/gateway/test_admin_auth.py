@@ -8,15 +8,8 @@ import sys
 import pytest
 
 from helexa.config import ConfigError, load_config
-from helexa.gateway.admin_auth import (
-    LoginThrottle,
-    PasswordCheck,
-    SessionStore,
-    csrf_ok,
-    hash_password,
-    parse_hash,
-    verify_password,
-)
+from helexa.gateway.admin_auth import LoginThrottle, PasswordCheck, SessionStore, csrf_ok
+from helexa.passwords import hash_password, parse_hash, verify_password
 
 
 def test_a_hash_verifies_its_own_password_and_no_other():

@@ -51,7 +51,7 @@ def nodes(tmp_path_factory, model_dirs):
 
 @pytest.fixture(scope="module")
 def gw(tmp_path_factory, nodes, model_dirs):
-    from helexa.gateway.admin_auth import hash_password
+    from helexa.passwords import hash_password
 
     a, b = nodes
     gw = start_gateway(

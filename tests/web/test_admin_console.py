@@ -12,7 +12,7 @@ import time
 import httpx
 import pytest
 
-from helexa.gateway.admin_auth import hash_password
+from helexa.passwords import hash_password
 from tests.gateway.gateway_proc import start_gateway
 from tests.web.node_proc import start_node
 
