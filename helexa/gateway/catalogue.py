@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from helexa.gateway.fleet import NodeState
+from helexa.gateway.fleet import NodeView
 from helexa.gateway.router import Router
 
 _LIMIT_KEYS = ("context", "input", "output")
@@ -80,5 +80,5 @@ def _tightest(limits: list[Any]) -> dict[str, int] | None:
     }
 
 
-def nodes_view(nodes: list[NodeState]) -> list[dict[str, Any]]:
+def nodes_view(nodes: list[NodeView]) -> list[dict[str, Any]]:
     return [n.describe() for n in sorted(nodes, key=lambda n: n.name)]

@@ -17,7 +17,7 @@ LOOPBACK_HOSTS = {"127.0.0.1", "localhost", "::1", "0.0.0.0", "[::1]", "::"}
 
 
 @dataclass(slots=True)
-class NodeState:
+class NodeView:
     """One `[[nodes]]` entry and the last answers it gave."""
 
     name: str
@@ -115,12 +115,12 @@ class Fleet:
     ) -> None:
         keys = api_keys or {}
         self.nodes = {
-            name: NodeState(name, endpoint.rstrip("/"), keys.get(name)) for name, endpoint in nodes
+            name: NodeView(name, endpoint.rstrip("/"), keys.get(name)) for name, endpoint in nodes
         }
 
-    def up(self) -> list[NodeState]:
+    def up(self) -> list[NodeView]:
         return [n for n in self.nodes.values() if n.up]
 
-    def replicas(self, model_id: str) -> list[NodeState]:
+    def replicas(self, model_id: str) -> list[NodeView]:
         """Nodes serving `model_id` now, sorted by name."""
         return sorted((n for n in self.nodes.values() if n.loaded(model_id)), key=lambda n: n.name)

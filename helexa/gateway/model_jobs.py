@@ -10,7 +10,7 @@ from collections.abc import Coroutine
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from helexa.gateway.fleet import NodeState
+from helexa.gateway.fleet import NodeView
 from helexa.gateway.router import Router
 from helexa.logs import event
 
@@ -89,7 +89,7 @@ class ModelJobs:
     def any_running(self) -> bool:
         return any(j.state == "running" for j in self._jobs)
 
-    def _node(self, name: str) -> NodeState:
+    def _node(self, name: str) -> NodeView:
         node = self.router.fleet.nodes.get(name)
         if node is None:
             raise ValueError(f"node: {name!r} is not a configured node")

@@ -11,7 +11,7 @@ from urllib.parse import quote
 
 import aiohttp
 
-from helexa.gateway.fleet import KEY_REFUSED, NOT_ANSWERING, Fleet, NodeState
+from helexa.gateway.fleet import KEY_REFUSED, NOT_ANSWERING, Fleet, NodeView
 
 log = logging.getLogger(__name__)
 POLL_TIMEOUT_S = 5.0
@@ -36,16 +36,16 @@ class Poller:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
 
-    async def refresh(self, node: NodeState) -> None:
+    async def refresh(self, node: NodeView) -> None:
         """Poll `node` now (after a load or unload the gateway itself asked for)."""
         await self.poll_once(node)
 
-    async def _run(self, node: NodeState) -> None:
+    async def _run(self, node: NodeView) -> None:
         while True:
             await self.poll_once(node)
             await asyncio.sleep(self.interval_s)
 
-    async def poll_once(self, node: NodeState) -> None:
+    async def poll_once(self, node: NodeView) -> None:
         try:
             if node.discovery is None or node.max_prompt_tokens is None:
                 node.discovery = await self._get(node, "/discovery")
@@ -73,7 +73,7 @@ class Poller:
                 log.warning("node %s stopped answering (%s); it leaves routing", node.name, error)
             node.mark_down(error, reason)
 
-    async def _get(self, node: NodeState, path: str) -> Any:
+    async def _get(self, node: NodeView, path: str) -> Any:
         timeout = aiohttp.ClientTimeout(total=POLL_TIMEOUT_S)
         async with self.session.get(
             node.endpoint + path, timeout=timeout, headers=node.auth_headers()
@@ -100,7 +100,7 @@ class NodeCalls:
         self.session = session
         self.poller = poller
 
-    async def load(self, node: NodeState, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+    async def load(self, node: NodeView, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
         timeout = aiohttp.ClientTimeout(total=LOAD_TIMEOUT_S)
         try:
             async with self.session.post(
@@ -118,7 +118,7 @@ class NodeCalls:
             node.mark_down(describe_error(e))
             return 503, unreachable(node)
 
-    async def unload(self, node: NodeState, model_id: str) -> int:
+    async def unload(self, node: NodeView, model_id: str) -> int:
         timeout = aiohttp.ClientTimeout(total=POLL_TIMEOUT_S * 12)
         try:
             async with self.session.post(
@@ -134,17 +134,17 @@ class NodeCalls:
             log.warning("unloading %s from %s failed: %s", model_id, node.name, describe_error(e))
             return 503
 
-    async def refresh(self, node: NodeState) -> None:
+    async def refresh(self, node: NodeView) -> None:
         await self.poller.refresh(node)
 
 
-def unreachable(node: NodeState) -> dict[str, Any]:
+def unreachable(node: NodeView) -> dict[str, Any]:
     """The error a failed call to `node` shows: generic, the detail is in the log."""
     message = f"node {node.name} could not be reached; retry shortly"
     return {"error": {"message": message, "code": "service_unavailable"}}
 
 
-def refused(node: NodeState) -> dict[str, Any]:
+def refused(node: NodeView) -> dict[str, Any]:
     message = f"node {node.name} did not accept the gateway's credentials; retry shortly"
     return {"error": {"message": message, "code": "service_unavailable"}}
 

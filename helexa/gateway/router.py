@@ -13,7 +13,7 @@ from typing import Any, Protocol
 
 from helexa.config import Config, ModelEntry
 from helexa.errors import model_not_found, service_unavailable
-from helexa.gateway.fleet import Fleet, NodeState
+from helexa.gateway.fleet import Fleet, NodeView
 from helexa.logs import event
 
 log = logging.getLogger(__name__)
@@ -24,18 +24,18 @@ LOAD_FAILED_RETRY_AFTER_S = 30.0
 
 
 class NodeClient(Protocol):
-    async def load(self, node: NodeState, body: dict[str, Any]) -> tuple[int, dict[str, Any]]: ...
+    async def load(self, node: NodeView, body: dict[str, Any]) -> tuple[int, dict[str, Any]]: ...
 
-    async def unload(self, node: NodeState, model_id: str) -> int: ...
+    async def unload(self, node: NodeView, model_id: str) -> int: ...
 
-    async def refresh(self, node: NodeState) -> None: ...
+    async def refresh(self, node: NodeView) -> None: ...
 
 
 @dataclass(slots=True, frozen=True)
 class Route:
     """Where one request goes: the node, the model id the node knows, its base URL."""
 
-    node: NodeState
+    node: NodeView
     model_id: str
     base_url: str
 
@@ -49,7 +49,7 @@ class Router:
         self.replace_catalogue(cfg.models, cfg.aliases)
         self.in_flight: dict[tuple[str, str], int] = {}  # (node, model) -> proxied by us now
         self.last_used: dict[tuple[str, str], float] = {}
-        self._cold: dict[str, asyncio.Task[NodeState]] = {}
+        self._cold: dict[str, asyncio.Task[NodeView]] = {}
 
     def replace_catalogue(self, models: list[ModelEntry], aliases: dict[str, str]) -> None:
         """The catalogue and aliases to route by (from the database once it is open)."""
@@ -92,7 +92,7 @@ class Router:
         replicas.sort(key=lambda n: (self._busy(n, node_id), n.name))
         return [Route(n, node_id, n.inference_url(node_id)) for n in replicas]
 
-    def _busy(self, node: NodeState, node_id: str) -> int:
+    def _busy(self, node: NodeView, node_id: str) -> int:
         return node.load.get(node_id, 0) + self.in_flight.get((node.name, node_id), 0)
 
     def begin(self, route: Route) -> None:
@@ -106,7 +106,7 @@ class Router:
         self.last_used[key] = time.monotonic()
 
     # -- cold loads ------------------------------------------------------------------
-    async def _cold_load(self, model_id: str, loading: list[NodeState]) -> NodeState:
+    async def _cold_load(self, model_id: str, loading: list[NodeView]) -> NodeView:
         """One load per model however many requests wait for it."""
         task = self._cold.get(model_id)
         if task is None:
@@ -115,7 +115,7 @@ class Router:
             task.add_done_callback(lambda _t: self._cold.pop(model_id, None))
         return await asyncio.shield(task)
 
-    def feasible(self, entry: ModelEntry, node: NodeState) -> bool:
+    def feasible(self, entry: ModelEntry, node: NodeView) -> bool:
         """Whether `node` has the devices `entry` asks for. A CPU-only node can take models
         that ask for one device and no minimum of VRAM."""
         gpus = [d for d in node.devices if d.get("kind", "cuda") == "cuda"]
@@ -134,12 +134,12 @@ class Router:
         ]
         return len(big) >= entry.required_devices
 
-    def placement_order(self, model_id: str) -> list[NodeState]:
+    def placement_order(self, model_id: str) -> list[NodeView]:
         """Feasible healthy nodes, pinned ones first, then the most free memory."""
         entry = self.catalogue[model_id]
         nodes = [n for n in self.fleet.up() if self.feasible(entry, n)]
 
-        def free_mb(n: NodeState) -> int:
+        def free_mb(n: NodeView) -> int:
             return sum(d.get("memory_free_mb") or 0 for d in n.devices)
 
         return sorted(nodes, key=lambda n: (n.name not in entry.pinned_on, -free_mb(n), n.name))
@@ -157,7 +157,7 @@ class Router:
             body |= {k: v for k, v in options.items() if v is not None}
         return body
 
-    async def _place(self, model_id: str, loading: list[NodeState]) -> NodeState:
+    async def _place(self, model_id: str, loading: list[NodeView]) -> NodeView:
         node_id = self.node_model_id(model_id)
         # a node already loading it (pre-warm, another gateway) is joined, not raced
         candidates = loading or self.placement_order(model_id)
@@ -195,7 +195,7 @@ class Router:
         )
 
     async def _load_evicting(
-        self, node: NodeState, body: dict[str, Any]
+        self, node: NodeView, body: dict[str, Any]
     ) -> tuple[int, dict[str, Any]]:
         """Load on `node`; while it answers "not enough memory", unload its least recently
         used unpinned model (never one serving a request of ours) and try again."""
@@ -211,7 +211,7 @@ class Router:
             await self.nodes.unload(node, victim)
             await self.nodes.refresh(node)
 
-    def _eviction_victim(self, node: NodeState, incoming: str) -> str | None:
+    def _eviction_victim(self, node: NodeView, incoming: str) -> str | None:
         pinned = {m.id for m in self.catalogue.values() if node.name in m.pinned_on}
         pinned |= {self.node_model_id(m) for m in pinned}
         candidates = [

@@ -8,7 +8,7 @@ import pytest
 
 from helexa.config import Config, ModelEntry
 from helexa.errors import HelexaError
-from helexa.gateway.fleet import Fleet, NodeState, with_reachable_host
+from helexa.gateway.fleet import Fleet, NodeView, with_reachable_host
 from helexa.gateway.router import Router
 
 
@@ -20,19 +20,19 @@ class Calls:
         self.loads: list[tuple[str, str]] = []
         self.unloads: list[tuple[str, str]] = []
 
-    async def load(self, node: NodeState, body: dict):
+    async def load(self, node: NodeView, body: dict):
         self.loads.append((node.name, body["model_id"]))
         status, answer = self.answers.pop(0) if self.answers else (200, {})
         if status == 200:
             node.models[body["model_id"]] = {"id": body["model_id"], "status": "loaded"}
         return status, answer
 
-    async def unload(self, node: NodeState, model_id: str) -> int:
+    async def unload(self, node: NodeView, model_id: str) -> int:
         self.unloads.append((node.name, model_id))
         node.models.pop(model_id, None)
         return 200
 
-    async def refresh(self, node: NodeState) -> None:
+    async def refresh(self, node: NodeView) -> None:
         return None
 
 
