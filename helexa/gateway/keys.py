@@ -105,7 +105,7 @@ class KeyStore:
         if not account:
             raise ValueError("a key needs an account: --account NAME (non-empty)")
         allowed = _check_models(models)
-        budget = _check_budget(cap_tokens, cap_cost_usd, window)
+        budget = check_budget(cap_tokens, cap_cost_usd, window)
         secret = SECRET_PREFIX + secrets.token_urlsafe(32)
         with self.sessions.begin() as s:
             if s.get(Account, account) is None:
@@ -163,7 +163,7 @@ class KeyStore:
         window: str = "balance",
     ) -> KeyInfo:
         """Replace a key's budget; with both caps None the key has none. KeyError if unknown."""
-        budget = _check_budget(cap_tokens, cap_cost_usd, window)
+        budget = check_budget(cap_tokens, cap_cost_usd, window)
         with self.sessions.begin() as s:
             key = s.get(ApiKey, key_id)
             if key is None:
@@ -242,14 +242,21 @@ def _check_models(models: list[str] | None) -> list[str] | None:
     return allowed
 
 
-def _check_budget(
-    cap_tokens: int | None, cap_cost_usd: float | None, window: str
+def check_budget(
+    cap_tokens: int | None,
+    cap_cost_usd: float | None,
+    window: str,
+    *,
+    names: tuple[str, str] = ("--cap-tokens", "--cap-cost"),
 ) -> BudgetInfo | None:
+    """The one rule for a key's budget: positive caps, a known window; None when it sets no
+    cap. `names` are the caps as the caller's user knows them (CLI flags, form labels)."""
     kind, seconds = parse_window(window)
+    tokens_name, cost_name = names
     if cap_tokens is not None and (isinstance(cap_tokens, bool) or cap_tokens <= 0):
-        raise ValueError(f"--cap-tokens must be a positive integer, got {cap_tokens!r}")
+        raise ValueError(f"{tokens_name} must be a positive integer, got {cap_tokens!r}")
     if cap_cost_usd is not None and not (math.isfinite(cap_cost_usd) and cap_cost_usd > 0):
-        raise ValueError(f"--cap-cost must be a positive amount of USD, got {cap_cost_usd!r}")
+        raise ValueError(f"{cost_name} must be a positive amount of USD, got {cap_cost_usd!r}")
     if cap_tokens is None and cap_cost_usd is None:
         return None
     return BudgetInfo(cap_tokens, cap_cost_usd, kind, seconds)

@@ -8,13 +8,12 @@ read from the database, and a changed window is recounted from the ledger (budge
 from __future__ import annotations
 
 import asyncio
-import math
 from typing import Any
 
 from litestar import Request, Response, get, post
 from litestar.datastructures import FormMultiDict
 
-from helexa.gateway.keys import KeyInfo, KeyStore
+from helexa.gateway.keys import KeyInfo, KeyStore, check_budget
 from helexa.gateway.spend_query import key_usage
 from helexa.web.admin_common import form_of, gateway, render, text, texts
 
@@ -26,7 +25,8 @@ def _store(request: Request) -> KeyStore:
 
 
 def parse_budget(form: FormMultiDict) -> dict[str, Any]:
-    """cap_tokens, cap_cost_usd and window from the budget fields (blank caps: no cap)."""
+    """cap_tokens, cap_cost_usd and window from the budget fields (blank caps: no cap),
+    checked by the key store's own budget rule."""
     tokens, cost = text(form, "cap_tokens"), text(form, "cap_cost")
     out: dict[str, Any] = {"cap_tokens": None, "cap_cost_usd": None, "window": "balance"}
     if tokens:
@@ -34,24 +34,21 @@ def parse_budget(form: FormMultiDict) -> dict[str, Any]:
             out["cap_tokens"] = int(tokens.replace(",", "").replace("_", ""))
         except ValueError:
             raise ValueError(f"token cap: expected a whole number, got {tokens!r}") from None
-        if out["cap_tokens"] <= 0:
-            raise ValueError(f"token cap: must be positive, got {tokens}")
     if cost:
         try:
             out["cap_cost_usd"] = float(cost.removeprefix("$"))
         except ValueError:
             raise ValueError(f"cost cap: expected an amount in USD, got {cost!r}") from None
-        if not (math.isfinite(out["cap_cost_usd"]) and out["cap_cost_usd"] > 0):
-            raise ValueError(f"cost cap: must be a positive amount, got {cost}")
     if text(form, "window") == "rolling":
         seconds = text(form, "window_seconds")
-        if not seconds.isdigit() or int(seconds) <= 0:
+        if not seconds.isdigit():
             raise ValueError(
                 f"window: a rolling window needs its length in seconds (e.g. 3600), got {seconds!r}"
             )
         out["window"] = f"rolling:{int(seconds)}"
     elif text(form, "window") not in ("", "balance"):
         raise ValueError(f"window: expected balance or rolling, got {text(form, 'window')!r}")
+    check_budget(**out, names=("token cap", "cost cap"))
     return out
 
 
