@@ -88,6 +88,7 @@ def _serve_node(args: argparse.Namespace, cfg: Config) -> int:
     import logging
 
     from helexa.node.security import exposure_problem, unauthenticated_warning
+    from helexa.node.service import build_node
     from helexa.web.node_app import create_node_app
     from helexa.web.node_guard import NodeGuard
     from helexa.web.server import serve
@@ -107,11 +108,12 @@ def _serve_node(args: argparse.Namespace, cfg: Config) -> int:
     warning = unauthenticated_warning(host, node)
     if warning:
         log.warning(warning)
-    app = create_node_app(cfg)
+    service = build_node(cfg)
+    app = create_node_app(service)
     _print_node_banner(host, port, node.default_models)
 
     def drain() -> None:
-        app.state.node.draining = True
+        service.draining = True
 
     return serve(
         NodeGuard(app, node),

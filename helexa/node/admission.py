@@ -39,6 +39,10 @@ class Permit:
         self._started = time.monotonic()
         self._released = False
 
+    @property
+    def is_released(self) -> bool:
+        return self._released
+
     def release(self) -> None:
         if not self._released:
             self._released = True

@@ -1,7 +1,7 @@
-"""One chat or completions request run on a served model, as OpenAI response objects.
+"""One chat or completions request run on a served model.
 
-The web layer parses and admits; this module renders the prompt, runs the `n` choices on
-the engine, and shapes what comes back: a whole response, or the chunks of an SSE stream.
+`node/serving.py` admits; this module renders the prompt and runs the `n` choices on the
+engine, keeping what `openai_out` and `responses_out` shape into answers.
 """
 
 from __future__ import annotations
@@ -29,8 +29,9 @@ from helexa.errors import (
     vision_unsupported,
 )
 from helexa.node.metrics import NodeMetrics
-from helexa.node.registry import RECOVERY_RETRY_AFTER_S, ModelRegistry, ServedModel
+from helexa.node.registry import RECOVERY_RETRY_AFTER_S, ModelRegistry
 from helexa.node.sampling import choice_params
+from helexa.node.served import ServedModel
 from helexa.protocol.assistant_output import AssistantOutput, Pieces
 from helexa.protocol.openai import (
     ChatCompletionRequest,
@@ -204,7 +205,7 @@ class Generation:
         # metric children bound once: _account runs for every delta of every request
         self._ttft = metrics.ttft.labels(model)
         self._itl = metrics.itl.labels(model)
-        self._t0 = time.monotonic()
+        self._t0 = 0.0  # set when deltas() starts: TTFT counts from generation, not queueing
         self._t_last: float | None = None
         self.ttft_s: float | None = None  # until the first generated token
         self._recorded = False
@@ -213,6 +214,7 @@ class Generation:
     async def deltas(self) -> AsyncIterator[tuple[int, RequestOutput]]:
         """(choice index, delta) as the engine produces them; an engine fault becomes the
         HelexaError the client should see."""
+        self._t0 = time.monotonic()
         try:
             async for item in self._deltas():
                 yield item

@@ -7,7 +7,7 @@ from typing import Any
 from helexa.engine.sequence import RequestOutput, TokenLogprob
 from helexa.engine.tokenizer import Tokenizer
 from helexa.node.generation import Generation
-from helexa.node.registry import ServedModel
+from helexa.node.served import ServedModel
 from helexa.protocol.assistant_output import AssistantOutput, Pieces, ToolCallOut
 
 

@@ -13,7 +13,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from helexa.config import NodeConfig
-from helexa.errors import HelexaError
+from helexa.errors import HelexaError, invalid_request
+from helexa.protocol.wire import ACCOUNT_HEADER, BUDGET_HEADER, KEY_HEADER, VIA_HEADER, SpendBudget
 
 # A hub id: `org/name`, optionally `scheme:org/name` ([sources.<scheme>]).
 _HUB_ID = re.compile(r"(?:[a-z0-9][a-z0-9_-]*:)?[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*")
@@ -60,6 +61,32 @@ def bearer(headers: Mapping[str, str]) -> str | None:
     """The token of `Authorization: Bearer <token>`, if that is what was sent."""
     scheme, _, token = headers.get("authorization", "").partition(" ")
     return token.strip() if scheme.lower() == "bearer" and token.strip() else None
+
+
+def principal_of(headers: Mapping[str, str], trusted: bool, client: str | None) -> str | None:
+    """Who is calling, for the per-principal cap: `account/key` as the gateway stamps it;
+    None for the gateway's anonymous traffic (it caps that itself); anyone else is an
+    anonymous direct caller, counted by client address. `trusted`: whether the gateway's
+    headers may be believed (NodeGuard decides)."""
+    if trusted:
+        account, key = headers.get(ACCOUNT_HEADER), headers.get(KEY_HEADER)
+        if account or key:
+            return f"{account or '-'}/{key or '-'}"
+        if headers.get(VIA_HEADER):
+            return None
+    return f"client:{client or '?'}"
+
+
+def budget_of(headers: Mapping[str, str], trusted: bool) -> SpendBudget | None:
+    """The gateway's reservation for this request (`x-helexa-budget`), if a trusted caller
+    sent one; a malformed one is the 400 naming the header."""
+    value = headers.get(BUDGET_HEADER)
+    if not value or not trusted:
+        return None
+    try:
+        return SpendBudget.parse(value)
+    except ValueError as e:
+        raise invalid_request(f"{BUDGET_HEADER}: {e}", BUDGET_HEADER) from None
 
 
 def model_path_not_allowed(model_id: str) -> HelexaError:

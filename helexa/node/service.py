@@ -1,0 +1,139 @@
+"""The node as one object, built once at start: its config, loaded models, metrics, the
+default models' activation and whether it is draining; plus what its management routes
+answer (health, discovery, a model's entry or endpoint, loads and unloads), without HTTP.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+from collections.abc import MutableMapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from helexa.config import Config
+from helexa.engine.loader.load import BUNDLED_MODEL_ID
+from helexa.errors import HelexaError, invalid_request, model_not_found, service_unavailable
+from helexa.node.activation import Activation
+from helexa.node.discovery import device_stats, discovery
+from helexa.node.loading import LoadOptions, parse_load_options
+from helexa.node.metrics import NodeMetrics
+from helexa.node.registry import ModelRegistry
+from helexa.node.security import loadable_ref, unauthenticated_warning
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class Node:
+    """Everything a node's handlers need; `build_node` makes the one a process serves."""
+
+    cfg: Config
+    registry: ModelRegistry
+    metrics: NodeMetrics
+    activation: Activation = field(default_factory=Activation)
+    started_at: float = field(default_factory=time.time)
+    draining: bool = False  # set on SIGTERM: new work is refused, in-flight work finishes
+
+    def refuse_if_draining(self, why: str = "the node is shutting down") -> None:
+        """503 once draining: the caller should try another node."""
+        if self.draining:
+            raise service_unavailable(why, 5)
+
+    # -- lifecycle -----------------------------------------------------------------
+    async def load_defaults(self) -> None:
+        """Load `default_models` (the bundled SmolLM2 when none) one after another."""
+        ids = list(dict.fromkeys(self.cfg.node.default_models)) or [BUNDLED_MODEL_ID]
+        activation = self.activation
+        activation.start(ids)
+        for model_id in ids:
+            activation.begin(model_id)
+            try:
+                await self.registry.load(LoadOptions(model_id))
+            except HelexaError as e:
+                log.error("default model %s failed to load: %s", model_id, e.message)
+                activation.fail(model_id, e.message)
+            except Exception as e:  # never leave activation stuck in pre_warming
+                log.exception("default model %s failed to load", model_id)
+                activation.fail(model_id, f"{type(e).__name__}: {e}")
+            else:
+                activation.succeed(model_id)
+        failed = len(activation.failed)
+        log.info("ready: %d of %d default models loaded", len(ids) - failed, len(ids))
+
+    async def shutdown(self) -> None:
+        """Refuse new work and unload every model."""
+        self.draining = True
+        await self.registry.shutdown()
+        log.info("node stopped: all models unloaded")
+
+    # -- what the management routes answer -----------------------------------------
+    async def health(self) -> dict[str, Any]:
+        """The `/health` body: status, uptime, devices, activation, per-model traffic."""
+        return {
+            "status": "draining" if self.draining else "ok",
+            "uptime_s": round(time.time() - self.started_at, 1),
+            "devices": await asyncio.to_thread(device_stats),
+            "activation": self.activation.to_dict(),
+            "models": [
+                {
+                    "id": m.id,
+                    "status": m.status,
+                    "in_flight": m.admission.num_running,
+                    "queue_depth": m.admission.queue_depth,
+                }
+                for m in self.registry.models.values()
+            ],
+        }
+
+    async def discovery(self) -> dict[str, Any]:
+        """The `/discovery` body: the host, its devices, and how the node is protected."""
+        inputs = [m.limit["input"] for m in self.registry.models.values()]
+        found = await asyncio.to_thread(discovery, min(inputs) if inputs else None)
+        found["auth"] = "api_key" if self.cfg.node.api_key else "none"
+        warning = unauthenticated_warning(self.cfg.node.host, self.cfg.node)
+        found["warnings"] = [warning] if warning else []
+        return found
+
+    def model_info(self, path: str, base_url: str) -> dict[str, Any]:
+        """`{id}/endpoint`: where to send inference for a model (`advertise_endpoint`, else
+        `base_url`); `{id}`: its `/models` entry. 404 when no loaded model has that id."""
+        model_id = path.strip("/")
+        wants_endpoint = model_id.endswith("/endpoint")
+        if wants_endpoint:
+            model_id = model_id.removesuffix("/endpoint")
+        # the router folds `//`, so `/models//srv/m/endpoint` names `/srv/m` as well as `srv/m`
+        models = self.registry.models
+        served = models.get(model_id) or models.get("/" + model_id)
+        if served is None:
+            raise model_not_found(model_id)
+        if not wants_endpoint:
+            return served.describe()
+        base = self.cfg.node.advertise_endpoint or base_url
+        return {"model_id": served.id, "endpoint": base.rstrip("/")}
+
+    async def load(self, body: Any, notes: MutableMapping[str, Any]) -> dict[str, Any]:
+        """Load what a `POST /models/load` body asks for, once it is known to be allowed."""
+        self.refuse_if_draining()
+        options = parse_load_options(body)
+        notes["model"] = options.model_id
+        ref = loadable_ref(options.model_id, self.cfg.node.model_dirs or [], BUNDLED_MODEL_ID)
+        served = await self.registry.load(dataclasses.replace(options, ref=ref))
+        return {"status": "loaded", "model": served.describe()}
+
+    async def unload(self, body: Any) -> dict[str, Any]:
+        """Unload the model a `POST /models/unload` body names; 404 when none serves it."""
+        model_id = body.get("model_id") if isinstance(body, dict) else None
+        if not isinstance(model_id, str) or not model_id:
+            raise invalid_request("model_id: expected a non-empty string", "model_id")
+        if not await self.registry.unload(model_id):
+            raise model_not_found(model_id)
+        return {"status": "unloaded", "model_id": model_id}
+
+
+def build_node(cfg: Config) -> Node:
+    """The node a process serves from `cfg`; models load later (`Node.load_defaults`)."""
+    registry = ModelRegistry(cfg)
+    return Node(cfg, registry, NodeMetrics(registry))

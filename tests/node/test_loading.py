@@ -1,0 +1,73 @@
+"""What a `POST /models/load` may ask for (helexa/node/loading.py), checked without HTTP:
+the body's shape first (400 naming the field), then the options a node cannot honour
+(422 with kind, model_id and a suggestion), all before anything is allocated."""
+
+from __future__ import annotations
+
+import pytest
+
+from helexa.config import Config
+from helexa.errors import HelexaError
+from helexa.node.loading import LoadError, LoadOptions, engine_args, parse_load_options
+
+
+def refusal(body: object) -> HelexaError:
+    with pytest.raises(HelexaError) as err:
+        parse_load_options(body)
+    assert err.value.status == 400
+    return err.value
+
+
+def test_a_whole_body_becomes_load_options():
+    body = {
+        "model_id": "org/name",
+        "quant": "Q4_K_M",
+        "dtype": "float16",
+        "devices": [0],
+        "tensor_parallel": 1,
+        "revision": "main",
+    }
+    assert parse_load_options(body) == LoadOptions("org/name", "Q4_K_M", "float16", (0,), 1, "main")
+    assert parse_load_options({"model_id": "org/name"}) == LoadOptions("org/name")
+
+
+@pytest.mark.parametrize(
+    ("body", "param", "says"),
+    [
+        ([], "body", "expected a JSON object with model_id"),
+        ({}, "model_id", "model_id: required"),
+        ({"model_id": 7}, "model_id", "model_id: expected a string, got 7"),
+        ({"model_id": "a/b", "quant": True}, "quant", "quant: expected a string, got true"),
+        ({"model_id": "a/b", "devices": [0, -1]}, "devices", "non-negative integers"),
+        ({"model_id": "a/b", "devices": [True]}, "devices", "non-negative integers"),
+        ({"model_id": "a/b", "devices": "0"}, "devices", "an array of device indices"),
+        ({"model_id": "a/b", "tensor_parallel": 0}, "tensor_parallel", "must be >= 1"),
+    ],
+)
+def test_a_malformed_body_is_a_400_naming_its_field(body, param, says):
+    err = refusal(body)
+    assert err.param == param and says in err.message
+
+
+@pytest.mark.parametrize(
+    ("options", "kind", "suggestion"),
+    [
+        (LoadOptions("a/b", quant="Q4_K_X"), "invalid_quant", "did you mean 'Q4_K_S'?"),
+        (LoadOptions("a/b", dtype="float61"), "invalid_dtype", "did you mean 'float16'?"),
+        (LoadOptions("a/b", tensor_parallel=2), "tensor_parallel_unsupported", None),
+        (LoadOptions("a/b", devices=(99,)), "device_unavailable", None),
+    ],
+)
+def test_an_option_the_node_cannot_honour_is_a_422_before_any_allocation(options, kind, suggestion):
+    with pytest.raises(LoadError) as err:
+        engine_args(Config(), options)
+    e = err.value.to_envelope()["error"]
+    assert err.value.status == 422
+    assert (e["kind"], e["model_id"], e["code"]) == (kind, "a/b", kind)
+    if suggestion is not None:
+        assert e["suggestion"] == suggestion
+
+
+def test_a_gguf_quant_is_named_canonically_and_an_in_situ_one_passes_through():
+    assert engine_args(Config(), LoadOptions("a/b-GGUF", quant="q4-k-m")).gguf_quant == "Q4_K_M"
+    assert engine_args(Config(), LoadOptions("a/b", quant="INT8")).quant == "int8"
