@@ -10,11 +10,7 @@ from pathlib import Path
 import torch
 
 from helexa.engine.loader.hf import iter_safetensors, read_json, safetensors_files
-from helexa.engine.models import (
-    MODEL_REGISTRY,
-    SCRIPTED_MODEL_TYPE,
-    check_model_type,
-)
+from helexa.engine.models import MODEL_REGISTRY, check_model_type
 from helexa.engine.models.config import ModelConfig
 from helexa.engine.tokenizer import Tokenizer, load_hf_tokenizer
 
@@ -170,18 +166,12 @@ def load_model(
 
     model_type = hf_cfg.get("model_type")
     check_model_type(model_type)
-    if model_type == SCRIPTED_MODEL_TYPE:
-        from helexa.engine.models.scripted import ScriptedForCausalLM, scripted_hf_config
-
-        cfg = ModelConfig.from_hf(scripted_hf_config(hf_cfg))
-        model = ScriptedForCausalLM(cfg, tokenizer)
-        model.load_weights([], dtype=dtype)
-        return LoadedModel(model.to(device), tokenizer, cfg, path, "scripted")
-
-    cfg = ModelConfig.from_hf(hf_cfg)
-    if weights is None:
+    family = MODEL_REGISTRY[model_type]
+    model = family.build(hf_cfg, tokenizer, max_position=max_position)
+    if family.source_format is not None:  # a family that reads no checkpoint weights
+        weights, fmt = (), family.source_format
+    elif weights is None:
         weights = iter_safetensors(safetensors_files(path))
-    model = MODEL_REGISTRY[model_type](cfg, max_position=max_position)
     model.load_weights(
         ((n, _to(w, device)) for n, w in weights),
         dtype=dtype,
@@ -189,7 +179,7 @@ def load_model(
         dense_copies=dense_copies and device.type == "cpu",
     )
     model.post_load()
-    return LoadedModel(model.to(device).eval(), tokenizer, cfg, path, fmt)
+    return LoadedModel(model.to(device).eval(), tokenizer, model.config, path, fmt)
 
 
 def _to(w, device: torch.device):

@@ -1,18 +1,26 @@
-"""Model families by HF `model_type`."""
+"""Model families by HF `model_type`.
+
+A family is a class the loader uses through one interface: `build(hf_config, tokenizer,
+max_position=)` makes the model from config.json (GGUF metadata in the same keys), then
+`load_weights(weights, dtype=, quant=, dense_copies=)` places the checkpoint's tensors and
+`post_load()` fuses what it can. `source_format` is None when weights come from the
+checkpoint, else what `/models` calls a family that reads none (the test architecture).
+"""
 
 from __future__ import annotations
 
 from helexa.engine.models.llama import LlamaForCausalLM
 from helexa.engine.models.qwen2 import Qwen2ForCausalLM
 from helexa.engine.models.qwen3 import Qwen3ForCausalLM
+from helexa.engine.models.scripted import ScriptedForCausalLM
 
-MODEL_REGISTRY: dict[str, type] = {
+MODEL_REGISTRY: dict[str, type[LlamaForCausalLM] | type[ScriptedForCausalLM]] = {
     "llama": LlamaForCausalLM,
     "qwen2": Qwen2ForCausalLM,
     "qwen3": Qwen3ForCausalLM,
+    "helexa_scripted": ScriptedForCausalLM,  # a fixed script, for protocol tests
 }
-SCRIPTED_MODEL_TYPE = "helexa_scripted"
-SUPPORTED_MODEL_TYPES = sorted([*MODEL_REGISTRY, SCRIPTED_MODEL_TYPE])
+SUPPORTED_MODEL_TYPES = sorted(MODEL_REGISTRY)
 
 
 class UnsupportedModelError(ValueError):

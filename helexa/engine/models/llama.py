@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -17,6 +17,7 @@ from helexa.engine.models.config import ModelConfig
 
 if TYPE_CHECKING:
     from helexa.engine.loader.gguf import GGUFTensor
+    from helexa.engine.tokenizer import Tokenizer
 
     WeightSource = torch.Tensor | GGUFTensor
 
@@ -128,6 +129,15 @@ class LlamaForCausalLM(nn.Module):
     layer_cls: type[DecoderLayer] = DecoderLayer
     # HF names that carry nothing we need.
     ignored_weight_suffixes = ("rotary_emb.inv_freq",)
+    # Weights come from the checkpoint (safetensors or GGUF); see models/__init__.py.
+    source_format: str | None = None
+
+    @classmethod
+    def build(
+        cls, hf_config: dict[str, Any], tokenizer: Tokenizer, *, max_position: int | None = None
+    ) -> LlamaForCausalLM:
+        """The model for a checkpoint's config.json (GGUF metadata in the same keys)."""
+        return cls(ModelConfig.from_hf(hf_config), max_position=max_position)
 
     def __init__(self, cfg: ModelConfig, max_position: int | None = None) -> None:
         super().__init__()

@@ -9,6 +9,7 @@ the script's tokens in order, then eos, whatever the prompt.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 from torch import nn
@@ -37,7 +38,17 @@ def scripted_hf_config(cfg: dict) -> dict:
 
 
 class ScriptedForCausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig, tokenizer: Tokenizer, max_position: int | None = None):
+    # Nothing is read from the checkpoint: the script is in config.json.
+    source_format: str | None = "scripted"
+
+    @classmethod
+    def build(
+        cls, hf_config: dict[str, Any], tokenizer: Tokenizer, *, max_position: int | None = None
+    ) -> ScriptedForCausalLM:
+        """The model for a `helexa_scripted` config.json; the tokenizer encodes its script."""
+        return cls(ModelConfig.from_hf(scripted_hf_config(hf_config)), tokenizer)
+
+    def __init__(self, cfg: ModelConfig, tokenizer: Tokenizer):
         super().__init__()
         self.config = cfg
         hf = cfg.hf
@@ -79,6 +90,14 @@ class ScriptedForCausalLM(nn.Module):
         return logits.to(hidden.device)
 
     def load_weights(
-        self, weights: Iterable, *, dtype: torch.dtype, quant: str | None = None
+        self,
+        weights: Iterable,
+        *,
+        dtype: torch.dtype,
+        quant: str | None = None,
+        dense_copies: bool = False,
     ) -> None:
         self.attn_dtype = dtype
+
+    def post_load(self) -> None:
+        pass
