@@ -27,7 +27,7 @@ class ServedModel:
     options: LoadOptions
     llm: AsyncLLM
     admission: Admission
-    status: str = "loaded"  # loaded | recovering | poisoned
+    status: str = "loaded"  # loaded | recovering (after a device fault)
     loaded_at: float = field(default_factory=time.time)
     load_seconds: float = 0.0
     memory_mb: int = field(init=False)  # fixed once loaded: weights and KV pool
