@@ -1,21 +1,132 @@
-"""After a proxied request: settle its budget reservation, write its ledger row, count
-its spend — from the node's own usage, or, for a stream cut before its usage arrived,
-from the content chunks that did arrive."""
+"""After a proxied request: what the node's answer said, and the books — settle the budget
+reservation, write the ledger row, count the spend. Counts come from the node's own usage,
+or, for a stream cut before its usage arrived, from the text events that did arrive."""
 
 from __future__ import annotations
 
-import re
-from typing import TYPE_CHECKING, Any
+import time
+from dataclasses import dataclass, field
+from typing import Any
 
-from helexa.gateway.budgets import Budgets
+import msgspec
+
+from helexa.gateway.auth import ANONYMOUS, Principal
+from helexa.gateway.budgets import Budgets, Reservation
 from helexa.gateway.ledger import Ledger
 from helexa.gateway.metrics import GatewayMetrics
-from helexa.protocol.wire import cost_usd
+from helexa.gateway.request_log import RequestRecord
+from helexa.gateway.router import Route
+from helexa.protocol.wire import SSEReader, cost_usd
 
-if TYPE_CHECKING:
-    from helexa.gateway.proxy import Exchange
+_decode = msgspec.json.Decoder().decode
+# Responses API events whose `delta` is generated text (answer, reasoning, call arguments)
+TEXT_DELTA_EVENTS = frozenset(
+    {
+        "response.output_text.delta",
+        "response.reasoning_summary_text.delta",
+        "response.function_call_arguments.delta",
+    }
+)
 
-_FINISH = re.compile(rb'"finish_reason":\s*"([a-z_]+)"')
+
+class Tally:
+    """What a node's answer said, for the books: a stream's events parsed as they are
+    relayed (however its bytes are split), or a whole JSON body parsed once."""
+
+    __slots__ = ("_reader", "finish_reason", "first_byte", "last_byte", "text_events", "usage")
+
+    def __init__(self) -> None:
+        self._reader = SSEReader()
+        self.text_events = 0  # per choice, events carrying generated text: the fallback count
+        self.finish_reason: str | None = None  # the last one the node sent
+        self.usage: dict[str, Any] | None = None  # the last usage object the node sent
+        self.first_byte: float | None = None
+        self.last_byte: float | None = None
+
+    def feed(self, chunk: bytes) -> None:
+        """One chunk of a stream, as it is relayed."""
+        self._arrived()
+        for event in self._reader.feed(chunk):
+            self._read(_parse(event.data), event.name, "delta")
+
+    def whole(self, body: bytes) -> None:
+        """A non-stream answer, all of it."""
+        self._arrived()
+        self._read(_parse(body), None, "message")
+
+    def _arrived(self) -> None:
+        now = time.monotonic()
+        if self.first_byte is None:
+            self.first_byte = now
+        self.last_byte = now
+
+    def _read(self, obj: Any, name: str | None, part: str) -> None:
+        """One chat or completions chunk (or body), or one Responses event."""
+        if not isinstance(obj, dict):
+            return  # `[DONE]`, or nothing we understand
+        usage = obj.get("usage")
+        choices = obj.get("choices")
+        if isinstance(choices, list):
+            for choice in choices:
+                if not isinstance(choice, dict):
+                    continue
+                self.text_events += _has_text(choice, part)
+                reason = choice.get("finish_reason")
+                if isinstance(reason, str) and reason:
+                    self.finish_reason = reason
+        else:
+            if (obj.get("type") or name) in TEXT_DELTA_EVENTS and obj.get("delta"):
+                self.text_events += 1
+            response = obj.get("response")  # response.completed / .incomplete carry it
+            if usage is None and isinstance(response, dict):
+                usage = response.get("usage")
+        if isinstance(usage, dict) and ("completion_tokens" in usage or "output_tokens" in usage):
+            self.usage = usage
+
+
+def _parse(data: str | bytes) -> Any:
+    try:
+        return _decode(data)
+    except msgspec.DecodeError:
+        return None
+
+
+def _has_text(choice: dict[str, Any], part: str) -> bool:
+    """Whether a choice (its `delta`, or a whole answer's `message`) carries generated text:
+    content, reasoning, tool-call arguments, or a completion's `text`."""
+    if choice.get("text"):
+        return True
+    delta = choice.get(part)
+    if not isinstance(delta, dict):
+        return False
+    if delta.get("content") or delta.get("reasoning_content"):
+        return True
+    calls = delta.get("tool_calls")
+    return isinstance(calls, list) and any(
+        isinstance(c, dict)
+        and isinstance(c.get("function"), dict)
+        and c["function"].get("arguments")
+        for c in calls
+    )
+
+
+@dataclass(slots=True)
+class Exchange:
+    """One request's exchange with a node, as its books see it."""
+
+    model: str  # the catalogue's name for it (never an alias): the ledger's
+    principal: Principal = ANONYMOUS
+    route: Route | None = None  # once a node took it
+    reservation: Reservation | None = None
+    prompt_estimate: int = 0
+    price: tuple[float, float] = (0.0, 0.0)  # USD per 1M input, output tokens
+    started: float = field(default_factory=time.monotonic)
+    tally: Tally = field(default_factory=Tally)
+    record: RequestRecord | None = None  # the request's log line, held open until settled
+
+    def usage(self, status: int) -> dict[str, Any] | None:
+        """The node's own usage, when it answered 200 and sent one."""
+        return self.tally.usage if status == 200 else None
 
 
 def usage_counts(usage: dict[str, Any]) -> tuple[int, int, int, int]:
@@ -39,22 +150,15 @@ def usage_counts(usage: dict[str, Any]) -> tuple[int, int, int, int]:
     )
 
 
-def settled_counts(
-    ex: Exchange, status: int, usage: dict[str, Any] | None
-) -> tuple[int, int, int, int]:
+def settled_counts(ex: Exchange, status: int) -> tuple[int, int, int, int]:
     """(prompt, completion, cached, reasoning) tokens to settle: the node's usage, or for a
-    stream cut before it, the prompt estimate and the content chunks that arrived."""
+    stream cut before it, the prompt estimate and the text events that arrived."""
+    usage = ex.usage(status)
     if usage:
         return usage_counts(usage)
-    if ex.first_byte is not None and status == 200:  # cut short: count what came
-        return ex.prompt_estimate, ex.content_events, 0, 0
+    if ex.tally.first_byte is not None and status == 200:  # cut short: count what came
+        return ex.prompt_estimate, ex.tally.text_events, 0, 0
     return 0, 0, 0, 0  # never ran
-
-
-def finish_reason(ex: Exchange) -> str | None:
-    """The last `finish_reason` the node sent (in the tail of its answer), if any."""
-    found = _FINISH.findall(bytes(ex.tail))
-    return found[-1].decode() if found else None
 
 
 class Accountant:
@@ -63,13 +167,16 @@ class Accountant:
         self.ledger = ledger
         self.metrics = metrics
 
-    def close(self, ex: Exchange, status: int, usage: dict[str, Any] | None) -> None:
-        prompt, completion, cached, reasoning = settled_counts(ex, status, usage)
+    def close(self, ex: Exchange, status: int) -> tuple[int, int, int, int]:
+        """Settle the exchange's reservation and queue its ledger row; returns the counts
+        it settled (as `settled_counts`)."""
+        counts = settled_counts(ex, status)
+        prompt, completion, cached, reasoning = counts
         in_price, out_price = ex.price
         cost = cost_usd(prompt, completion, in_price, out_price)
         if ex.reservation is not None:
             self.budgets.settle(ex.reservation, prompt + completion, cost)
-        key = ex.principal.key
+        key, tally = ex.principal.key, ex.tally
         self.ledger.record(
             account_id=key.account_id if key else None,
             key_id=key.id if key else None,
@@ -81,9 +188,10 @@ class Accountant:
             reasoning_tokens=reasoning,
             cost_usd=cost,
             status=status,
-            finish_reason=finish_reason(ex),
-            ttft_ms=(ex.first_byte - ex.started) * 1000 if ex.first_byte else None,
-            latency_ms=((ex.last_byte or ex.first_byte or ex.started) - ex.started) * 1000,
+            finish_reason=tally.finish_reason,
+            ttft_ms=(tally.first_byte - ex.started) * 1000 if tally.first_byte else None,
+            latency_ms=((tally.last_byte or tally.first_byte or ex.started) - ex.started) * 1000,
         )
         if key is not None and prompt + completion:
             self.metrics.spend_tokens.labels(key.account_id, key.id).inc(prompt + completion)
+        return counts

@@ -13,6 +13,7 @@ import secrets
 import time
 from dataclasses import dataclass, field
 
+from helexa.config import AdminConfig
 from helexa.passwords import parse_hash, verify_password
 
 MAX_FAILURES = 5  # per client within FAILURE_WINDOW_S, then it waits
@@ -121,3 +122,16 @@ class LoginThrottle:
 
     def succeeded(self, client: str) -> None:
         self._failures.pop(client, None)
+
+
+@dataclass(slots=True)
+class Console:
+    """The admin console's own state: its password, who is logged in, who guessed wrong."""
+
+    password: PasswordCheck
+    sessions: SessionStore
+    throttle: LoginThrottle = field(default_factory=LoginThrottle)
+
+    @classmethod
+    def from_config(cls, cfg: AdminConfig) -> Console:
+        return cls(PasswordCheck(cfg.password_hash, cfg.password), SessionStore(cfg.session_ttl_s))

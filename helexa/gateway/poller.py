@@ -11,6 +11,7 @@ from urllib.parse import quote
 
 import aiohttp
 
+from helexa.gateway.connections import Connections
 from helexa.gateway.fleet import KEY_REFUSED, NOT_ANSWERING, Fleet, NodeView
 
 log = logging.getLogger(__name__)
@@ -19,9 +20,9 @@ KEY_HINT = "check its [[nodes]] api_key / api_key_env against the node's [node] 
 
 
 class Poller:
-    def __init__(self, fleet: Fleet, session: aiohttp.ClientSession, interval_s: float) -> None:
+    def __init__(self, fleet: Fleet, connections: Connections, interval_s: float) -> None:
         self.fleet = fleet
-        self.session = session
+        self.connections = connections
         self.interval_s = interval_s
         self._tasks: list[asyncio.Task[None]] = []
 
@@ -75,7 +76,7 @@ class Poller:
 
     async def _get(self, node: NodeView, path: str) -> Any:
         timeout = aiohttp.ClientTimeout(total=POLL_TIMEOUT_S)
-        async with self.session.get(
+        async with self.connections.session.get(
             node.endpoint + path, timeout=timeout, headers=node.auth_headers()
         ) as r:
             r.raise_for_status()
@@ -96,14 +97,14 @@ class NodeCalls:
     What a failure says is for clients and the admin console: the node's name, never the
     wire detail (addresses, exception text), which goes to the log."""
 
-    def __init__(self, session: aiohttp.ClientSession, poller: Poller) -> None:
-        self.session = session
+    def __init__(self, connections: Connections, poller: Poller) -> None:
+        self.connections = connections
         self.poller = poller
 
     async def load(self, node: NodeView, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
         timeout = aiohttp.ClientTimeout(total=LOAD_TIMEOUT_S)
         try:
-            async with self.session.post(
+            async with self.connections.session.post(
                 node.endpoint + "/models/load",
                 json=body,
                 timeout=timeout,
@@ -121,7 +122,7 @@ class NodeCalls:
     async def unload(self, node: NodeView, model_id: str) -> int:
         timeout = aiohttp.ClientTimeout(total=POLL_TIMEOUT_S * 12)
         try:
-            async with self.session.post(
+            async with self.connections.session.post(
                 node.endpoint + "/models/unload",
                 json={"model_id": model_id},
                 timeout=timeout,

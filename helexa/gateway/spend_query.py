@@ -14,10 +14,10 @@ from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 
 from sqlalchemy import Select, func, literal, select, union_all
-from sqlalchemy.orm import Session
+from sqlalchemy.orm import Session, sessionmaker
 
-from helexa.db.models import SpendRecord
-from helexa.gateway.keys import KeyInfo
+from helexa.db.models import Account, ApiKey, SpendRecord
+from helexa.gateway.keys import KeyInfo, KeyStore
 from helexa.gateway.spend_report import parse_since
 
 PAGE_SIZE = 50
@@ -312,3 +312,46 @@ def key_usage(s: Session, keys: Iterable[KeyInfo], now: datetime | None = None) 
             t, c = s.execute(select(*sums).where(r.key_id == k.id, r.ts >= since)).one()
             out[k.id] = Usage(int(t), float(c))
     return out
+
+
+def keys_and_usage(
+    store: KeyStore, now: datetime | None = None
+) -> tuple[list[KeyInfo], dict[str, Usage]]:
+    """Every key and its spend where its cap applies (the Keys page)."""
+    keys = store.list()
+    with store.sessions() as s:
+        return keys, key_usage(s, keys, now)
+
+
+@dataclass(frozen=True, slots=True)
+class SpendView:
+    """The Spend page's reading of the ledger under one filter."""
+
+    ledger: LedgerPage
+    total: Totals
+    by_key: list[Totals]
+    by_model: list[Totals]  # the TOP_N biggest
+    series: Series
+    key_ids: list[str]  # every key, for the filter's choices
+    accounts: list[str]  # every account, likewise
+
+
+def spend_view(
+    sessions: sessionmaker[Session],
+    f: SpendFilter,
+    *,
+    before: int | None = None,
+    after: int | None = None,
+    now: datetime | None = None,
+) -> SpendView:
+    with sessions() as s:
+        by_model = totals_by(s, f, "model", top=None)  # few: their sum is the total
+        return SpendView(
+            ledger=ledger_page(s, f, before=before, after=after),
+            total=add_up(by_model),
+            by_key=totals_by(s, f, "key_id"),
+            by_model=by_model[:TOP_N],
+            series=over_time(s, f, now),
+            key_ids=list(s.scalars(select(ApiKey.id).order_by(ApiKey.id))),
+            accounts=list(s.scalars(select(Account.id).order_by(Account.id))),
+        )

@@ -1,42 +1,22 @@
-"""What every admin console handler shares: the console's state, rendering a page or the
-partial htmx asked for, and reading forms."""
+"""What every admin console handler shares: rendering a page or the partial htmx asked
+for, and reading forms. The console's state is the gateway's (`Gateway.console`)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from jinja2 import Environment, FileSystemLoader, StrictUndefined
 from litestar import Request
 from litestar.datastructures import FormMultiDict
 from litestar.response import Template
 
-from helexa.config import AdminConfig
-from helexa.gateway.admin_auth import AdminSession, LoginThrottle, PasswordCheck, SessionStore
-from helexa.gateway.model_jobs import ModelJobs
-
-if TYPE_CHECKING:
-    from helexa.web.gateway_app import GatewayState
+from helexa.gateway.admin_auth import AdminSession
 
 PACKAGE_DIR = Path(__file__).resolve().parents[1]
 TEMPLATES_DIR = PACKAGE_DIR / "templates"
 STATIC_DIR = PACKAGE_DIR / "static"
 PREFIX = "/admin"
-
-
-@dataclass(slots=True)
-class AdminState:
-    """The console's own state: who is logged in, who guessed wrong, running loads."""
-
-    password: PasswordCheck
-    sessions: SessionStore
-    throttle: LoginThrottle = field(default_factory=LoginThrottle)
-    jobs: ModelJobs | None = None  # made once the router exists (in the lifespan)
-
-    @classmethod
-    def from_config(cls, cfg: AdminConfig) -> AdminState:
-        return cls(PasswordCheck(cfg.password_hash, cfg.password), SessionStore(cfg.session_ttl_s))
 
 
 def template_environment() -> Environment:
@@ -69,14 +49,6 @@ def _usd(value: float | None) -> str:
     if value < 0.01:
         return f"${value:.6f}"
     return f"${value:,.4f}" if value < 100 else f"${value:,.2f}"
-
-
-def admin_state(request: Request) -> AdminState:
-    return request.app.state.admin
-
-
-def gateway(request: Request) -> GatewayState:
-    return request.app.state.gateway
 
 
 def session_of(request: Request) -> AdminSession:

@@ -13,15 +13,10 @@ from typing import Any
 from litestar import Request, Response, get, post
 from litestar.datastructures import FormMultiDict
 
-from helexa.gateway.keys import KeyInfo, KeyStore, check_budget
-from helexa.gateway.spend_query import key_usage
-from helexa.web.admin_common import form_of, gateway, render, text, texts
-
-
-def _store(request: Request) -> KeyStore:
-    store = gateway(request).keys
-    assert store is not None, "the gateway's lifespan opens the key store"
-    return store
+from helexa.gateway.keys import check_budget
+from helexa.gateway.service import Gateway
+from helexa.gateway.spend_query import keys_and_usage
+from helexa.web.admin_common import form_of, render, text, texts
 
 
 def parse_budget(form: FormMultiDict) -> dict[str, Any]:
@@ -57,24 +52,13 @@ def _models(form: FormMultiDict) -> list[str] | None:
     return chosen or None  # nothing ticked: every model
 
 
-async def _page(request: Request, status: int = 200, **extra: Any) -> Response:
-    gw = gateway(request)
-    store = _store(request)
-
-    def read() -> tuple[list[KeyInfo], dict]:
-        keys = store.list()
-        with gw.sessions() as s:
-            return keys, key_usage(s, keys)
-
-    keys, usage = await asyncio.to_thread(read)
+async def _page(request: Request, gateway: Gateway, status: int = 200, **extra: Any) -> Response:
+    keys, usage = await asyncio.to_thread(keys_and_usage, gateway.keys)
     keys.sort(key=lambda k: (not k.is_active, k.account_id, k.created_at))
-    router = gw.router
-    assert router is not None
-    choices = sorted(router.catalogue) + sorted(router.aliases)
     context = {
         "keys": keys,
         "usage": usage,
-        "model_choices": choices,
+        "model_choices": sorted(gateway.router.catalogue) + sorted(gateway.router.aliases),
         "created": None,
         "secret": None,
         "notice": None,
@@ -86,58 +70,58 @@ async def _page(request: Request, status: int = 200, **extra: Any) -> Response:
 
 
 @get("/keys")
-async def keys_page(request: Request) -> Response:
-    return await _page(request)
+async def keys_page(request: Request, gateway: Gateway) -> Response:
+    return await _page(request, gateway)
 
 
 @post("/keys")
-async def create_key(request: Request) -> Response:
+async def create_key(request: Request, gateway: Gateway) -> Response:
     form = await form_of(request)
     try:
         if not text(form, "account"):
             raise ValueError("account: every key belongs to an account; name one")
         budget = parse_budget(form)
         info, secret = await asyncio.to_thread(
-            _store(request).create,
+            gateway.keys.create,
             text(form, "account"),
             name=text(form, "name") or None,
             models=_models(form),
             **budget,
         )
     except ValueError as e:
-        return await _page(request, 422, error=str(e), form=dict(form))
-    return await _page(request, created=info, secret=secret)
+        return await _page(request, gateway, 422, error=str(e), form=dict(form))
+    return await _page(request, gateway, created=info, secret=secret)
 
 
 @post("/keys/edit")
-async def edit_key(request: Request) -> Response:
+async def edit_key(request: Request, gateway: Gateway) -> Response:
     form = await form_of(request)
     key_id = text(form, "id")
-    store = _store(request)
 
     def save() -> None:
-        budget = parse_budget(form)
-        store.set_budget(key_id, **budget)
-        store.set_models(key_id, _models(form))
+        gateway.keys.set_budget(key_id, **parse_budget(form))
+        gateway.keys.set_models(key_id, _models(form))
 
     try:
         await asyncio.to_thread(save)
     except KeyError:
-        return await _page(request, 422, error=f"unknown key {key_id!r}")
+        return await _page(request, gateway, 422, error=f"unknown key {key_id!r}")
     except ValueError as e:
-        return await _page(request, 422, error=str(e), error_key=key_id)
-    return await _page(request, notice=f"Saved {key_id}.")
+        return await _page(request, gateway, 422, error=str(e), error_key=key_id)
+    return await _page(request, gateway, notice=f"Saved {key_id}.")
 
 
 @post("/keys/revoke")
-async def revoke_key(request: Request) -> Response:
+async def revoke_key(request: Request, gateway: Gateway) -> Response:
     key_id = text(await form_of(request), "id")
-    store = _store(request)
+    store = gateway.keys
     if not await asyncio.to_thread(store.revoke, key_id):
         known = await asyncio.to_thread(store.get, key_id)
         why = "is already revoked" if known else "does not exist"
-        return await _page(request, 422, error=f"key {key_id!r} {why}")
-    return await _page(request, notice=f"Revoked {key_id}; it stops working within 2 seconds.")
+        return await _page(request, gateway, 422, error=f"key {key_id!r} {why}")
+    return await _page(
+        request, gateway, notice=f"Revoked {key_id}; it stops working within 2 seconds."
+    )
 
 
 KEY_HANDLERS = [keys_page, create_key, edit_key, revoke_key]

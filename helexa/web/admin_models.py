@@ -5,25 +5,22 @@ from __future__ import annotations
 
 import asyncio
 from collections import defaultdict
+from collections.abc import Callable
 from typing import Any
 
 from litestar import Request, Response, get, post
+from litestar.datastructures import FormMultiDict
 
+from helexa.config import ModelEntry
 from helexa.gateway import catalogue_edit as edit
-from helexa.web.admin_common import admin_state, form_of, gateway, render, text, texts
+from helexa.gateway.service import Gateway
+from helexa.web.admin_common import form_of, render, text, texts
 
 
-def _jobs(request: Request):
-    jobs = admin_state(request).jobs
-    assert jobs is not None, "the gateway's lifespan makes the job list"
-    return jobs
-
-
-def _placement(request: Request) -> dict[str, Any]:
+def _placement(gateway: Gateway) -> dict[str, Any]:
     """What each node holds now, and the loads and unloads asked for here."""
-    gw = gateway(request)
-    nodes = sorted(gw.fleet.nodes.values(), key=lambda n: n.name)
-    jobs = _jobs(request).recent()
+    nodes = sorted(gateway.fleet.nodes.values(), key=lambda n: n.name)
+    jobs = gateway.jobs.recent()
     placement = [
         {"node": n, "models": [n.models[m] | {"id": m} for m in sorted(n.models)]} for n in nodes
     ]
@@ -33,11 +30,9 @@ def _placement(request: Request) -> dict[str, Any]:
     return {"placement": placement, "jobs": jobs, "busy": busy}
 
 
-def _context(request: Request, **extra: Any) -> dict[str, Any]:
-    gw = gateway(request)
-    router = gw.router
-    assert router is not None
-    nodes = sorted(gw.fleet.nodes.values(), key=lambda n: n.name)
+def _context(gateway: Gateway, **extra: Any) -> dict[str, Any]:
+    router = gateway.router
+    nodes = sorted(gateway.fleet.nodes.values(), key=lambda n: n.name)
     entries = []
     for model_id in sorted(router.catalogue):
         entry = router.catalogue[model_id]
@@ -56,136 +51,134 @@ def _context(request: Request, **extra: Any) -> dict[str, Any]:
         "form": {},
         "failed_form": None,  # which form the error belongs to
     }
-    return context | _placement(request) | extra
+    return context | _placement(gateway) | extra
 
 
-async def _reload(request: Request) -> None:
-    """The router routes by what the database now says."""
-    gw = gateway(request)
-    assert gw.router is not None and gw.sessions is not None
-    gw.router.replace_catalogue(*await asyncio.to_thread(edit.catalogue_rows, gw.sessions))
+def _page(request: Request, gateway: Gateway, status: int = 200, **extra: Any) -> Response:
+    return render(request, "models", status=status, **_context(gateway, **extra))
 
 
-def _page(request: Request, status: int = 200, **extra: Any) -> Response:
-    return render(request, "models", status=status, **_context(request, **extra))
-
-
-async def _change(request: Request, which: str, work, done: str) -> Response:
-    """Run one edit; the page again with a notice, or with the error beside its form."""
+async def _change(
+    request: Request,
+    gateway: Gateway,
+    which: str,
+    work: Callable[[FormMultiDict], object],
+    done: str,
+) -> Response:
+    """Run one edit; the page again with a notice, or with the error beside its form. The
+    router then routes by what the database now says."""
     form = await form_of(request)
     try:
         await asyncio.to_thread(work, form)
     except ValueError as e:
-        return _page(request, 422, error=str(e), form=dict(form), failed_form=which)
-    await _reload(request)
-    return _page(request, notice=done.format_map(defaultdict(str, dict(form))))
+        return _page(request, gateway, 422, error=str(e), form=dict(form), failed_form=which)
+    rows = await asyncio.to_thread(edit.catalogue_rows, gateway.sessions)
+    gateway.router.replace_catalogue(*rows)
+    return _page(request, gateway, notice=done.format_map(defaultdict(str, dict(form))))
 
 
 @get("/models")
-async def models_page(request: Request) -> Response:
-    return _page(request)
+async def models_page(request: Request, gateway: Gateway) -> Response:
+    return _page(request, gateway)
 
 
 @get("/models/placement")
-async def placement(request: Request) -> Response:
+async def placement(request: Request, gateway: Gateway) -> Response:
     """The nodes' models and the jobs alone: polled while something loads."""
-    return render(request, "models", partial="placement", **_context(request))
+    return render(request, "models", partial="placement", **_context(gateway))
 
 
-def _entry(request: Request, form) -> Any:
-    gw = gateway(request)
-    return edit.entry_from_form(form, texts(form, "pinned_on"), list(gw.fleet.nodes))
+def _entry(gateway: Gateway, form: FormMultiDict) -> ModelEntry:
+    return edit.entry_from_form(form, texts(form, "pinned_on"), list(gateway.fleet.nodes))
 
 
 @post("/models")
-async def add_model(request: Request) -> Response:
-    sessions = gateway(request).sessions
+async def add_model(request: Request, gateway: Gateway) -> Response:
     return await _change(
         request,
+        gateway,
         "add",
-        lambda form: edit.add_model(sessions, _entry(request, form)),
+        lambda form: edit.add_model(gateway.sessions, _entry(gateway, form)),
         "Added {id} to the catalogue.",
     )
 
 
 @post("/models/edit")
-async def update_model(request: Request) -> Response:
-    sessions = gateway(request).sessions
+async def update_model(request: Request, gateway: Gateway) -> Response:
     return await _change(
         request,
+        gateway,
         "edit",
-        lambda form: edit.update_model(sessions, _entry(request, form)),
+        lambda form: edit.update_model(gateway.sessions, _entry(gateway, form)),
         "Saved {id}.",
     )
 
 
 @post("/models/pin")
-async def pin_model(request: Request) -> Response:
-    gw = gateway(request)
-
-    def work(form) -> None:
+async def pin_model(request: Request, gateway: Gateway) -> Response:
+    def work(form: FormMultiDict) -> None:
         node = text(form, "node")
-        if node not in gw.fleet.nodes:
+        if node not in gateway.fleet.nodes:
             raise ValueError(f"node: {node!r} is not a configured node")
-        edit.set_pinned(gw.sessions, text(form, "id"), node, text(form, "pinned") == "true")
+        edit.set_pinned(gateway.sessions, text(form, "id"), node, text(form, "pinned") == "true")
 
-    return await _change(request, "pin", work, "Pinning of {id} on {node} saved.")
+    return await _change(request, gateway, "pin", work, "Pinning of {id} on {node} saved.")
 
 
 @post("/models/delete")
-async def delete_model(request: Request) -> Response:
-    sessions = gateway(request).sessions
+async def delete_model(request: Request, gateway: Gateway) -> Response:
     return await _change(
         request,
+        gateway,
         "delete",
-        lambda form: edit.delete_model(sessions, text(form, "id")),
+        lambda form: edit.delete_model(gateway.sessions, text(form, "id")),
         "Deleted {id} from the catalogue.",
     )
 
 
 @post("/aliases")
-async def set_alias(request: Request) -> Response:
-    sessions = gateway(request).sessions
+async def set_alias(request: Request, gateway: Gateway) -> Response:
     return await _change(
         request,
+        gateway,
         "alias",
-        lambda form: edit.set_alias(sessions, text(form, "alias"), text(form, "target")),
+        lambda form: edit.set_alias(gateway.sessions, text(form, "alias"), text(form, "target")),
         "Alias {alias} now points at {target}.",
     )
 
 
 @post("/aliases/delete")
-async def delete_alias(request: Request) -> Response:
-    sessions = gateway(request).sessions
+async def delete_alias(request: Request, gateway: Gateway) -> Response:
     return await _change(
         request,
+        gateway,
         "alias",
-        lambda form: edit.delete_alias(sessions, text(form, "alias")),
+        lambda form: edit.delete_alias(gateway.sessions, text(form, "alias")),
         "Deleted alias {alias}.",
     )
 
 
 @post("/models/load")
-async def load_model(request: Request) -> Response:
+async def load_model(request: Request, gateway: Gateway) -> Response:
     form = await form_of(request)
     node, model = text(form, "node"), text(form, "model")
     try:
         if not model:
             raise ValueError("model: choose a model to load")
-        job = _jobs(request).load(node, model)
+        job = gateway.jobs.load(node, model)
     except ValueError as e:
-        return _page(request, 422, error=str(e), form=dict(form), failed_form="load")
-    return _page(request, notice=f"Loading {job.model_id} on {job.node}…")
+        return _page(request, gateway, 422, error=str(e), form=dict(form), failed_form="load")
+    return _page(request, gateway, notice=f"Loading {job.model_id} on {job.node}…")
 
 
 @post("/models/unload")
-async def unload_model(request: Request) -> Response:
+async def unload_model(request: Request, gateway: Gateway) -> Response:
     form = await form_of(request)
     try:
-        job = _jobs(request).unload(text(form, "node"), text(form, "model_id"))
+        job = gateway.jobs.unload(text(form, "node"), text(form, "model_id"))
     except ValueError as e:
-        return _page(request, 422, error=str(e), failed_form="load")
-    return _page(request, notice=f"Unloading {job.model_id} from {job.node}…")
+        return _page(request, gateway, 422, error=str(e), failed_form="load")
+    return _page(request, gateway, notice=f"Unloading {job.model_id} from {job.node}…")
 
 
 MODEL_HANDLERS = [

@@ -4,17 +4,15 @@ and cost over time as a server-rendered SVG chart."""
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from datetime import UTC, datetime
-from typing import Any
 from urllib.parse import urlencode
 
 from litestar import Request, Response, get
-from sqlalchemy import select
 
-from helexa.db.models import Account, ApiKey
 from helexa.gateway import spend_query as sq
-from helexa.web.admin_common import PREFIX, gateway, render
+from helexa.gateway.service import Gateway
+from helexa.web.admin_common import PREFIX, render
 
 CHART_W, CHART_H, CHART_PAD = 720, 160, 4
 
@@ -88,43 +86,34 @@ def _cursor(request: Request, name: str) -> int | None:
     return int(value) if value.isdigit() else None
 
 
-@get("/spend")
-async def spend_page(request: Request) -> Response:
-    gw = gateway(request)
-    params = {
-        k: request.query_params.get(k) or "" for k in ("key", "account", "model", "since", "until")
-    }
-    now = datetime.now(UTC)
-    try:
-        f = sq.SpendFilter.parse(params, now)
-        error = None
-    except ValueError as e:
-        f, error = sq.SpendFilter(), str(e)
-    before, after = _cursor(request, "before"), _cursor(request, "after")
-
-    def read() -> dict[str, Any]:
-        with gw.sessions() as s:
-            by_model = sq.totals_by(s, f, "model", top=None)  # few: their sum is the total
-            return {
-                "ledger": sq.ledger_page(s, f, before=before, after=after),
-                "total": sq.add_up(by_model),
-                "by_key": sq.totals_by(s, f, "key_id"),
-                "by_model": by_model[: sq.TOP_N],
-                "series": sq.over_time(s, f, now),
-                "key_ids": s.scalars(select(ApiKey.id).order_by(ApiKey.id)).all(),
-                "accounts": s.scalars(select(Account.id).order_by(Account.id)).all(),
-            }
-
-    data = await asyncio.to_thread(read)
-    router = gw.router
-    assert router is not None
-    models = sorted(set(router.catalogue) | {t.name for t in data["by_model"] if t.name})
+def _links(f: sq.SpendFilter, ledger: sq.LedgerPage, paged: bool) -> dict[str, str | None]:
+    """The ledger's paging links, each keeping the filter."""
     kept = f.params()
 
     def link(**cursor: int) -> str:
         return f"{PREFIX}/spend?" + urlencode(kept | {k: str(v) for k, v in cursor.items()})
 
-    ledger = data["ledger"]
+    return {
+        "newest_link": link() if paged else None,
+        "newer_link": link(after=ledger.newer) if ledger.newer else None,
+        "older_link": link(before=ledger.older) if ledger.older else None,
+    }
+
+
+@get("/spend")
+async def spend_page(request: Request, gateway: Gateway) -> Response:
+    params = {
+        k: request.query_params.get(k) or "" for k in ("key", "account", "model", "since", "until")
+    }
+    now = datetime.now(UTC)
+    try:
+        f, error = sq.SpendFilter.parse(params, now), None
+    except ValueError as e:
+        f, error = sq.SpendFilter(), str(e)
+    before, after = _cursor(request, "before"), _cursor(request, "after")
+    view = await asyncio.to_thread(
+        sq.spend_view, gateway.sessions, f, before=before, after=after, now=now
+    )
     return render(
         request,
         "spend",
@@ -132,15 +121,13 @@ async def spend_page(request: Request) -> Response:
         error=error,
         params=params,
         anonymous=sq.ANONYMOUS,
-        models=models,
-        chart=chart(data["series"]),
-        step_name=_step_name(data["series"].step_s),
-        newest_link=link() if (before or after) else None,
-        newer_link=link(after=ledger.newer) if ledger.newer else None,
-        older_link=link(before=ledger.older) if ledger.older else None,
+        models=sorted(set(gateway.router.catalogue) | {t.name for t in view.by_model if t.name}),
+        chart=chart(view.series),
+        step_name=_step_name(view.series.step_s),
         chart_w=CHART_W,
         chart_h=CHART_H,
-        **data,
+        **_links(f, view.ledger, paged=bool(before or after)),
+        **{field.name: getattr(view, field.name) for field in fields(view)},
     )
 
 

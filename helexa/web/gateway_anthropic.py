@@ -1,9 +1,9 @@
 """The Anthropic Messages API on the gateway (SPEC "Gateway", Anthropic): `POST /v1/messages`
 and `POST /v1/messages/count_tokens`, translated to the node's OpenAI chat API and back.
 
-The exchange with the node is the OpenAI proxy's (`open_exchange`): auth, scope, routing,
-budgets and the ledger apply unchanged, and a stream's accounting reads the node's own
-bytes, which pass through the relay before they are translated.
+The exchange with the node is the OpenAI proxy's (`helexa.gateway.exchange`): auth, scope,
+routing, budgets and the ledger apply unchanged, and a stream's accounting reads the node's
+own events, which pass through the relay before they are translated.
 """
 
 from __future__ import annotations
@@ -21,7 +21,9 @@ from litestar.response import Response, Stream
 
 from helexa.errors import HelexaError
 from helexa.gateway.edge import estimate_tokens
+from helexa.gateway.exchange import NodeAnswer
 from helexa.gateway.proxy import warn
+from helexa.gateway.service import Gateway
 from helexa.logs import event
 from helexa.protocol.anthropic import Translated, to_openai_chat, tokenize_body
 from helexa.protocol.anthropic_out import (
@@ -30,15 +32,9 @@ from helexa.protocol.anthropic_out import (
     from_openai_chat,
     message_id,
 )
-from helexa.protocol.wire import SSEReader, sse_event
+from helexa.protocol.wire import CHARS_PER_TOKEN, SSEReader, sse_event
 from helexa.web.common import as_helexa_error, parse_json_body
-from helexa.web.gateway_exchange import (
-    check_scope,
-    gateway_of,
-    node_headers,
-    note_model,
-    open_exchange,
-)
+from helexa.web.gateway_deps import record_of
 
 log = logging.getLogger(__name__)
 
@@ -67,62 +63,67 @@ def anthropic_error_response(request: Request, exc: Exception) -> Response:
 
 
 @post("/v1/messages", status_code=200)
-async def messages(request: Request) -> Response:
-    gw = gateway_of(request)
-    assert gw.auth is not None and gw.upstream is not None
-    principal = await gw.auth.authenticate(request.headers)
+async def messages(request: Request, gateway: Gateway) -> Response:
+    principal = await gateway.auth.authenticate(request.headers)
     t = to_openai_chat(parse_json_body(await request.body(), _decoder.decode))
-    raw = _encoder.encode(t.body)
-    ex, resp, headers = await open_exchange(
-        request, principal, CHAT_PATH, t.body, raw, drop_headers=_NOT_FOR_NODE
+    exchanges = gateway.exchanges
+    reply = await exchanges.open(
+        principal,
+        CHAT_PATH,
+        t.body,
+        _encoder.encode(t.body),
+        request.headers,
+        record_of(request),
+        drop_headers=_NOT_FOR_NODE,
     )
     msg_id = message_id()
-    headers["request-id"] = msg_id
-    if resp.status >= 400:  # logged once, by the app's error handler
-        data = await gw.upstream.read(ex, resp)
-        raise upstream_error(resp.status, data, resp.headers, headers["x-helexa-node"])
+    reply.headers["request-id"] = msg_id
+    if reply.status >= 400:  # logged once, by the app's error handler
+        data = await exchanges.read(reply, log_error=False)
+        raise upstream_error(reply.status, data, reply.resp.headers, reply.node)
     if t.stream:  # the node's own SSE headers (no-cache, no proxy buffering) came along
         translator = StreamTranslator(t, msg_id, input_tokens=estimate_tokens(t.body))
-        return Stream(
-            anthropic_events(gw.upstream.relay(ex, resp), translator),
-            headers=headers,
-            media_type="text/event-stream",
-        )
-    answer = _json_object(await gw.upstream.read(ex, resp))
+        events = anthropic_events(exchanges.relay(reply), translator)
+        return Stream(events, headers=reply.headers, media_type="text/event-stream")
+    answer = _json_object(await exchanges.read(reply))
     if answer is None:
         raise HelexaError(502, "api_error", "the node's answer is not a JSON object")
-    return Response(content=from_openai_chat(answer, t, msg_id), headers=headers)
+    return Response(content=from_openai_chat(answer, t, msg_id), headers=reply.headers)
 
 
 @post("/v1/messages/count_tokens", status_code=200)
-async def count_tokens(request: Request) -> dict[str, int]:
+async def count_tokens(request: Request, gateway: Gateway) -> dict[str, int]:
     """The prompt's token count from a node serving the model (its `/tokenize`, the chat
     template and tools included); no budget is reserved and no ledger row written."""
-    gw = gateway_of(request)
-    assert gw.auth is not None and gw.router is not None and gw.upstream is not None
-    principal = await gw.auth.authenticate(request.headers)
+    principal = await gateway.auth.authenticate(request.headers)
     t = to_openai_chat(parse_json_body(await request.body(), _decoder.decode), counting=True)
-    note_model(request, t.model)
-    check_scope(gw, principal, t.model)
-    routes = await gw.router.routes(t.model)  # cold-loads, like the chat path
-    body = _encoder.encode(tokenize_body(t, routes[0].model_id))
-    headers = node_headers(gw, request, principal, _NOT_FOR_NODE)
-    route, resp = await gw.upstream.open(routes, TOKENIZE_PATH, body, headers)
-    try:
-        data = await resp.read()
-    finally:
-        resp.release()
-    if resp.status == 200:
-        count = (_json_object(data) or {}).get("count")
+    answer = await gateway.exchanges.ask(
+        principal,
+        t.model,
+        TOKENIZE_PATH,
+        lambda model_id: _encoder.encode(tokenize_body(t, model_id)),
+        request.headers,
+        record_of(request),
+        drop_headers=_NOT_FOR_NODE,
+    )
+    return {"input_tokens": token_count(answer, t)}
+
+
+def token_count(answer: NodeAnswer, t: Translated) -> int:
+    """The count in a node's `/tokenize` answer; the gateway's own estimate from a node
+    that has no `/tokenize`; else the node's error, re-raised."""
+    route = answer.route
+    if answer.status == 200:
+        count = (_json_object(answer.body) or {}).get("count")
         if isinstance(count, int):
-            return {"input_tokens": count}
-        warn("unexpected /tokenize answer", route, TOKENIZE_PATH, body=_head(data))
+            return count
+        warn("unexpected /tokenize answer", route, TOKENIZE_PATH, body=_head(answer.body))
         raise HelexaError(502, "api_error", f"node {route.node.name} gave no token count")
-    err = upstream_error(resp.status, data, resp.headers, route.node.name)
-    if resp.status in (404, 405) and err.code != "model_not_found":
+    err = upstream_error(answer.status, answer.body, answer.headers, route.node.name)
+    if answer.status in (404, 405) and err.code != "model_not_found":
         # a node from before /tokenize: the gateway's own estimate beats no answer
-        warn("no /tokenize on the node; estimating", route, TOKENIZE_PATH, status=resp.status)
-        return {"input_tokens": estimate_tokens(t.body) + _tools_estimate(t)}
+        warn("no /tokenize on the node; estimating", route, TOKENIZE_PATH, status=answer.status)
+        return estimate_tokens(t.body) + _tools_estimate(t)
     raise err
 
 
@@ -207,7 +208,7 @@ def _json_object(data: bytes) -> dict[str, Any] | None:
 
 
 def _tools_estimate(t: Translated) -> int:
-    return len(json.dumps(t.body.get("tools") or [])) // 4
+    return len(json.dumps(t.body.get("tools") or [])) // CHARS_PER_TOKEN
 
 
 def _head(data: bytes) -> str:

@@ -4,12 +4,9 @@ fleet, and the Prometheus app on its own port. Handlers are thin; decisions live
 
 from __future__ import annotations
 
-import asyncio
 import logging
-import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
@@ -17,27 +14,13 @@ import msgspec
 from litestar import Litestar, Request, get, head, post
 from litestar.exceptions import HTTPException
 from litestar.response import Response, Stream
-from sqlalchemy.orm import Session, sessionmaker
 
 from helexa.config import Config
-from helexa.db.seed import load_catalogue, seed_catalogue
-from helexa.db.session import open_database
 from helexa.errors import HelexaError, invalid_request
-from helexa.gateway.accounting import Accountant
-from helexa.gateway.auth import Authenticator
-from helexa.gateway.budgets import Budgets
 from helexa.gateway.catalogue import model_list, nodes_view
-from helexa.gateway.fleet import Fleet
-from helexa.gateway.keys import KeyStore
-from helexa.gateway.ledger import Ledger
-from helexa.gateway.metrics import GatewayMetrics
-from helexa.gateway.model_jobs import ModelJobs
-from helexa.gateway.poller import NodeCalls, Poller
-from helexa.gateway.proxy import Upstream, warn
-from helexa.gateway.router import Router
+from helexa.gateway.service import Gateway, build_gateway
 from helexa.logs import event
 from helexa.web.admin import admin_router, admin_static, admin_templates
-from helexa.web.admin_common import AdminState
 from helexa.web.common import (
     METRICS_CONTENT_TYPE,
     error_response,
@@ -50,31 +33,11 @@ from helexa.web.gateway_anthropic import (
     messages,
 )
 from helexa.web.gateway_asgi import Cors, GatewayASGI
-from helexa.web.gateway_exchange import open_exchange
+from helexa.web.gateway_deps import STATE_KEY, dependencies, record_of
 
 log = logging.getLogger(__name__)
 
 _decoder = msgspec.json.Decoder()
-_encoder = msgspec.json.Encoder()
-
-
-@dataclass(slots=True)
-class GatewayState:
-    cfg: Config
-    fleet: Fleet
-    metrics: GatewayMetrics
-    router: Router | None = None
-    upstream: Upstream | None = None
-    poller: Poller | None = None
-    auth: Authenticator | None = None
-    budgets: Budgets | None = None
-    sessions: sessionmaker[Session] | None = None  # the database (admin console, keys)
-    keys: KeyStore | None = None
-    started_at: int = field(default_factory=lambda: int(time.time()))
-
-
-def _gw(request: Request) -> GatewayState:
-    return request.app.state.gateway
 
 
 def _body_object(raw: bytes) -> dict[str, Any]:
@@ -87,57 +50,45 @@ def _body_object(raw: bytes) -> dict[str, Any]:
     return body
 
 
-async def _proxy(request: Request, path: str) -> Response:
-    gw = _gw(request)
-    assert gw.upstream is not None and gw.auth is not None
-    principal = await gw.auth.authenticate(request.headers)
+async def _proxy(request: Request, gateway: Gateway, path: str) -> Response:
+    principal = await gateway.auth.authenticate(request.headers)
     raw = await request.body()
-    ex, resp, headers = await open_exchange(request, principal, path, _body_object(raw), raw)
-    # Litestar adds "; charset=utf-8" to text types itself: pass the bare type, not a double
-    media_type = resp.headers.get("Content-Type", "application/json")
-    if media_type.startswith("text/"):
-        media_type = media_type.split(";", 1)[0]
-    if media_type.startswith("text/event-stream"):
+    exchanges = gateway.exchanges
+    reply = await exchanges.open(
+        principal, path, _body_object(raw), raw, request.headers, record_of(request)
+    )
+    if reply.is_stream:
         return Stream(
-            gw.upstream.relay(ex, resp),
-            status_code=resp.status,
-            headers=headers,
-            media_type=media_type,
+            exchanges.relay(reply),
+            status_code=reply.status,
+            headers=reply.headers,
+            media_type=reply.media_type,
         )
-    data = await gw.upstream.read(ex, resp)
-    if resp.status >= 400:
-        assert ex.route is not None
-        warn(
-            "upstream error",
-            ex.route,
-            path,
-            status=resp.status,
-            body=data[:500].decode("utf-8", "replace"),
-        )
-    return Response(content=data, status_code=resp.status, headers=headers, media_type=media_type)
+    data = await exchanges.read(reply)
+    return Response(
+        content=data, status_code=reply.status, headers=reply.headers, media_type=reply.media_type
+    )
 
 
 @post("/v1/chat/completions", status_code=200)
-async def chat_completions(request: Request) -> Response:
-    return await _proxy(request, "/v1/chat/completions")
+async def chat_completions(request: Request, gateway: Gateway) -> Response:
+    return await _proxy(request, gateway, "/v1/chat/completions")
 
 
 @post("/v1/completions", status_code=200)
-async def completions(request: Request) -> Response:
-    return await _proxy(request, "/v1/completions")
+async def completions(request: Request, gateway: Gateway) -> Response:
+    return await _proxy(request, gateway, "/v1/completions")
 
 
 @post("/v1/responses", status_code=200)
-async def responses(request: Request) -> Response:
-    return await _proxy(request, "/v1/responses")
+async def responses(request: Request, gateway: Gateway) -> Response:
+    return await _proxy(request, gateway, "/v1/responses")
 
 
 @get("/v1/models")
-async def v1_models(request: Request) -> dict[str, Any]:
-    gw = _gw(request)
-    assert gw.router is not None and gw.auth is not None
-    principal = await gw.auth.authenticate(request.headers)
-    models = model_list(gw.router, gw.started_at)
+async def v1_models(request: Request, gateway: Gateway) -> dict[str, Any]:
+    principal = await gateway.auth.authenticate(request.headers)
+    models = model_list(gateway.router, gateway.started_at)
     if principal.key is not None and principal.key.allowed_models is not None:
         key = principal.key
         models = [m for m in models if key.allows(m["id"]) or key.allows(m.get("alias_of", ""))]
@@ -156,59 +107,33 @@ async def root_head() -> None:
 
 
 @get("/health")
-async def health(request: Request) -> dict[str, Any]:
-    gw = _gw(request)
-    up = gw.fleet.up()
+async def health(gateway: Gateway) -> dict[str, Any]:
+    up = gateway.fleet.up()
     return {
         "status": "ok" if up else "degraded",
-        "nodes": nodes_view(list(gw.fleet.nodes.values())),
+        "nodes": nodes_view(list(gateway.fleet.nodes.values())),
         "nodes_up": len(up),
-        "budget_reserved_tokens": gw.budgets.outstanding()[0] if gw.budgets else 0,
+        "budget_reserved_tokens": gateway.budgets.outstanding()[0],
     }
 
 
 @get("/metrics")
-async def metrics(request: Request) -> Response:
-    return Response(content=request.app.state.metrics.render(), media_type=METRICS_CONTENT_TYPE)
+async def metrics(gateway: Gateway) -> Response:
+    return Response(content=gateway.metrics.render(), media_type=METRICS_CONTENT_TYPE)
 
 
 def create_gateway_apps(cfg: Config) -> tuple[GatewayASGI, Litestar]:
-    """The API app and the metrics app; they share one fleet picture."""
-    _warn_about_node_keys(cfg)
-    fleet = Fleet([(n.name, n.endpoint) for n in cfg.nodes], {n.name: n.api_key for n in cfg.nodes})
-    gw = GatewayState(cfg, fleet, GatewayMetrics(fleet))
-    max_body_bytes = cfg.http.max_body_mb << 20
-    admin = AdminState.from_config(cfg.admin)
+    """The API app and the metrics app, over one gateway (built here, started by the API
+    app's lifespan)."""
+    gateway = build_gateway(cfg)
 
     @asynccontextmanager
     async def lifespan(app: Litestar) -> AsyncIterator[None]:
-        connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300)
-        timeout = aiohttp.ClientTimeout(total=None, sock_connect=10)
-        async with aiohttp.ClientSession(
-            connector=connector, timeout=timeout, auto_decompress=False
-        ) as session:
-            _engine, sessions = await asyncio.to_thread(open_database, cfg)
-            with sessions() as db:
-                if seed_catalogue(db, cfg):
-                    log.info("catalogue seeded from the config: %d models", len(cfg.models))
-                catalogue, aliases = load_catalogue(db)
-            gw.sessions, gw.keys = sessions, KeyStore(sessions)
-            gw.auth = Authenticator(gw.keys, require_auth=cfg.gateway.require_auth)
-            gw.poller = Poller(fleet, session, cfg.gateway.poll_interval_s)
-            gw.router = Router(cfg, fleet, NodeCalls(session, gw.poller))
-            gw.router.replace_catalogue(catalogue, aliases)
-            admin.jobs = ModelJobs(gw.router)
-            gw.budgets = Budgets(sessions)
-            ledger = Ledger(sessions)
-            accountant = Accountant(gw.budgets, ledger, gw.metrics)
-            gw.upstream = Upstream(session, gw.router, gw.metrics, accountant)
-            ledger.start()
-            gw.poller.start()
-            try:
-                yield
-            finally:
-                await gw.poller.stop()
-                await ledger.close()  # every pending row is written before we exit
+        await gateway.start()
+        try:
+            yield
+        finally:
+            await gateway.stop()
 
     def handle(request: Request, exc: Exception) -> Response:
         exc = _as_client_error(request, exc, cfg.http.max_body_mb)
@@ -243,21 +168,21 @@ def create_gateway_apps(cfg: Config) -> tuple[GatewayASGI, Litestar]:
         template_config=admin_templates(),
         exception_handlers={Exception: handle},
         lifespan=[lifespan],
-        request_max_body_size=max_body_bytes,
+        dependencies=dependencies(),
+        request_max_body_size=cfg.http.max_body_mb << 20,
         openapi_config=None,
         logging_config=None,
     )
-    api.state.gateway = gw
-    api.state.admin = admin
     metrics_app = Litestar(
         route_handlers=[metrics],
+        dependencies=dependencies(),
         openapi_config=None,
         logging_config=None,
         exception_handlers={Exception: error_response},
     )
-    metrics_app.state.metrics = gw.metrics
+    api.state[STATE_KEY] = metrics_app.state[STATE_KEY] = gateway
     cors = Cors(cfg.gateway.cors_allow_origins) if cfg.gateway.cors_allow_origins else None
-    return GatewayASGI(api, gw, cors), metrics_app
+    return GatewayASGI(api, gateway.metrics, cors), metrics_app
 
 
 def _as_client_error(request: Request, exc: Exception, max_body_mb: int) -> Exception:
@@ -277,19 +202,3 @@ def _as_client_error(request: Request, exc: Exception, max_body_mb: int) -> Exce
             502, "server_error", "the node's answer broke off; retry", code="upstream_error"
         )
     return exc
-
-
-def _warn_about_node_keys(cfg: Config) -> None:
-    """Say at start what would otherwise show up only as nodes refusing the gateway."""
-    if cfg.node.gateway_secret:
-        log.warning(
-            "[node] gateway_secret is deprecated and will be removed in the next release: it "
-            "is read as [node] api_key (the key the gateway sends its nodes); rename it"
-        )
-    for n in cfg.nodes:
-        if n.api_key is None and n.api_key_env:
-            log.warning(
-                "node %s: api_key_env %s is not set; calls to it carry no key",
-                n.name,
-                n.api_key_env,
-            )

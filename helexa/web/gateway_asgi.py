@@ -9,17 +9,15 @@ auth) runs, and so that errors, 404s and 405s get the same headers as answers do
 from __future__ import annotations
 
 import re
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import msgspec
 from litestar import Litestar
 
+from helexa.gateway.metrics import GatewayMetrics
 from helexa.gateway.request_log import RECORD_STATE, RequestRecord
 from helexa.logs import request_id
 from helexa.protocol.wire import REQUEST_ID_HEADER
-
-if TYPE_CHECKING:
-    from helexa.web.gateway_app import GatewayState
 
 # bounded label values for helexa_requests_total{route}
 ROUTES = {
@@ -108,9 +106,9 @@ class Cors:
 class GatewayASGI:
     """The API app with request ids, CORS, counting and the per-request log line."""
 
-    def __init__(self, app: Litestar, gw: GatewayState, cors: Cors | None) -> None:
+    def __init__(self, app: Litestar, metrics: GatewayMetrics, cors: Cors | None) -> None:
         self.app = app
-        self.gw = gw
+        self.metrics = metrics
         self.cors = cors
         self.state = app.state
 
@@ -156,7 +154,7 @@ class GatewayASGI:
             await self.app(scope, receive, wrapped_send)
         finally:
             route = path if path in ROUTES else "other"
-            self.gw.metrics.requests.labels(route, str(status)).inc()
+            self.metrics.requests.labels(route, str(status)).inc()
             record.status = status
             if path.startswith("/v1/") and scope["method"] != "OPTIONS":
                 record.release()  # written now, or when its exchange with a node settles

@@ -1,0 +1,327 @@
+"""One request's exchange with a node, whatever API it came in on: the key's model scope,
+routing (cold loads included), the edge's context check, the budget reservation, the
+node's headers, then — once the answer has been relayed or read — the books settled, the
+router's count and the request's log line with them. The OpenAI proxy and the Anthropic
+handlers both come here, so auth, budgets and accounting are the same for every wire
+format. Plain values in (the principal, the parsed body and its bytes, the client's
+headers, the request's log line), no HTTP framework."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator, Callable, Collection, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+import msgspec
+
+from helexa.errors import HelexaError, model_not_found
+from helexa.gateway.accounting import Accountant, Exchange, usage_counts
+from helexa.gateway.auth import Principal
+from helexa.gateway.budgets import Budgets, estimate_prompt_tokens
+from helexa.gateway.edge import advice, check_context
+from helexa.gateway.metrics import GatewayMetrics
+from helexa.gateway.proxy import Upstream, forward_headers, response_headers, warn
+from helexa.gateway.request_log import RequestRecord
+from helexa.gateway.router import Route, Router
+from helexa.protocol.wire import (
+    ACCOUNT_HEADER,
+    BUDGET_HEADER,
+    DEFAULT_MAX_OUTPUT_TOKENS,
+    KEY_HEADER,
+    VIA_HEADER,
+    SpendBudget,
+)
+
+# The client's credentials stay at the gateway.
+_CREDENTIALS = ("authorization", "x-api-key")
+RESPONSES_PATH = "/v1/responses"
+_encoder = msgspec.json.Encoder()
+
+
+@dataclass(slots=True)
+class Reply:
+    """A node's answer to an opened exchange, not yet read: `relay` it (a stream) or `read`
+    it; either settles the exchange however it ends."""
+
+    exchange: Exchange
+    resp: aiohttp.ClientResponse
+    path: str
+    headers: dict[str, str]  # for the client: the node's, less Content-Type, + x-helexa-node
+    media_type: str  # bare for text types (the web layer adds the charset)
+
+    @property
+    def status(self) -> int:
+        return self.resp.status
+
+    @property
+    def is_stream(self) -> bool:
+        return self.media_type.startswith("text/event-stream")
+
+    @property
+    def node(self) -> str:
+        return self.headers["x-helexa-node"]
+
+
+@dataclass(slots=True, frozen=True)
+class NodeAnswer:
+    """A node's whole answer to a call that is not metered (`ask`)."""
+
+    route: Route
+    status: int
+    body: bytes
+    headers: Mapping[str, str]
+
+
+class Exchanges:
+    def __init__(
+        self,
+        router: Router,
+        upstream: Upstream,
+        budgets: Budgets,
+        accountant: Accountant,
+        metrics: GatewayMetrics,
+    ) -> None:
+        self.router = router
+        self.upstream = upstream
+        self.budgets = budgets
+        self.accountant = accountant
+        self.metrics = metrics
+
+    # -- before: the request's way to a node ------------------------------------------
+    def check_scope(self, principal: Principal, model: str) -> None:
+        """A key scoped to some models does not see the others: 404, as if they did not exist."""
+        key = principal.key
+        if key is not None and not (key.allows(model) or key.allows(self.router.concrete(model))):
+            raise model_not_found(model)
+
+    def node_headers(
+        self, client: Mapping[str, str], principal: Principal, drop: Collection[str] = ()
+    ) -> dict[str, str]:
+        """The client's headers for the node: its key, any `x-helexa-*` claims and `drop`
+        removed, the authenticated principal and `x-helexa-via` stamped. `x-request-id`
+        (made sane by the web layer) goes along; the node's own key is added per route."""
+        dropped = {*_CREDENTIALS, *drop}
+        headers = {k: v for k, v in forward_headers(client).items() if k.lower() not in dropped}
+        headers[VIA_HEADER] = "gateway"
+        if principal.key is not None:
+            headers[ACCOUNT_HEADER] = principal.key.account_id
+            headers[KEY_HEADER] = principal.key.id
+        return headers
+
+    async def open(
+        self,
+        principal: Principal,
+        path: str,
+        body: dict[str, Any],
+        raw: bytes,
+        client_headers: Mapping[str, str],
+        record: RequestRecord | None = None,
+        *,
+        drop_headers: Collection[str] = (),
+    ) -> Reply:
+        """Send the OpenAI `body` (`raw`: its bytes as received) to the best node for its
+        model. The reply holds the exchange (its route set, its reservation held) and the
+        node's unread answer."""
+        model = body["model"]
+        routes = await self._routes(principal, body, client_headers, record)
+        concrete = self.router.concrete(model)
+        _note_model(record, concrete)  # the ledger's name for it, not an alias
+        ex = Exchange(concrete, principal)
+        entry = self.router.catalogue.get(concrete)
+        ex.price = (entry.cost.input, entry.cost.output) if entry else (0.0, 0.0)
+        rewrite = routes[0].model_id != model  # an alias, or a catalogue id known by source
+        body["model"] = routes[0].model_id
+        if principal.key is not None and principal.key.budget is not None:
+            await self._reserve(ex, body, raw, routes[0], path)
+            rewrite = True
+        if rewrite:
+            raw = _encoder.encode(body)
+        headers = self.node_headers(client_headers, principal, drop_headers)
+        if ex.reservation is not None:  # the node enforces it against the real prompt length
+            res = ex.reservation
+            headers[BUDGET_HEADER] = SpendBudget(res.tokens, res.cost, *ex.price).header()
+        ex.record = record
+        if record is not None:
+            record.hold()  # the exchange settles it (however it ends)
+        try:
+            route, resp = await self.upstream.open(routes, path, raw, headers)
+        except BaseException:
+            self.settle(ex, 503)
+            raise
+        self.router.begin(route)
+        ex.route = route
+        return Reply(ex, resp, path, _client_headers(resp, route), _media_type(resp))
+
+    async def _routes(
+        self,
+        principal: Principal,
+        body: dict[str, Any],
+        client_headers: Mapping[str, str],
+        record: RequestRecord | None,
+    ) -> list[Route]:
+        """The request's candidate routes, once its scope and its prompt's size pass."""
+        model = body["model"]
+        _note_model(record, model)
+        self.check_scope(principal, model)
+        routes = await self.router.routes(model)
+        context = context_limit(routes)
+        try:
+            check_context(body, context)
+        except HelexaError as e:
+            hint = advice(client_headers.get("user-agent"), e, context)
+            if hint:
+                e.extra_headers = {"X-Helexa-Advice": hint}
+            raise
+        return routes
+
+    async def _reserve(
+        self, ex: Exchange, body: dict[str, Any], raw: bytes, route: Route, path: str
+    ) -> None:
+        """Reserve the request's upper bound on its key's budget; its max_tokens becomes
+        what the reservation covers, so the node can never generate past the cap."""
+        key = ex.principal.key
+        assert key is not None
+        limit = (route.node.models.get(route.model_id) or {}).get("limit") or {}
+        ex.prompt_estimate = estimate_prompt_tokens(raw)
+        # the output limit under the name(s) this wire format reads it by
+        if path == RESPONSES_PATH:
+            names = ["max_output_tokens"]
+        else:
+            names = (
+                ["max_completion_tokens", "max_tokens"] if "max_completion_tokens" in body else []
+            )
+            names = names or ["max_tokens"]
+        requested = next((body[n] for n in names if body.get(n)), None)
+        if not isinstance(requested, int) or isinstance(requested, bool) or requested < 1:
+            requested = limit.get("output") or DEFAULT_MAX_OUTPUT_TOKENS
+        if isinstance(limit.get("context"), int):
+            requested = min(requested, max(1, limit["context"] - ex.prompt_estimate))
+        ex.reservation = await self.budgets.reserve(key, ex.prompt_estimate, requested, ex.price)
+        if ex.reservation is not None:
+            for name in names:
+                body[name] = ex.reservation.max_output
+
+    # -- the answer ----------------------------------------------------------------------
+    async def relay(self, reply: Reply) -> AsyncIterator[bytes]:
+        """The node's stream, chunk by chunk as it arrives; the books read its events on
+        the way. However it ends (done, the client gone, the node gone) it is settled."""
+        ex, resp = reply.exchange, reply.resp
+        tally = ex.tally
+        complete = False
+        try:
+            async for chunk in resp.content.iter_any():
+                tally.feed(chunk)
+                yield chunk
+            complete = True
+        finally:
+            if complete:
+                resp.release()
+            else:  # the client left (or the node did): drop the upstream connection too
+                resp.close()
+                if ex.record is not None and tally.finish_reason is None:
+                    ex.record.cut = True
+            self.settle(ex, resp.status)
+
+    async def read(self, reply: Reply, *, log_error: bool = True) -> bytes:
+        """The node's whole answer; a node that breaks off settles as a 502 and raises. An
+        error answer is logged with its start, unless the caller raises it as its own."""
+        ex, resp = reply.exchange, reply.resp
+        try:
+            data = await resp.read()
+        except BaseException:  # the node broke off (or the client left): settle all the same
+            resp.close()
+            self.settle(ex, 502)
+            raise
+        resp.release()
+        ex.tally.whole(data)
+        self.settle(ex, resp.status)
+        if resp.status >= 400 and log_error and ex.route is not None:
+            body = data[:500].decode("utf-8", "replace")
+            warn("upstream error", ex.route, reply.path, status=resp.status, body=body)
+        return data
+
+    async def ask(
+        self,
+        principal: Principal,
+        model: str,
+        path: str,
+        body_for: Callable[[str], bytes],
+        client_headers: Mapping[str, str],
+        record: RequestRecord | None = None,
+        *,
+        drop_headers: Collection[str] = (),
+    ) -> NodeAnswer:
+        """A call about a request that is not metered (`/tokenize` for count_tokens): scope
+        and routing as for an exchange, cold loads included; no budget, no ledger row.
+        `body_for` makes the body from the model id the chosen node knows."""
+        _note_model(record, model)
+        self.check_scope(principal, model)
+        routes = await self.router.routes(model)
+        headers = self.node_headers(client_headers, principal, drop_headers)
+        route, resp = await self.upstream.open(routes, path, body_for(routes[0].model_id), headers)
+        try:
+            data = await resp.read()
+        finally:
+            resp.release()
+        return NodeAnswer(route, resp.status, data, resp.headers)
+
+    # -- after ---------------------------------------------------------------------------
+    def settle(self, ex: Exchange, status: int) -> None:
+        """The exchange is over: the router's count, the books, the metrics, the log line."""
+        if ex.route is not None:
+            self.router.end(ex.route)
+            self._observe(ex, ex.route, status)
+        prompt, completion, _, _ = self.accountant.close(ex, status)
+        record = ex.record
+        if record is not None:
+            record.prompt_tokens, record.completion_tokens = prompt, completion
+            record.finish_reason = ex.tally.finish_reason
+            record.first_byte = ex.tally.first_byte
+            record.node = ex.route.node.name if ex.route is not None else None
+            record.release()
+
+    def _observe(self, ex: Exchange, route: Route, status: int) -> None:
+        labels = (ex.model, route.node.name)
+        m, tally = self.metrics, ex.tally
+        if tally.first_byte is not None and status == 200:
+            m.ttft.labels(*labels).observe(tally.first_byte - ex.started)
+        usage = ex.usage(status)
+        if not usage:
+            return
+        prompt, completion, _, _ = usage_counts(usage)
+        m.prompt_tokens.labels(*labels).inc(prompt)
+        m.completion_tokens.labels(*labels).inc(completion)
+        window = (tally.last_byte or 0) - (tally.first_byte or 0)
+        if completion > 1 and window <= 0:
+            window = (tally.last_byte or time.monotonic()) - ex.started
+        if completion > 0 and window > 0:
+            m.tokens_per_second.labels(*labels).observe(completion / window)
+
+
+def context_limit(routes: list[Route]) -> int | None:
+    """The smallest context any candidate replica advertises (None when none says)."""
+    limits = [(r.node.models.get(r.model_id) or {}).get("limit", {}).get("context") for r in routes]
+    known = [n for n in limits if isinstance(n, int)]
+    return min(known) if known else None
+
+
+def _note_model(record: RequestRecord | None, model: str) -> None:
+    if record is not None:
+        record.model = model
+
+
+def _client_headers(resp: aiohttp.ClientResponse, route: Route) -> dict[str, str]:
+    out = response_headers(resp.headers)
+    out["x-helexa-node"] = route.node.name  # which replica answered
+    for name in ("Content-Type", "content-type"):
+        out.pop(name, None)
+    return out
+
+
+def _media_type(resp: aiohttp.ClientResponse) -> str:
+    media_type = resp.headers.get("Content-Type", "application/json")
+    if media_type.startswith("text/"):  # Litestar adds "; charset=utf-8" to text types itself
+        media_type = media_type.split(";", 1)[0]
+    return media_type
