@@ -33,7 +33,7 @@ from helexa.web.gateway_anthropic import (
     messages,
 )
 from helexa.web.gateway_asgi import Cors, GatewayASGI
-from helexa.web.gateway_deps import STATE_KEY, dependencies, record_of
+from helexa.web.gateway_deps import STATE_KEY, dependencies, gateway_of, record_of
 
 log = logging.getLogger(__name__)
 
@@ -135,22 +135,6 @@ def create_gateway_apps(cfg: Config) -> tuple[GatewayASGI, Litestar]:
         finally:
             await gateway.stop()
 
-    def handle(request: Request, exc: Exception) -> Response:
-        exc = _as_client_error(request, exc, cfg.http.max_body_mb)
-        if isinstance(exc, HelexaError):
-            event(
-                log,
-                logging.WARNING,
-                "request refused",
-                path=request.url.path,
-                status=exc.status,
-                code=exc.code,
-                error=exc.message,
-            )
-        if is_anthropic_path(request.url.path):
-            return anthropic_error_response(request, exc)
-        return error_response(request, exc)
-
     api = Litestar(
         route_handlers=[
             chat_completions,
@@ -166,7 +150,7 @@ def create_gateway_apps(cfg: Config) -> tuple[GatewayASGI, Litestar]:
             admin_static(),
         ],
         template_config=admin_templates(),
-        exception_handlers={Exception: handle},
+        exception_handlers={Exception: _handle_error},
         lifespan=[lifespan],
         dependencies=dependencies(),
         request_max_body_size=cfg.http.max_body_mb << 20,
@@ -183,6 +167,25 @@ def create_gateway_apps(cfg: Config) -> tuple[GatewayASGI, Litestar]:
     api.state[STATE_KEY] = metrics_app.state[STATE_KEY] = gateway
     cors = Cors(cfg.gateway.cors_allow_origins) if cfg.gateway.cors_allow_origins else None
     return GatewayASGI(api, gateway.metrics, cors), metrics_app
+
+
+def _handle_error(request: Request, exc: Exception) -> Response:
+    """The one place an API request's exception becomes its answer: in the Anthropic
+    shape on /v1/messages, the OpenAI envelope elsewhere; logged when it is a refusal."""
+    exc = _as_client_error(request, exc, gateway_of(request).cfg.http.max_body_mb)
+    if isinstance(exc, HelexaError):
+        event(
+            log,
+            logging.WARNING,
+            "request refused",
+            path=request.url.path,
+            status=exc.status,
+            code=exc.code,
+            error=exc.message,
+        )
+    if is_anthropic_path(request.url.path):
+        return anthropic_error_response(request, exc)
+    return error_response(request, exc)
 
 
 def _as_client_error(request: Request, exc: Exception, max_body_mb: int) -> Exception:
