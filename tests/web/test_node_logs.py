@@ -4,6 +4,7 @@ client sent (or one the node made), which every response carries back."""
 from __future__ import annotations
 
 import re
+import time
 
 import httpx
 import pytest
@@ -19,7 +20,14 @@ def logged(tmp_path_factory, scripted_id):
 
 
 def _line(node, request_id: str) -> str:
-    lines = [x for x in node.log().splitlines() if f"request_id='{request_id}'" in x]
+    # The node writes the line just after the answer's last byte leaves, so a client that
+    # has read the whole answer can look before it is there: allow it a moment.
+    deadline = time.monotonic() + 5
+    while True:
+        lines = [x for x in node.log().splitlines() if f"request_id='{request_id}'" in x]
+        if lines or time.monotonic() > deadline:
+            break
+        time.sleep(0.01)
     assert len(lines) == 1, lines
     return lines[0]
 
