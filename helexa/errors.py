@@ -1,4 +1,4 @@
-"""The OpenAI error envelope, used by both roles (SPEC "Errors (both roles)")."""
+"""The OpenAI error envelope, used by both roles (docs/node.md and docs/gateway.md)."""
 
 from __future__ import annotations
 

@@ -47,7 +47,7 @@ def request_done(
     total_ms: float,
     **extra: Any,
 ) -> None:
-    """The one line each role writes when a request ends (SPEC: operators' logs)."""
+    """The one line each role writes when a request ends (docs/node.md § Security, docs/gateway.md § Request ids)."""
     event(
         log,
         logging.INFO,

@@ -1,4 +1,4 @@
-"""Who is calling (SPEC "Gateway", Identity): a key looked up by its hash, sent as
+"""Who is calling (docs/gateway.md § Keys and who is calling): a key looked up by its hash, sent as
 `Authorization: Bearer <key>` (OpenAI clients) or `x-api-key: <key>` (Anthropic clients),
 on every route.
 

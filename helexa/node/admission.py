@@ -1,5 +1,5 @@
 """Admission: how many requests a model runs at once, how many wait, for how long, and how
-many one principal may hold (SPEC "Scheduling and memory").
+many one principal may hold (docs/node.md § Admission).
 
 Everything here runs on the event loop: no locks, and a rejection costs no more than a few
 dictionary lookups, so an overloaded node answers 503/429 at once instead of stalling.

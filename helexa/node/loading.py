@@ -23,7 +23,7 @@ GGUF_QUANTS = (
 
 class LoadError(HelexaError):
     """A load refused before or while loading: 422 `{error: {kind, model_id, message,
-    suggestion}}` (SPEC `POST /models/load`), or 503 when memory is short."""
+    suggestion}}` (docs/node.md § Routes), or 503 when memory is short."""
 
     def __init__(
         self,

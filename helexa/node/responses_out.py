@@ -15,23 +15,25 @@ from typing import Any
 from helexa.errors import HelexaError
 from helexa.node.generation import Generation
 from helexa.protocol.assistant_output import Pieces, ToolCallOut
+from helexa.protocol.blocks import OneBlockOpen
 
 
 def _item_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
 
 
-class ResponsesView:
+class ResponsesView(OneBlockOpen[dict[str, Any]]):
     """One generation seen through the Responses API (always a single choice)."""
 
     def __init__(self, gen: Generation, echo: dict[str, Any]) -> None:
+        super().__init__()
         assert gen.req.n == 1, "the Responses API has one output"
         self.gen = gen
         self.echo = echo
         self.id = _item_id("resp")
         self.created_at = int(time.time())
         self.items: list[dict[str, Any]] = []
-        self._open: dict[str, Any] | None = None  # the reasoning or message item growing
+        self._item: dict[str, Any] | None = None  # the reasoning or message item growing
         self._seq = 0
 
     # -- the response object -----------------------------------------------------------
@@ -49,7 +51,6 @@ class ResponsesView:
             "previous_response_id": None,
             **self.echo,
             "text": self.echo.get("text") or {"format": {"type": "text"}},
-            # last: the gateway reads usage from the tail of a stream, after the echoed tools
             "usage": self.usage if status != "in_progress" else None,
         }
 
@@ -95,51 +96,28 @@ class ResponsesView:
         """The events for what one engine step added."""
         events: list[dict[str, Any]] = []
         if pieces.reasoning:
-            events += self._grow("reasoning", pieces.reasoning)
+            events += self.grow("reasoning", pieces.reasoning)
         if pieces.content:
-            events += self._grow("message", pieces.content)
+            events += self.grow("message", pieces.content)
         for call in pieces.calls:
-            events += self._close()
+            events += self.close()
             events += self._call(call)
         return events
 
     def closing(self) -> list[dict[str, Any]]:
-        events = self._close()
+        events = self.close()
         status = self.final_status()
         kind = "response.completed" if status == "completed" else "response.incomplete"
         return [*events, self.event(kind, response=self.response(status))]
 
     def failed(self, error: HelexaError) -> dict[str, Any]:
-        self._close()  # what was said stays in the output; its events no longer matter
+        self.close()  # what was said stays in the output; its events no longer matter
         body = self.response("failed")
         body["error"] = {"code": error.code or error.type, "message": error.message}
         return self.event("response.failed", response=body)
 
-    def _grow(self, kind: str, text: str) -> list[dict[str, Any]]:
-        events: list[dict[str, Any]] = []
-        item = self._open
-        if item is None or item["type"] != kind:
-            events += self._close()
-            events += self._open_item(kind)
-            item = self._open
-        assert item is not None
-        where = {"item_id": item["id"], "output_index": len(self.items) - 1}
-        item["_text"].append(text)
-        if kind == "reasoning":
-            events.append(
-                self.event(
-                    "response.reasoning_summary_text.delta", **where, summary_index=0, delta=text
-                )
-            )
-        else:
-            events.append(
-                self.event(
-                    "response.output_text.delta", **where, content_index=0, delta=text, logprobs=[]
-                )
-            )
-        return events
-
-    def _open_item(self, kind: str) -> list[dict[str, Any]]:
+    # -- the one open item (OneBlockOpen): reasoning or a message ------------------------
+    def _opened(self, kind: str, fields: dict[str, Any] | None) -> list[dict[str, Any]]:
         if kind == "reasoning":
             item = _reasoning_item(_item_id("rs"), "", "in_progress")
             item["summary"] = []
@@ -152,7 +130,7 @@ class ResponsesView:
             "response.output_item.added", output_index=where["output_index"], item=dict(item)
         )
         item["_text"] = []
-        self._open = item
+        self._item = item
         if kind == "reasoning":
             part = {"type": "summary_text", "text": ""}
             return [
@@ -167,10 +145,26 @@ class ResponsesView:
             self.event("response.content_part.added", **where, content_index=0, part=part),
         ]
 
-    def _close(self) -> list[dict[str, Any]]:
-        item, self._open = self._open, None
-        if item is None:
-            return []
+    def _grown(self, kind: str, text: str) -> list[dict[str, Any]]:
+        item = self._item
+        assert item is not None
+        where = {"item_id": item["id"], "output_index": len(self.items) - 1}
+        item["_text"].append(text)
+        if kind == "reasoning":
+            return [
+                self.event(
+                    "response.reasoning_summary_text.delta", **where, summary_index=0, delta=text
+                )
+            ]
+        return [
+            self.event(
+                "response.output_text.delta", **where, content_index=0, delta=text, logprobs=[]
+            )
+        ]
+
+    def _closed(self, kind: str) -> list[dict[str, Any]]:
+        item, self._item = self._item, None
+        assert item is not None
         text = "".join(item.pop("_text"))
         index = self.items.index(item)
         where = {"item_id": item["id"], "output_index": index}

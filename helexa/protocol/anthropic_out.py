@@ -18,6 +18,7 @@ import uuid
 from typing import Any
 
 from helexa.protocol.anthropic import Translated
+from helexa.protocol.blocks import OneBlockOpen
 
 Event = tuple[str, dict[str, Any]]  # (SSE event name, its data)
 # helexa.errors.context_length_exceeded's wording
@@ -182,7 +183,13 @@ def error_body(status: int, message: str, code: str | None = None) -> dict[str, 
 # --- streams ---------------------------------------------------------------------------------
 
 
-class StreamTranslator:
+_EMPTY_BLOCK: dict[str, dict[str, Any]] = {
+    "thinking": {"thinking": "", "signature": ""},
+    "text": {"text": ""},
+}
+
+
+class StreamTranslator(OneBlockOpen[Event]):
     """OpenAI chat chunks in, Anthropic stream events out, for one streamed answer.
 
     `start()` first, `feed()` per upstream chunk, `finish()` when the upstream ends
@@ -190,11 +197,11 @@ class StreamTranslator:
     """
 
     def __init__(self, t: Translated, msg_id: str, input_tokens: int = 0) -> None:
+        super().__init__()  # open_kind: "thinking" | "text" | "tool_use"
         self.t = t
         self.msg_id = msg_id
         self.input_tokens = input_tokens  # an estimate until the upstream's usage arrives
         self.num_blocks = 0  # blocks closed so far: the open block's index
-        self.open: str | None = None  # "thinking" | "text" | "tool_use"
         self.tool_index: int | None = None  # the OpenAI index of the open tool_use block
         self.tools_seen: set[int] = set()
         self.thinking: list[str] = []  # the open thinking block's text, for its signature
@@ -235,13 +242,10 @@ class StreamTranslator:
             delta = _dict(choice.get("delta"))
             reasoning = delta.get("reasoning_content")
             if self.t.thinking and isinstance(reasoning, str) and reasoning:
-                events += self._open("thinking", {"thinking": "", "signature": ""})
-                self.thinking.append(reasoning)
-                events.append(self._delta({"type": "thinking_delta", "thinking": reasoning}))
+                events += self.grow("thinking", reasoning)
             text = delta.get("content")
             if isinstance(text, str) and text:
-                events += self._open("text", {"text": ""})
-                events.append(self._delta({"type": "text_delta", "text": text}))
+                events += self.grow("text", text)
             for call in _list(delta.get("tool_calls")):
                 if isinstance(call, dict):
                     events += self._tool_call(call)
@@ -255,9 +259,9 @@ class StreamTranslator:
             return []
         if self.finish_reason is None:
             return self._fail("api_error", "the node ended the stream before the answer finished")
-        events = self._close()
+        events = self.close()
         if self.num_blocks == 0:  # an empty answer is still one (empty) text block
-            events += self._open("text", {"text": ""}) + self._close()
+            events += self.open("text") + self.close()
         reason, sequence = stop_reason(
             self.finish_reason, self.matched, self.t.stop_sequences, bool(self.tools_seen)
         )
@@ -287,12 +291,11 @@ class StreamTranslator:
             return []
         function = _dict(call.get("function"))
         events: list[Event] = []
-        if index != self.tool_index or self.open != "tool_use":
+        if index != self.tool_index or self.open_kind != "tool_use":
             if index in self.tools_seen:  # a late fragment of a closed block: blocks never reopen
                 return []
-            events += self._close()
             block = {"id": tool_use_id(call.get("id")), "name": _str(function.get("name"))}
-            events += self._open("tool_use", {**block, "input": {}})
+            events += self.open("tool_use", {**block, "input": {}})
             self.tool_index = index
             self.tools_seen.add(index)
         arguments = function.get("arguments")
@@ -302,14 +305,17 @@ class StreamTranslator:
             events.append(self._delta({"type": "input_json_delta", "partial_json": arguments}))
         return events
 
-    def _open(self, kind: str, fields: dict[str, Any]) -> list[Event]:
-        if self.open == kind and kind != "tool_use":
-            return []
-        events = self._close()
-        self.open = kind
-        block = {"type": kind, **fields}
+    # -- the one open block (OneBlockOpen) ----------------------------------------------
+    def _opened(self, kind: str, fields: dict[str, Any] | None) -> list[Event]:
+        block = {"type": kind, **(fields if fields is not None else _EMPTY_BLOCK[kind])}
         start = {"type": "content_block_start", "index": self.num_blocks, "content_block": block}
-        return [*events, ("content_block_start", start)]
+        return [("content_block_start", start)]
+
+    def _grown(self, kind: str, text: str) -> list[Event]:
+        if kind == "thinking":
+            self.thinking.append(text)
+            return [self._delta({"type": "thinking_delta", "thinking": text})]
+        return [self._delta({"type": "text_delta", "text": text})]
 
     def _delta(self, delta: dict[str, Any]) -> Event:
         self.num_deltas += 1
@@ -318,11 +324,9 @@ class StreamTranslator:
             {"type": "content_block_delta", "index": self.num_blocks, "delta": delta},
         )
 
-    def _close(self) -> list[Event]:
-        if self.open is None:
-            return []
+    def _closed(self, kind: str) -> list[Event]:
         events: list[Event] = []
-        if self.open == "thinking":
+        if kind == "thinking":
             signature = thinking_signature("".join(self.thinking))
             events.append(
                 (
@@ -339,12 +343,11 @@ class StreamTranslator:
             ("content_block_stop", {"type": "content_block_stop", "index": self.num_blocks})
         )
         self.num_blocks += 1
-        self.open = None
         self.tool_index = None
         return events
 
     def _fail(self, kind: str, message: str) -> list[Event]:
-        events = self._close()
+        events = self.close()
         self.done = True
         return [*events, ("error", {"type": "error", "error": {"type": kind, "message": message}})]
 

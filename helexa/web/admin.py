@@ -1,4 +1,4 @@
-"""The admin console at /admin (SPEC "Gateway", admin console): login, the gate every other
+"""The admin console at /admin (docs/admin.md): login, the gate every other
 page passes, and the Fleet page. Models, Keys and Spend live beside it in admin_*.py.
 
 Access: no password configured → every /admin page is a 404 saying the console is off.

@@ -1,4 +1,4 @@
-"""The gateway's HTTP surface (SPEC "Gateway"): one OpenAI (and Anthropic) API over the
+"""The gateway's HTTP surface (docs/gateway.md): one OpenAI (and Anthropic) API over the
 fleet, and the Prometheus app on its own port. Handlers are thin; decisions live in
 `helexa.gateway`."""
 

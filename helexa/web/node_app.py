@@ -1,4 +1,4 @@
-"""The node's HTTP surface (SPEC "Node"): thin handlers over `helexa.node`.
+"""The node's HTTP surface (docs/node.md § Routes): thin handlers over `helexa.node`.
 
 Each handler parses what HTTP carries (body, headers, the caller's address), calls the
 node's services with plain values and maps the result to a response. The `Node` reaches
