@@ -1,5 +1,6 @@
 """The Anthropic Messages API on the gateway: `POST /v1/messages` and
-`POST /v1/messages/count_tokens` (docs/gateway.md § The Anthropic Messages API), translated to the node's OpenAI chat API and back.
+`POST /v1/messages/count_tokens` (docs/gateway.md § The Anthropic Messages API),
+translated to the node's OpenAI chat API and back.
 
 The exchange with the node is the OpenAI proxy's (`helexa.gateway.exchange`): auth, scope,
 routing, budgets and the ledger apply unchanged, and a stream's accounting reads the node's
