@@ -131,7 +131,10 @@ def test_the_keyboard_alone_logs_in_and_moves_around(browser, fleet):
     context = browser.new_context(base_url=gw.base_url)
     tab = context.new_page()
     tab.goto("/admin/login")
-    tab.keyboard.type(PASSWORD)  # the password field has focus from the start
+    # the password field has focus from the start (autofocus lands once the page settles,
+    # which on a loaded machine can be after `goto` returns)
+    tab.wait_for_function("document.activeElement && document.activeElement.type === 'password'")
+    tab.keyboard.type(PASSWORD)
     tab.keyboard.press("Enter")
     tab.wait_for_url("**/admin/fleet")
     tab.keyboard.press("Tab")
