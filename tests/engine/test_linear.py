@@ -208,13 +208,21 @@ def test_unknown_quant_is_rejected():
         loaded(weight(64, 576), quant="fp8")
 
 
+def add_dense_copy(lin: Linear) -> None:
+    """What the loader does with `dense_copies`: an f32 copy of a packed weight."""
+    from helexa.engine.layers.linear import DENSE_DTYPE
+
+    if lin.format != "float" and lin.dense is None:
+        lin.dense = lin.dequantize().to(DENSE_DTYPE).contiguous()
+
+
 @pytest.mark.parametrize("kind", ["Q4_1", "Q8_0", "int4"])
 def test_a_dense_copy_serves_many_row_calls_with_the_same_weights(kind):
     from helexa.engine.layers.linear import DENSE_DTYPE, DENSE_MIN_ROWS
 
     parts = make_linears(kind, [576, 192], with_bias=True)
     for p in parts:
-        p.add_dense_copy()
+        add_dense_copy(p)
     fused = fuse(parts)
     assert fused.dense is not None and fused.dense.dtype == DENSE_DTYPE
     few, many = torch.randn(DENSE_MIN_ROWS - 1, 576), torch.randn(DENSE_MIN_ROWS + 20, 576)
@@ -230,7 +238,7 @@ def test_a_prefill_step_takes_the_dense_path_whatever_its_row_count():
     from helexa.engine.layers.linear import PREFILL_STEP
 
     (lin,) = make_linears("Q4_1", [576], with_bias=False)
-    lin.add_dense_copy()
+    add_dense_copy(lin)
     x = torch.randn(3, 576)
     exact = torch.nn.functional.linear(x, lin.dense)
     token = PREFILL_STEP.set(True)

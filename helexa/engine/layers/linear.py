@@ -179,11 +179,6 @@ class Linear(nn.Module):
         w = w.float().t().reshape(self.out_features, self.k_repeat, self.in_features)
         return w.sum(dim=1)
 
-    def add_dense_copy(self) -> None:
-        """Keep an f32 copy of a packed weight for many-row calls (costs 4 bytes a weight)."""
-        if self.format != "float" and self.dense is None:
-            self.dense = self.dequantize().to(DENSE_DTYPE).contiguous()
-
     @property
     def memory_bytes(self) -> int:
         """Bytes held for the weight: the (packed) values, their scales, any dense copy."""
