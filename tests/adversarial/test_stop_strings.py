@@ -1,7 +1,7 @@
 """Sixteen stop strings as long as a request may send do not slow the requests beside it:
-a batch-mate's mean inter-token latency stays within 2× of its solo figure on a real node,
-and in the engine itself (where 30,000-char stops are not refused at the door) within 2× of
-its figure beside the same request without them.
+a batch-mate's mean inter-token latency stays within 2× of its figure beside the same
+request without them, on a real node (where stops are bounded at the door) and in the
+engine itself with 30,000-char stops.
 
 The request with the stop strings runs ahead before its batch-mate starts, so a cost that
 grows with its output would show. Two sets of stop strings: random ones, which never hold
@@ -133,24 +133,29 @@ def test_long_stop_strings_do_not_slow_a_streaming_batch_mate_on_a_node(node, lo
     else:
         assert probe.status_code == 200, probe.text
 
-    def beside(kind: str) -> float:
-        body = {**base, "max_tokens": 4000, "stop": _stops(output, length, kind), "stream": True}
+    def beside(kind: str | None) -> float:
+        stops = _stops(output, length, kind) if kind else []
+        body = {**base, "max_tokens": 4000, "stop": stops, "stream": True}
         other = _LongStops(node, body, ahead=100)
         try:
             return _mean_itl(node, long_id)
         finally:
             other.close()
 
+    # A batch-mate at all costs this tiny model's cheap step ~1.6-2.1× (measured here):
+    # the stop strings' own cost shows against the same mate without them.
     solo: list[float] = []
-    together: dict[str, list[float]] = {kind: [] for kind in KINDS}
-    for _ in range(3):  # a batch of two already costs the mate ~1.6× here: less noise
+    together: dict[str | None, list[float]] = {kind: [] for kind in (None, *KINDS)}
+    for _ in range(3):
         solo.append(_mean_itl(node, long_id))
-        for kind in KINDS:
+        for kind in together:
             together[kind].append(beside(kind))
+    plain = min(together[None])
     for kind in KINDS:
-        assert min(together[kind]) <= 2 * min(solo), (
+        assert min(together[kind]) <= 2 * plain, (
             f"mean inter-token latency {min(together[kind]) * 1e3:.2f} ms beside 16 {kind} "
-            f"stop strings of {length} chars, {min(solo) * 1e3:.2f} ms alone"
+            f"stop strings of {length} chars, {plain * 1e3:.2f} ms beside the same request "
+            f"without them, {min(solo) * 1e3:.2f} ms alone"
         )
 
 
