@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from helexa.errors import invalid_api_key
 from helexa.gateway.keys import KeyInfo, KeyStore, hash_secret
+from helexa.protocol.wire import bearer_token
 
 CACHE_TTL_S = 2.0  # a revoked key stops working within this long
 CACHE_MAX = 10_000
@@ -39,12 +40,8 @@ ANONYMOUS = Principal()
 
 def bearer_secret(headers: Mapping[str, str]) -> str | None:
     """The key from `Authorization: Bearer <key>`, else from `x-api-key: <key>`."""
-    value = headers.get("authorization") or ""
-    scheme, _, secret = value.partition(" ")
-    secret = secret.strip()
-    if scheme.lower() == "bearer" and secret:
-        return secret
-    return (headers.get("x-api-key") or "").strip() or None
+    secret = bearer_token(headers.get("authorization"))
+    return secret or (headers.get("x-api-key") or "").strip() or None
 
 
 class Authenticator:

@@ -57,12 +57,6 @@ def key_matches(given: str | None, api_key: str) -> bool:
     return given is not None and hmac.compare_digest(given.encode(), api_key.encode())
 
 
-def bearer(headers: Mapping[str, str]) -> str | None:
-    """The token of `Authorization: Bearer <token>`, if that is what was sent."""
-    scheme, _, token = headers.get("authorization", "").partition(" ")
-    return token.strip() if scheme.lower() == "bearer" and token.strip() else None
-
-
 def principal_of(headers: Mapping[str, str], trusted: bool, client: str | None) -> str | None:
     """Who is calling, for the per-principal cap: `account/key` as the gateway stamps it;
     None for the gateway's anonymous traffic (it caps that itself); anyone else is an

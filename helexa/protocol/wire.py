@@ -22,6 +22,15 @@ VIA_HEADER = "x-helexa-via"
 SECRET_HEADER = "x-helexa-gateway-secret"  # deprecated: the gateway sends Authorization
 REQUEST_ID_HEADER = "x-request-id"
 
+
+def bearer_token(authorization: str | None) -> str | None:
+    """The token of an `Authorization: Bearer <token>` value, if that is what it is: how
+    clients present keys to the gateway, and the gateway its key to a node."""
+    scheme, _, token = (authorization or "").partition(" ")
+    token = token.strip()
+    return token if scheme.lower() == "bearer" and token else None
+
+
 # When a request names no output limit, generation stops after this many tokens.
 DEFAULT_MAX_OUTPUT_TOKENS = 8192
 # The gateway's estimate of a prompt's tokens before the node has tokenized it.

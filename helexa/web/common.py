@@ -22,6 +22,15 @@ log = logging.getLogger(__name__)
 METRICS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 
+def scope_header(scope: Any, name: bytes) -> str | None:
+    """One request header straight from an ASGI scope (`name` lowercase), for the ASGI
+    layers in front of the apps, which read a few headers and need no mapping of all."""
+    for k, v in scope["headers"]:
+        if k.lower() == name:
+            return v.decode("latin-1")
+    return None
+
+
 def parse_json_body(raw: bytes, decode: Callable[[bytes], Any] = json.loads) -> Any:
     """The decoded request body, or the 400 naming `body` when it is empty or not JSON."""
     if not raw.strip():

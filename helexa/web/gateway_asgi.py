@@ -18,6 +18,7 @@ from helexa.gateway.metrics import GatewayMetrics
 from helexa.gateway.request_log import RECORD_STATE, RequestRecord
 from helexa.logs import request_id
 from helexa.protocol.wire import REQUEST_ID_HEADER
+from helexa.web.common import scope_header
 
 # bounded label values for helexa_requests_total{route}
 ROUTES = {
@@ -117,13 +118,13 @@ class GatewayASGI:
             await self.app(scope, receive, send)
             return
         path: str = scope["path"]
-        rid = request_id(_header(scope, _REQUEST_ID))
+        rid = request_id(scope_header(scope, _REQUEST_ID))
         # the handlers (and the node, through them) see the sane id, never the client's raw one
         scope["headers"] = [(k, v) for k, v in scope["headers"] if k.lower() != _REQUEST_ID]
         scope["headers"].append((_REQUEST_ID, rid.encode()))
         record = RequestRecord(rid)
         scope.setdefault("state", {})[RECORD_STATE] = record
-        origin = _header(scope, b"origin")
+        origin = scope_header(scope, b"origin")
         cors = self.cors if self.cors is not None and not path.startswith("/admin") else None
         status = 500
 
@@ -141,10 +142,10 @@ class GatewayASGI:
             await send(message)
 
         try:
-            requested = _header(scope, b"access-control-request-method")
+            requested = scope_header(scope, b"access-control-request-method")
             if cors is not None and scope["method"] == "OPTIONS" and origin and requested:
                 code, headers, body = cors.preflight(
-                    origin, _header(scope, b"access-control-request-headers") or ""
+                    origin, scope_header(scope, b"access-control-request-headers") or ""
                 )
                 status = code  # answered here, before any handler or auth
                 headers.append((_REQUEST_ID, rid.encode()))
@@ -158,10 +159,3 @@ class GatewayASGI:
             record.status = status
             if path.startswith("/v1/") and scope["method"] != "OPTIONS":
                 record.release()  # written now, or when its exchange with a node settles
-
-
-def _header(scope: Any, name: bytes) -> str | None:
-    for k, v in scope["headers"]:
-        if k.lower() == name:
-            return v.decode("latin-1")
-    return None

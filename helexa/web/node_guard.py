@@ -22,11 +22,13 @@ from litestar.types import ASGIApp, Message, Receive, Scope, Send
 from helexa.config import NodeConfig
 from helexa.errors import invalid_api_key
 from helexa.logs import request_done, request_id
-from helexa.node.security import bearer, is_loopback, key_matches
-from helexa.protocol.wire import REQUEST_ID_HEADER, SECRET_HEADER
+from helexa.node.security import is_loopback, key_matches
+from helexa.protocol.wire import REQUEST_ID_HEADER, SECRET_HEADER, bearer_token
+from helexa.web.common import scope_header
 
 log = logging.getLogger("helexa.node.requests")
 _OPEN = {("GET", "/health"), ("HEAD", "/health")}
+_REQUEST_ID, _SECRET = REQUEST_ID_HEADER.encode(), SECRET_HEADER.encode()
 
 
 class NodeGuard:
@@ -40,8 +42,7 @@ class NodeGuard:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
-        rid = request_id(headers.get(REQUEST_ID_HEADER))
+        rid = request_id(scope_header(scope, _REQUEST_ID))
         state: dict[str, Any] = scope.setdefault("state", {})  # type: ignore[typeddict-item]
         state["request_id"] = rid
         peer = (scope.get("client") or ("", 0))[0]
@@ -82,7 +83,8 @@ class NodeGuard:
                 finish()
 
         if self.api_key and (method, path) not in _OPEN:
-            given = bearer(headers) or headers.get(SECRET_HEADER)  # the latter: deprecated
+            given = bearer_token(scope_header(scope, b"authorization"))
+            given = given or scope_header(scope, _SECRET)  # the deprecated header
             if not key_matches(given, self.api_key):
                 await _unauthorized(
                     send_with_id,
