@@ -14,6 +14,7 @@ from typing import Any
 from litestar import Request
 from litestar.exceptions import HTTPException
 from litestar.response import Response
+from litestar.types import Send
 
 from helexa.errors import HelexaError, invalid_request
 
@@ -29,6 +30,17 @@ def scope_header(scope: Any, name: bytes) -> str | None:
         if k.lower() == name:
             return v.decode("latin-1")
     return None
+
+
+async def send_envelope(send: Send, err: HelexaError) -> None:
+    """`err` as a whole ASGI response (the OpenAI envelope, its status and headers), for
+    the layers below the apps that answer without a handler."""
+    body = json.dumps(err.to_envelope()).encode()
+    headers = [(b"content-type", b"application/json")]
+    headers += [(k.lower().encode(), v.encode()) for k, v in err.headers().items()]
+    headers.append((b"content-length", str(len(body)).encode()))
+    await send({"type": "http.response.start", "status": err.status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
 
 
 def parse_json_body(raw: bytes, decode: Callable[[bytes], Any] = json.loads) -> Any:

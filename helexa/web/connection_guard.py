@@ -10,7 +10,6 @@ disconnect, which the streaming responses already handle.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import socket
 
@@ -19,21 +18,18 @@ from uvicorn.protocols.http import httptools_impl
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from helexa.errors import service_unavailable
+from helexa.web.common import send_envelope
 
 log = logging.getLogger(__name__)
 _OVERLOADED = service_unavailable(
     "the server holds as many connections as [http] limit_concurrency allows; retry shortly", 1
 )
+_OVERLOADED.extra_headers = {"Connection": "close"}
 
 
 async def _overloaded(scope: Scope, receive: Receive, send: Send) -> None:
     """uvicorn's answer past `limit_concurrency`, as the OpenAI envelope (its own is text)."""
-    body = json.dumps(_OVERLOADED.to_envelope()).encode()
-    headers = [(b"content-type", b"application/json"), (b"connection", b"close")]
-    headers += [(k.lower().encode(), v.encode()) for k, v in _OVERLOADED.headers().items()]
-    headers.append((b"content-length", str(len(body)).encode()))
-    await send({"type": "http.response.start", "status": 503, "headers": headers})
-    await send({"type": "http.response.body", "body": body})
+    await send_envelope(send, _OVERLOADED)
 
 
 # With a write deadline, the kernel's send buffer is capped: autotuned, it grows to

@@ -12,7 +12,6 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from typing import Any
@@ -24,7 +23,7 @@ from helexa.errors import invalid_api_key
 from helexa.logs import request_done, request_id
 from helexa.node.security import is_loopback, key_matches
 from helexa.protocol.wire import REQUEST_ID_HEADER, SECRET_HEADER, bearer_token
-from helexa.web.common import scope_header
+from helexa.web.common import scope_header, send_envelope
 
 log = logging.getLogger("helexa.node.requests")
 _OPEN = {("GET", "/health"), ("HEAD", "/health")}
@@ -102,16 +101,5 @@ class NodeGuard:
 
 async def _unauthorized(send: Send, message: str) -> None:
     err = invalid_api_key(f"{message}: this node requires its [node] api_key")
-    body = json.dumps(err.to_envelope()).encode()
-    await send(
-        {
-            "type": "http.response.start",
-            "status": 401,
-            "headers": [
-                (b"content-type", b"application/json"),
-                (b"content-length", str(len(body)).encode()),
-                (b"www-authenticate", b'Bearer realm="helexa-node"'),
-            ],
-        }
-    )
-    await send({"type": "http.response.body", "body": body})
+    err.extra_headers = {"WWW-Authenticate": 'Bearer realm="helexa-node"'}
+    await send_envelope(send, err)
