@@ -166,6 +166,8 @@ class EngineConfig:
     num_threads: PositiveInt | None = None
     seed: int = 0
     enable_prefix_caching: bool = True
+    # Hybrid (Gated DeltaNet) models: recurrent-state snapshots kept for the prefix cache.
+    max_prefix_snapshots: NonNegativeInt = 8
     cpu_dense_copy: bool = True
 
 

@@ -63,15 +63,19 @@ class BlockManager:
         need = self.num_blocks_needed(seq, num_tokens)
         assert need <= self.num_free_blocks, "allocate() without can_allocate()"
         for _ in range(need):
-            block_id, _ = self._free.popitem(last=False)
-            block = self.blocks[block_id]
-            if block.block_hash is not None:  # evict its cached prefix
-                if self._by_hash.get(block.block_hash) == block_id:
-                    del self._by_hash[block.block_hash]
-                block.block_hash = None
-                block.token_ids = ()
-            block.ref_count = 1
-            seq.block_table.append(block_id)
+            seq.block_table.append(self._pop_free())
+
+    def _pop_free(self) -> int:
+        """The least recently freed block, its cached prefix forgotten, held once."""
+        block_id, _ = self._free.popitem(last=False)
+        block = self.blocks[block_id]
+        if block.block_hash is not None:  # evict its cached prefix
+            if self._by_hash.get(block.block_hash) == block_id:
+                del self._by_hash[block.block_hash]
+            block.block_hash = None
+            block.token_ids = ()
+        block.ref_count = 1
+        return block_id
 
     def match_prefix(self, seq: Sequence) -> int:
         """Attach cached blocks for the longest cached prefix of a new sequence.
@@ -103,6 +107,30 @@ class BlockManager:
         self.num_prefix_hits += len(seq.block_table) * bs
         return len(seq.block_table) * bs
 
+    def truncate(self, seq: Sequence, num_blocks: int) -> None:
+        """Keep only the first `num_blocks` of a new sequence's matched prefix blocks."""
+        extra = seq.block_table[num_blocks:]
+        for block_id in reversed(extra):
+            self._unref(block_id)
+        del seq.block_table[num_blocks:]
+        self.num_prefix_hits -= len(extra) * self.block_size
+        self._num_hashed[seq.seq_id] = min(self._num_hashed.get(seq.seq_id, 0), num_blocks)
+
+    def take_block(self) -> int | None:
+        """One block held outside any sequence (a prefix snapshot's copy of a partial block),
+        or None when none is free."""
+        return self._pop_free() if self._free else None
+
+    def release_block(self, block_id: int) -> None:
+        self._unref(block_id)
+
+    def _unref(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        block.ref_count -= 1
+        assert block.ref_count >= 0
+        if block.ref_count == 0:
+            self._free[block_id] = None
+
     def register_computed(self, seq: Sequence) -> None:
         """Index the full blocks whose KV has been computed, for later prefix reuse."""
         if not self.enable_prefix_caching:
@@ -128,10 +156,6 @@ class BlockManager:
     def free(self, seq: Sequence) -> None:
         """Release `seq`'s blocks; cached contents stay reusable until reallocated."""
         for block_id in reversed(seq.block_table):
-            block = self.blocks[block_id]
-            block.ref_count -= 1
-            assert block.ref_count >= 0
-            if block.ref_count == 0:
-                self._free[block_id] = None
+            self._unref(block_id)
         seq.block_table.clear()
         self._num_hashed.pop(seq.seq_id, None)

@@ -24,6 +24,7 @@ from helexa.engine.model_runner import ModelRunner
 from helexa.engine.sampling_params import SamplingParams
 from helexa.engine.scheduler import Scheduler, SchedulerConfig
 from helexa.engine.sequence import RequestOutput, Sequence
+from helexa.engine.state_manager import StateManager
 from helexa.protocol.wire import DEFAULT_MAX_OUTPUT_TOKENS
 
 log = logging.getLogger(__name__)
@@ -140,8 +141,19 @@ class LLMEngine:
         dtype = args.torch_dtype(device) or default_dtype(device)
         self.dtype = dtype
 
+        # Hybrid models: one recurrent-state row per running sequence and per snapshot,
+        # taken from the same memory budget as the KV cache.
+        state_bytes = ModelRunner.state_bytes_per_slot(model, dtype)
+        num_snapshots = args.max_prefix_snapshots if args.enable_prefix_caching else 0
+        num_state_slots = (args.max_num_seqs + num_snapshots) if state_bytes else 0
         per_token = ModelRunner.kv_bytes_per_token(model, dtype)
-        budget = self._kv_budget_bytes(device)
+        budget = self._kv_budget_bytes(device) - num_state_slots * state_bytes
+        if budget <= 0 and not args.num_kv_blocks:
+            raise ValueError(
+                f"the recurrent state of {num_state_slots} sequences "
+                f"({num_state_slots * state_bytes // MiB} MiB) leaves no room for a KV cache; "
+                "lower max_num_seqs or max_prefix_snapshots, or give the cache more memory"
+            )
         num_blocks = args.num_kv_blocks or max(1, budget // (per_token * args.block_size))
         self.max_model_len = min(
             loaded.config.max_position_embeddings,
@@ -149,6 +161,13 @@ class LLMEngine:
             args.max_model_len or 1 << 62,
         )
         self.block_manager = BlockManager(num_blocks, args.block_size, args.enable_prefix_caching)
+        self.state_manager = (
+            StateManager(
+                args.max_num_seqs, num_snapshots, self.block_manager, self.tokenizer.special_ids()
+            )
+            if num_state_slots
+            else None
+        )
         self.scheduler = Scheduler(
             SchedulerConfig(
                 max_num_seqs=args.max_num_seqs,
@@ -156,9 +175,15 @@ class LLMEngine:
                 max_prefill_chunk=args.max_prefill_chunk,
             ),
             self.block_manager,
+            self.state_manager,
         )
         self.runner = ModelRunner(
-            model, device=device, dtype=dtype, num_blocks=num_blocks, block_size=args.block_size
+            model,
+            device=device,
+            dtype=dtype,
+            num_blocks=num_blocks,
+            block_size=args.block_size,
+            num_state_slots=num_state_slots,
         )
         self._seqs: dict[str, Sequence] = {}
 
@@ -237,7 +262,11 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if batch is None:
             return []
-        tokens, logprobs, errors = self.runner.run(batch)
+        try:
+            tokens, logprobs, errors = self.runner.run(batch)
+        except BaseException:
+            self.scheduler.discard(batch)
+            raise
         finished = self.scheduler.postprocess(batch, tokens, logprobs, errors)
         for seq in finished:
             self._seqs.pop(seq.request_id, None)

@@ -5,6 +5,8 @@ The runner owns the KV cache tensors and the model; it never decides who runs.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from helexa.engine.layers.attention import AttentionContext, PrefillSegment
@@ -12,6 +14,12 @@ from helexa.engine.layers.linear import PREFILL_STEP
 from helexa.engine.layers.sampler import Sampler
 from helexa.engine.scheduler import ScheduledBatch
 from helexa.engine.sequence import Sequence, TokenLogprob
+from helexa.engine.state_manager import StateCopy
+
+
+def recurrent_layers(model: torch.nn.Module) -> list:
+    """The model's layers that keep a recurrent state per sequence (hybrid models)."""
+    return list(getattr(model, "recurrent_layers", ()))
 
 
 class NonFiniteLogitsError(RuntimeError):
@@ -31,6 +39,7 @@ class ModelRunner:
         dtype: torch.dtype,
         num_blocks: int,
         block_size: int,
+        num_state_slots: int = 0,
     ) -> None:
         self.model = model
         self.device = device
@@ -38,15 +47,50 @@ class ModelRunner:
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.sampler = Sampler()
-        for attn in model.attention_layers:
+        self.attention_layers = model.attention_layers
+        self.recurrent_layers = recurrent_layers(model)
+        for attn in self.attention_layers:
             shape = (num_blocks, block_size, attn.num_kv_heads, attn.head_dim)
             attn.k_cache = torch.zeros(shape, dtype=dtype, device=device)
             attn.v_cache = torch.zeros(shape, dtype=dtype, device=device)
+        for layer in self.recurrent_layers:
+            conv, ssm = layer.state_shapes()
+            layer.conv_state = torch.zeros(num_state_slots, *conv, dtype=dtype, device=device)
+            # the delta-rule state accumulates over the whole context: kept in float32
+            layer.ssm_state = torch.zeros(num_state_slots, *ssm, dtype=torch.float32, device=device)
 
     @staticmethod
     def kv_bytes_per_token(model: torch.nn.Module, dtype: torch.dtype) -> int:
         elem = torch.empty((), dtype=dtype).element_size()
         return sum(2 * a.num_kv_heads * a.head_dim * elem for a in model.attention_layers)
+
+    @staticmethod
+    def state_bytes_per_slot(model: torch.nn.Module, dtype: torch.dtype) -> int:
+        """Bytes of recurrent state one sequence holds (0 for attention-only models)."""
+        elem = torch.empty((), dtype=dtype).element_size()
+        total = 0
+        for layer in recurrent_layers(model):
+            conv, ssm = layer.state_shapes()
+            total += math.prod(conv) * elem + math.prod(ssm) * 4
+        return total
+
+    def copy_states(self, copies: list[StateCopy]) -> None:
+        """Copy state rows (and KV blocks) as the scheduler asked: snapshots in and out."""
+        if not copies:
+            return
+        dev = self.device
+        src = torch.tensor([c.src_slot for c in copies], device=dev)
+        dst = torch.tensor([c.dst_slot for c in copies], device=dev)
+        for layer in self.recurrent_layers:
+            layer.conv_state.index_copy_(0, dst, layer.conv_state[src])
+            layer.ssm_state.index_copy_(0, dst, layer.ssm_state[src])
+        blocks = [(c.src_block, c.dst_block) for c in copies if c.src_block is not None]
+        if blocks:
+            bsrc = torch.tensor([b[0] for b in blocks], device=dev)
+            bdst = torch.tensor([b[1] for b in blocks], device=dev)
+            for attn in self.attention_layers:
+                attn.k_cache.index_copy_(0, bdst, attn.k_cache[bsrc])
+                attn.v_cache.index_copy_(0, bdst, attn.v_cache[bsrc])
 
     def _slots(self, seq: Sequence, start: int, end: int) -> list[int]:
         """Cache slots of positions [start, end) of `seq`."""
@@ -80,7 +124,7 @@ class ModelRunner:
             else:
                 context = self._slots(seq, 0, start + n)
                 slots.extend(context[start:])
-                seg = PrefillSegment(row, row + n, None)
+                seg = PrefillSegment(row, row + n, None, state_slot=seq.state_slot)
                 if start:
                     seg.context_slots = torch.tensor(context, dtype=torch.long, device=dev)
                     span = start + n
@@ -128,6 +172,10 @@ class ModelRunner:
             ctx.decode_mask = mask[:, None, None, :].to(dev)
         ctx.decode_rows = torch.tensor(rows, dtype=torch.long, device=dev)
         ctx.all_decode = all_decode
+        if self.recurrent_layers:
+            ctx.decode_state_slots = torch.tensor(
+                [s.state_slot for s in seqs], dtype=torch.long, device=dev
+            )
 
     @torch.inference_mode()
     def run(
@@ -140,11 +188,13 @@ class ModelRunner:
         A failure of the forward pass, or non-finite logits in every row, raises."""
         input_ids, positions, ctx, sample_rows, sample_seqs = self.prepare(batch)
         has_prompt = any(s.num_computed_tokens < s.num_prompt_tokens for s in batch.seqs)
+        self.copy_states(batch.restores)
         token = PREFILL_STEP.set(has_prompt)
         try:
             hidden = self.model(input_ids, positions, ctx)
         finally:
             PREFILL_STEP.reset(token)
+        self.copy_states(batch.snapshots)
         out: list[int | None] = [None] * len(batch.seqs)
         errors: dict[int, Exception] = {}
         if not sample_seqs:

@@ -9,10 +9,11 @@ preempted: its blocks are freed and it is recomputed later from its tokens.
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from helexa.engine.block_manager import BlockManager
 from helexa.engine.sequence import Sequence, SequenceStatus, TokenLogprob
+from helexa.engine.state_manager import Snapshot, StateCopy, StateManager
 
 
 @dataclass(slots=True)
@@ -28,6 +29,11 @@ class ScheduledBatch:
 
     seqs: list[Sequence]
     num_new_tokens: list[int]
+    # Hybrid models: state copies the runner makes before the forward (resuming from
+    # snapshots) and after it (filling snapshots), and the snapshots those fill, by seq.
+    restores: list[StateCopy] = field(default_factory=list)
+    snapshots: list[StateCopy] = field(default_factory=list)
+    pending: dict[int, Snapshot] = field(default_factory=dict)
 
     @property
     def num_tokens(self) -> int:
@@ -40,9 +46,15 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        block_manager: BlockManager,
+        state_manager: StateManager | None = None,
+    ) -> None:
         self.config = config
         self.block_manager = block_manager
+        self.state_manager = state_manager  # hybrid models only
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -56,16 +68,18 @@ class Scheduler:
     def schedule(self) -> ScheduledBatch | None:
         budget = self.config.max_num_batched_tokens
         chunk = self.config.max_prefill_chunk
-        bm = self.block_manager
-        seqs: list[Sequence] = []
-        counts: list[int] = []
+        bm, sm = self.block_manager, self.state_manager
+        batch = ScheduledBatch([], [])
+        seqs, counts = batch.seqs, batch.num_new_tokens
 
         # Running sequences first, oldest first; preempt the newest when blocks run out.
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            n = min(seq.num_tokens - seq.num_computed_tokens, chunk, budget)
+            n = self._chunk(seq, min(seq.num_tokens - seq.num_computed_tokens, chunk, budget))
             while not bm.can_allocate(seq, seq.num_computed_tokens + n):
+                if sm is not None and sm.evict_one():
+                    continue
                 victim = self.running[-1]
                 self._preempt(victim)
                 if victim is seq:
@@ -74,6 +88,7 @@ class Scheduler:
                 bm.allocate(seq, seq.num_computed_tokens + n)
                 seqs.append(seq)
                 counts.append(n)
+                self._maybe_snapshot(batch, seq, n)
                 budget -= n
                 i += 1
                 continue
@@ -83,11 +98,25 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
             cached = bm.match_prefix(seq)
-            n = min(seq.num_tokens - cached, chunk, budget)
+            snap = None
+            if sm is not None:  # a recurrent state resumes only from a snapshot
+                snap = sm.match(seq, len(seq.block_table))
+                cached = snap.length if snap is not None else 0
+                bm.truncate(seq, cached // bm.block_size)
+                boundary = sm.boundary(seq)
+                seq.snapshot_at = (
+                    boundary
+                    if boundary is not None
+                    and boundary > cached
+                    and not sm.has(seq.token_ids[:boundary])
+                    else None
+                )
+            seq.num_computed_tokens = cached
+            n = self._chunk(seq, min(seq.num_tokens - cached, chunk, budget))
             if not bm.can_allocate(seq, cached + n):
                 bm.free(seq)  # waiting sequences never hold blocks, or they could deadlock
+                seq.num_computed_tokens = 0
                 break
-            seq.num_computed_tokens = cached
             if seq.num_output_tokens == 0:
                 seq.num_cached_tokens = cached
             bm.allocate(seq, seq.num_computed_tokens + n)
@@ -96,13 +125,42 @@ class Scheduler:
             self.running.append(seq)
             seqs.append(seq)
             counts.append(n)
+            if sm is not None:
+                sm.allocate(seq)
+                if snap is not None:
+                    batch.restores.append(sm.restore(seq, snap))
+                self._maybe_snapshot(batch, seq, n)
             budget -= n
 
-        return ScheduledBatch(seqs, counts) if seqs else None
+        return batch if seqs else None
+
+    def _chunk(self, seq: Sequence, n: int) -> int:
+        """`n` new tokens for `seq`, cut so a chunk ends at its snapshot boundary."""
+        at = seq.snapshot_at
+        if at is not None and seq.num_computed_tokens < at:
+            return min(n, at - seq.num_computed_tokens)
+        return n
+
+    def _maybe_snapshot(self, batch: ScheduledBatch, seq: Sequence, n: int) -> None:
+        """Reserve a snapshot when this step computes `seq` up to its boundary."""
+        if seq.snapshot_at is None or seq.num_computed_tokens + n != seq.snapshot_at:
+            return
+        seq.snapshot_at = None
+        reserved = self.state_manager.reserve(seq, seq.num_computed_tokens + n)
+        if reserved is not None:
+            snap, copy = reserved
+            batch.snapshots.append(copy)
+            batch.pending[seq.seq_id] = snap
+
+    def discard(self, batch: ScheduledBatch) -> None:
+        """A step that failed fills no snapshot: give back what it reserved."""
+        for snap in batch.pending.values():
+            self.state_manager.discard(snap)
+        batch.pending.clear()
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
-        self.block_manager.free(seq)
+        self._free(seq)
         seq.num_computed_tokens = 0
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
@@ -132,6 +190,12 @@ class Scheduler:
                         seq.append_token(token, logprobs[i] if logprobs else None)
                 except Exception as e:
                     error = e
+            snap = batch.pending.pop(seq.seq_id, None)
+            if snap is not None:
+                if error is None:
+                    self.state_manager.commit(snap)
+                else:
+                    self.state_manager.discard(snap)
             if error is not None:
                 seq.fail(error)
             if seq.is_finished:
@@ -152,4 +216,9 @@ class Scheduler:
             self.running.remove(seq)
         else:
             self.waiting.remove(seq)
+        self._free(seq)
+
+    def _free(self, seq: Sequence) -> None:
         self.block_manager.free(seq)
+        if self.state_manager is not None:
+            self.state_manager.free(seq)

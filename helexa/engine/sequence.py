@@ -72,6 +72,10 @@ class Sequence:
         self.num_computed_tokens = 0  # tokens whose KV is in the cache
         self.num_cached_tokens = 0  # of the prompt, reused from the prefix cache
         self.block_table: list[int] = []
+        # Hybrid models: the row of the recurrent-state pools this sequence holds (-1: none),
+        # and the prompt position to snapshot that state at for the prefix cache (None: none).
+        self.state_slot = -1
+        self.snapshot_at: int | None = None
         self.arrival_time = time.monotonic()
         self.finish_reason: str | None = None
         self.stop_reason: str | int | None = None

@@ -61,6 +61,11 @@ class Tokenizer:
         )
         return bool(added is not None and added.special)
 
+    def special_ids(self) -> set[int]:
+        """Ids of the special tokens (`<|im_start|>`, `<|im_end|>`, bos, eos...)."""
+        decoder = self.backend.get_added_tokens_decoder()
+        return {i for i, tok in decoder.items() if tok.special}
+
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         """Token ids for `text`; special-token strings in it map to their ids.
 

@@ -85,3 +85,88 @@ def run_offline(code: str, *args: str, **env: str):
         text=True,
         timeout=300,
     )
+
+
+# ---- the families without a fixture config: built from transformers' config classes --------
+
+HYBRID_TEXT = dict(
+    hidden_size=64,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,  # two value heads per key head, as the real models group them
+    linear_key_head_dim=16,
+    linear_value_head_dim=24,
+    linear_conv_kernel_dim=4,
+    # both layer types, neither first nor only
+    layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"],
+    num_hidden_layers=4,
+    rms_norm_eps=1e-6,
+    initializer_range=0.2,
+    max_position_embeddings=4096,
+)
+MOE = dict(num_experts=6, num_experts_per_tok=2, moe_intermediate_size=32)  # 6: not a power of 2
+VISION = dict(depth=1, hidden_size=32, intermediate_size=32, num_heads=2, out_hidden_size=64)
+
+
+def _hf_model(kind: str, vocab_size: int):
+    """An HF model of `kind` with tiny random weights; text-only kinds are CausalLMs."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+    from transformers.models.qwen3_5 import (
+        Qwen3_5Config,
+        Qwen3_5ForCausalLM,
+        Qwen3_5ForConditionalGeneration,
+        Qwen3_5TextConfig,
+    )
+    from transformers.models.qwen3_5_moe import (
+        Qwen3_5MoeConfig,
+        Qwen3_5MoeForConditionalGeneration,
+    )
+
+    text = dict(HYBRID_TEXT, vocab_size=vocab_size, tie_word_embeddings=False)
+    if kind == "qwen3_moe":
+        config = Qwen3MoeConfig(
+            vocab_size=vocab_size,
+            hidden_size=64,
+            intermediate_size=96,
+            num_hidden_layers=3,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=32,
+            norm_topk_prob=True,
+            mlp_only_layers=[1],  # a dense layer between sparse ones
+            initializer_range=0.2,
+            max_position_embeddings=4096,
+            **MOE,
+        )
+        return Qwen3MoeForCausalLM(config)
+    if kind == "qwen3_5":
+        config = Qwen3_5Config(text_config=dict(text, intermediate_size=96), vision_config=VISION)
+        return Qwen3_5ForConditionalGeneration(config)
+    if kind == "qwen3_5_text":
+        return Qwen3_5ForCausalLM(Qwen3_5TextConfig(**text, intermediate_size=96))
+    if kind == "qwen3_5_moe":
+        moe = dict(text, **MOE, shared_expert_intermediate_size=48)
+        config = Qwen3_5MoeConfig(text_config=moe, vision_config=VISION)
+        return Qwen3_5MoeForConditionalGeneration(config)
+    raise ValueError(kind)
+
+
+def make_tiny_new_family(
+    kind: str, root: Path, *, seed: int = 0, vocab_size: int = 512, tokenizer: str = "Qwen3-0.6B"
+):
+    """Write `kind` (qwen3_moe, qwen3_5, qwen3_5_text, qwen3_5_moe) as save_pretrained lays it
+    out, with a fixture tokenizer; return (dir, hf_model)."""
+    torch.manual_seed(seed)
+    model = _hf_model(kind, vocab_size).float()
+    with torch.no_grad():  # random norms and gating parameters, so a misplaced one shows
+        for name, p in model.named_parameters():
+            if "norm" in name or name.endswith(("bias", "A_log", "dt_bias")):
+                p.add_(torch.randn_like(p) * 0.1)
+    model.eval()
+    out = root / kind
+    model.save_pretrained(out, safe_serialization=True)
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copyfile(FIXTURE_MODELS / tokenizer / f, out / f)
+    return out, model

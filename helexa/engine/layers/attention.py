@@ -25,6 +25,7 @@ class PrefillSegment:
     context_slots: torch.Tensor | None
     # For a later chunk: query i sees keys up to span - length + i (built once per step).
     mask: torch.Tensor | None = None
+    state_slot: int = -1  # hybrid models: the sequence's row in the recurrent-state pools
 
 
 @dataclass(slots=True)
@@ -41,6 +42,8 @@ class AttentionContext:
     decode_blocks: torch.Tensor | None
     decode_mask: torch.Tensor | None  # [num_decode, 1, 1, max_blocks * block_size], 0 / -inf
     all_decode: bool = False  # every row is a decode row, in order
+    # hybrid models: [num_decode] the decode rows' rows in the recurrent-state pools
+    decode_state_slots: torch.Tensor | None = None
 
 
 class PagedAttention(nn.Module):

@@ -12,12 +12,19 @@ from __future__ import annotations
 from helexa.engine.models.llama import LlamaForCausalLM
 from helexa.engine.models.qwen2 import Qwen2ForCausalLM
 from helexa.engine.models.qwen3 import Qwen3ForCausalLM
+from helexa.engine.models.qwen3_5 import Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM
+from helexa.engine.models.qwen3_moe import Qwen3MoeForCausalLM
 from helexa.engine.models.scripted import ScriptedForCausalLM
 
 MODEL_REGISTRY: dict[str, type[LlamaForCausalLM] | type[ScriptedForCausalLM]] = {
     "llama": LlamaForCausalLM,
     "qwen2": Qwen2ForCausalLM,
     "qwen3": Qwen3ForCausalLM,
+    "qwen3_moe": Qwen3MoeForCausalLM,
+    "qwen3_5": Qwen3_5ForCausalLM,  # Qwen3.5/3.6 as shipped: text_config + a vision tower
+    "qwen3_5_text": Qwen3_5ForCausalLM,
+    "qwen3_5_moe": Qwen3_5MoeForCausalLM,
+    "qwen3_5_moe_text": Qwen3_5MoeForCausalLM,
     "helexa_scripted": ScriptedForCausalLM,  # a fixed script, for protocol tests
 }
 SUPPORTED_MODEL_TYPES = sorted(MODEL_REGISTRY)

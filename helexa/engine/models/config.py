@@ -38,7 +38,8 @@ class ModelConfig:
             model_type=cfg["model_type"],
             vocab_size=cfg["vocab_size"],
             hidden_size=hidden,
-            intermediate_size=cfg["intermediate_size"],
+            # sparse-only models (qwen3_5_moe) state just the experts' size
+            intermediate_size=cfg.get("intermediate_size") or cfg.get("moe_intermediate_size"),
             num_layers=cfg["num_hidden_layers"],
             num_heads=heads,
             num_kv_heads=cfg.get("num_key_value_heads") or heads,

@@ -10,7 +10,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from helexa.engine.layers.attention import AttentionContext, PagedAttention
+from helexa.engine.layers.gated_deltanet import GatedDeltaNet, RMSNormGated
 from helexa.engine.layers.linear import Linear, as_dense, fuse
+from helexa.engine.layers.moe import Experts
 from helexa.engine.layers.norm import RMSNorm
 from helexa.engine.layers.rotary import RotaryEmbedding, apply_rotary
 from helexa.engine.models.config import ModelConfig
@@ -70,11 +72,12 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, intermediate_size: int | None = None) -> None:
         super().__init__()
-        self.gate_proj = Linear(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias)
-        self.up_proj = Linear(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias)
-        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, cfg.mlp_bias)
+        inter = intermediate_size or cfg.intermediate_size
+        self.gate_proj = Linear(cfg.hidden_size, inter, cfg.mlp_bias)
+        self.up_proj = Linear(cfg.hidden_size, inter, cfg.mlp_bias)
+        self.down_proj = Linear(inter, cfg.hidden_size, cfg.mlp_bias)
 
     def fuse_projections(self) -> None:
         try:
@@ -94,7 +97,7 @@ class MLP(nn.Module):
 class DecoderLayer(nn.Module):
     attention_cls: type[Attention] = Attention
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, index: int = 0) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = self.attention_cls(cfg)
@@ -143,7 +146,7 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = cfg
         self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList([self.layer_cls(cfg) for _ in range(cfg.num_layers)])
+        self.layers = nn.ModuleList([self.layer_cls(cfg, i) for i in range(cfg.num_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, False)
         self.max_position = max_position or cfg.max_position_embeddings
@@ -170,6 +173,13 @@ class LlamaForCausalLM(nn.Module):
         return self.lm_head(hidden)
 
     # -- weights -------------------------------------------------------------------
+    # Checkpoint name prefixes that lead to the decoder; the first that matches is cut.
+    weight_prefixes: tuple[str, ...] = ("model.",)
+    # Checkpoint parts that are not served (a vision tower, MTP heads), by name prefix.
+    skipped_weight_prefixes: tuple[str, ...] = ()
+    # (1+w) RMSNorms (Qwen3.5) store offsets from one: added once at load.
+    norm_weight_offset = 0.0
+
     def load_weights(
         self,
         weights: Iterable[tuple[str, WeightSource]],
@@ -183,24 +193,30 @@ class LlamaForCausalLM(nn.Module):
         loaded: set[str] = set()
         embed_src = None
         for name, src in weights:
-            if name.endswith(self.ignored_weight_suffixes):
+            if name.endswith(self.ignored_weight_suffixes) or name.startswith(
+                self.skipped_weight_prefixes
+            ):
                 continue
-            path = name.removeprefix("model.")
+            path = next((name[len(p) :] for p in self.weight_prefixes if name.startswith(p)), name)
             if path == "rotary_emb.freq_factors.weight":
                 cfg = self.config
                 self.rotary = RotaryEmbedding(
                     cfg.head_dim, self.max_position, cfg.rope_theta, freq_factors=as_dense(src)
                 )
                 continue
-            mod_path, _, kind = path.rpartition(".")
+            mod_path, kind = _owner(modules, path)
             if mod_path == "embed_tokens":
                 embed_src = src
             if mod_path == "lm_head" and self.config.tie_word_embeddings:
                 continue
-            mod = modules.get(mod_path)
-            if mod is None:
+            mod = modules.get(mod_path) if kind else None
+            if mod is None or mod is self:
                 raise ValueError(f"unexpected weight {name!r} for {self.config.model_type}")
-            _load_one(mod, kind, src, dtype, quant, dense_copies)
+            if isinstance(mod, Experts):
+                mod.load_stacked(kind, src, dtype=dtype, quant=quant, dense=dense_copies)
+                loaded.update(_stacked_names(mod_path, kind, mod.num_experts))
+                continue
+            _load_one(mod, kind, src, dtype, quant, dense_copies, self.norm_weight_offset)
             loaded.add(path)
         if self.config.tie_word_embeddings:
             if embed_src is None:
@@ -213,9 +229,7 @@ class LlamaForCausalLM(nn.Module):
 
     def post_load(self) -> None:
         """Fuse same-input projections (q/k/v, gate/up) into single matmuls."""
-        for layer in self.layers:
-            layer.self_attn.fuse_projections()
-            layer.mlp.fuse_projections()
+        _fuse(self)
 
     def _expected_weights(self) -> list[str]:
         names = []
@@ -224,13 +238,47 @@ class LlamaForCausalLM(nn.Module):
                 names.append(f"{path}.weight")
                 if mod.has_bias:
                     names.append(f"{path}.bias")
-            elif isinstance(mod, RMSNorm | Embedding):
+            elif isinstance(mod, RMSNorm | Embedding | RMSNormGated):
                 names.append(f"{path}.weight")
+            elif isinstance(mod, GatedDeltaNet):
+                names.extend(f"{path}.{p}" for p in mod.PARAMS)
         return names
 
 
+def _fuse(module: nn.Module) -> None:
+    """Call `fuse_projections` on the outermost modules that have one (each owns its subtree)."""
+    for child in list(module.children()):
+        if hasattr(child, "fuse_projections"):
+            child.fuse_projections()
+        else:
+            _fuse(child)
+
+
+def _owner(modules: dict[str, nn.Module], path: str) -> tuple[str, str]:
+    """The deepest module on `path` and the rest of the name: ("layers.0.linear_attn",
+    "conv1d.weight") for a parameter a module keeps under a sub-name."""
+    head, rest = path, ""
+    while head:
+        if head in modules:
+            return head, rest
+        head, _, last = head.rpartition(".")
+        rest = f"{last}.{rest}" if rest else last
+    return "", path
+
+
+def _stacked_names(mod_path: str, kind: str, num_experts: int) -> list[str]:
+    projs = ("gate_proj", "up_proj") if kind == "gate_up_proj" else (kind,)
+    return [f"{mod_path}.{e}.{p}.weight" for e in range(num_experts) for p in projs]
+
+
 def _load_one(
-    mod: nn.Module, kind: str, src, dtype: torch.dtype, quant: str | None, dense: bool
+    mod: nn.Module,
+    kind: str,
+    src,
+    dtype: torch.dtype,
+    quant: str | None,
+    dense: bool,
+    norm_offset: float = 0.0,
 ) -> None:
     if isinstance(mod, Linear):
         if kind == "weight":
@@ -239,9 +287,13 @@ def _load_one(
             mod.load_bias(as_dense(src), dtype=dtype)
     elif isinstance(mod, Embedding):
         mod.load_weight(src, dtype=dtype)
-    elif isinstance(mod, RMSNorm):
-        w = as_dense(src)
+    elif isinstance(mod, RMSNorm | RMSNormGated) and kind == "weight":
+        w = as_dense(src).float()
         assert w.shape == mod.weight.shape, (tuple(w.shape), tuple(mod.weight.shape))
+        if isinstance(mod, RMSNorm):
+            w = w + norm_offset
         mod.weight.data = w.to(dtype).contiguous()
+    elif isinstance(mod, GatedDeltaNet):
+        mod.load_param(kind, src, dtype)
     else:
         raise ValueError(f"no loader for {type(mod).__name__}.{kind}")

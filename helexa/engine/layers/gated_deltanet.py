@@ -1,0 +1,151 @@
+"""Gated DeltaNet, the linear-attention mixer of Qwen3.5/3.6 (and Qwen3-Next).
+
+Per token: project to q, k, v (one matmul), a short causal depthwise conv over them, then
+the gated delta rule keeps a [K, V] state per value head instead of a KV cache. Each
+sequence's state is two tensors in pools the model runner allocates (rows = state slots):
+
+- `conv_state` [num_slots, conv_dim, kernel - 1]: the last inputs of the conv;
+- `ssm_state` [num_slots, Hv, K, V] (float32): the delta-rule state.
+
+Prefill segments run the whole-prompt conv and the chunked delta rule from their slot's
+state (zeros for a fresh sequence) and write the final state back; decode rows update
+their slots in place with the one-step kernels. Kernels come from `helexa.kernels`.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from helexa import kernels
+from helexa.engine.layers.linear import Linear, as_dense
+
+if TYPE_CHECKING:
+    from helexa.engine.layers.attention import AttentionContext
+    from helexa.engine.models.llama import WeightSource
+
+
+class RMSNormGated(nn.Module):
+    """RMSNorm over the head dim, then times silu(gate): o = w * norm(x) * silu(z)."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        # x, gate: [..., dim]
+        h = F.rms_norm(x.float(), self.weight.shape, None, self.eps)
+        h = self.weight * h.to(x.dtype)
+        return (h.float() * F.silu(gate.float())).to(x.dtype)
+
+
+class GatedDeltaNet(nn.Module):
+    """The `linear_attn` block of a Qwen3.5 `linear_attention` layer."""
+
+    def __init__(self, hf: dict, hidden_size: int, eps: float) -> None:
+        super().__init__()
+        self.num_k_heads = hf["linear_num_key_heads"]
+        self.num_v_heads = hf["linear_num_value_heads"]
+        self.head_k_dim = hf["linear_key_head_dim"]
+        self.head_v_dim = hf["linear_value_head_dim"]
+        self.conv_kernel = hf.get("linear_conv_kernel_dim", 4)
+        if self.num_v_heads % self.num_k_heads:
+            raise ValueError(
+                f"linear_num_value_heads {self.num_v_heads} is not a multiple of "
+                f"linear_num_key_heads {self.num_k_heads}"
+            )
+        self.key_dim = self.num_k_heads * self.head_k_dim
+        self.value_dim = self.num_v_heads * self.head_v_dim
+        self.conv_dim = 2 * self.key_dim + self.value_dim
+        self.in_proj_qkv = Linear(hidden_size, self.conv_dim)
+        self.in_proj_z = Linear(hidden_size, self.value_dim)
+        self.in_proj_b = Linear(hidden_size, self.num_v_heads)
+        self.in_proj_a = Linear(hidden_size, self.num_v_heads)
+        self.out_proj = Linear(self.value_dim, hidden_size)
+        self.norm = RMSNormGated(self.head_v_dim, eps)
+        # Loaded as checkpoint tensors (load_param); kept in float32, as the gating runs in it.
+        self.conv_weight: torch.Tensor | None = None  # [conv_dim, kernel] (HF conv1d.weight)
+        self.A_log: torch.Tensor | None = None  # [Hv]
+        self.dt_bias: torch.Tensor | None = None  # [Hv]
+        # State pools, allocated by the model runner.
+        self.conv_state: torch.Tensor | None = None
+        self.ssm_state: torch.Tensor | None = None
+
+    # -- what the runner and loader need ----------------------------------------------
+    def state_shapes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """Per-slot shapes of (conv_state, ssm_state)."""
+        return (
+            (self.conv_dim, self.conv_kernel - 1),
+            (self.num_v_heads, self.head_k_dim, self.head_v_dim),
+        )
+
+    PARAMS = ("conv1d.weight", "A_log", "dt_bias")
+
+    def load_param(self, name: str, src: WeightSource, dtype: torch.dtype) -> None:
+        """A checkpoint tensor that is not a Linear's: `conv1d.weight`, `A_log`, `dt_bias`."""
+        w = as_dense(src)
+        if name == "conv1d.weight":  # [conv_dim, 1, kernel]
+            w = w.reshape(self.conv_dim, self.conv_kernel)
+            self.conv_weight = w.to(dtype).contiguous()
+        elif name in ("A_log", "dt_bias"):
+            assert tuple(w.shape) == (self.num_v_heads,), (name, tuple(w.shape))
+            setattr(self, name, w.float().contiguous())
+        else:
+            raise ValueError(f"unexpected GatedDeltaNet weight {name!r}")
+
+    def fuse_projections(self) -> None:
+        return  # q/k/v already arrive as one matmul; z, a, b are cheap
+
+    def _apply(self, fn, recurse=True):  # type: ignore[no-untyped-def]
+        for name in ("conv_weight", "A_log", "dt_bias", "conv_state", "ssm_state"):
+            if (t := getattr(self, name)) is not None:
+                setattr(self, name, fn(t))
+        return super()._apply(fn, recurse)
+
+    # -- running -------------------------------------------------------------------
+    def forward(self, x: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
+        # x: [T, hidden] -> [T, hidden]
+        num_tokens = x.shape[0]
+        hk, hv, dk, dv = self.num_k_heads, self.num_v_heads, self.head_k_dim, self.head_v_dim
+        qkv = self.in_proj_qkv.forward(x)  # [T, conv_dim]
+        z = self.in_proj_z.forward(x).view(num_tokens, hv, dv)
+        g, beta = kernels.gdn_gating(
+            self.A_log, self.in_proj_a.forward(x), self.in_proj_b.forward(x), self.dt_bias
+        )  # [T, Hv] each, float32
+        o = x.new_empty(num_tokens, hv, dv)
+
+        def split(mixed: torch.Tensor):
+            n = mixed.shape[0]
+            q, k, v = mixed.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+            return q.view(n, hk, dk), k.view(n, hk, dk), v.reshape(n, hv, dv)
+
+        for seg in ctx.prefills:
+            s, rows = seg.state_slot, slice(seg.start, seg.end)
+            fresh = seg.context_slots is None  # the chunk starts at position 0
+            conv0 = None if fresh else self.conv_state[s]
+            mixed, conv_end = kernels.causal_conv1d(qkv[rows], self.conv_weight, None, conv0)
+            self.conv_state[s] = conv_end
+            ssm0 = None if fresh else self.ssm_state[s]
+            out, ssm_end = kernels.chunk_gated_delta_rule(*split(mixed), g[rows], beta[rows], ssm0)
+            self.ssm_state[s] = ssm_end
+            o[rows] = out
+
+        if ctx.decode_rows is not None:
+            rows, slots = ctx.decode_rows, ctx.decode_state_slots
+            xd = qkv if ctx.all_decode else qkv[rows]
+            mixed = kernels.causal_conv1d_update(xd, self.conv_state, self.conv_weight, None, slots)
+            gd, bd = (g, beta) if ctx.all_decode else (g[rows], beta[rows])
+            out = kernels.fused_recurrent_gated_delta_rule(
+                *split(mixed), gd, bd, self.ssm_state, slots
+            )
+            if ctx.all_decode:
+                o = out
+            else:
+                o[rows] = out
+
+        o = self.norm.forward(o, z)
+        return self.out_proj.forward(o.reshape(num_tokens, self.value_dim))

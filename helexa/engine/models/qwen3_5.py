@@ -1,0 +1,166 @@
+"""Qwen3.5 / Qwen3.6 (`qwen3_5`, `qwen3_5_moe`): a hybrid of Gated DeltaNet linear attention
+and gated full attention, as HF ships them.
+
+- `layer_types` says which layers mix tokens with `linear_attn` (GatedDeltaNet, a recurrent
+  state per sequence) and which with `self_attn` (paged KV cache). Typically three of four
+  are linear.
+- Full attention: q_proj yields each head's query and an output gate side by side; q/k get a
+  per-head RMSNorm; rotary covers only the first `partial_rotary_factor` of each head; the
+  output is multiplied by sigmoid(gate) before o_proj. Text positions are the same on M-RoPE's
+  three axes, so M-RoPE reduces to plain rotary here.
+- RMSNorms are `(1 + w)`: the stored weights are offsets from one (`norm_weight_offset`).
+- The conditional-generation checkpoint keeps the decoder under `model.language_model.*` and a
+  vision tower under `model.visual.*`, which is skipped: these models serve text only.
+  The text-only layouts (`qwen3_5_text`, `qwen3_5_moe_text`) keep it under `model.*`.
+- `qwen3_5_moe`: every layer's MLP is sparse, top-k renormalised, plus a gated shared expert.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from helexa.engine.layers.attention import AttentionContext, PagedAttention
+from helexa.engine.layers.gated_deltanet import GatedDeltaNet
+from helexa.engine.layers.linear import Linear, fuse
+from helexa.engine.layers.norm import RMSNorm
+from helexa.engine.layers.rotary import RotaryEmbedding, apply_rotary
+from helexa.engine.models.config import ModelConfig
+from helexa.engine.models.llama import MLP, LlamaForCausalLM
+from helexa.engine.models.qwen3_moe import moe_block
+
+if TYPE_CHECKING:
+    from helexa.engine.tokenizer import Tokenizer
+
+LAYER_TYPES = ("linear_attention", "full_attention")
+
+
+def rotary_dim(cfg: ModelConfig) -> int:
+    rope = cfg.hf.get("rope_parameters") or {}
+    factor = rope.get("partial_rotary_factor", cfg.hf.get("partial_rotary_factor", 1.0))
+    return int(cfg.head_dim * factor)
+
+
+def apply_partial_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x: [num_tokens, heads, head_dim]; cos, sin: [num_tokens, 1, rotary_dim]
+    rd = cos.shape[-1]
+    if rd == x.shape[-1]:
+        return apply_rotary(x, cos, sin)
+    return torch.cat((apply_rotary(x[..., :rd], cos, sin), x[..., rd:]), dim=-1)
+
+
+class GatedAttention(nn.Module):
+    """Full attention of Qwen3.5: output gated per element by sigmoid(q_proj's gate half)."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        h, kvh, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        bias = cfg.attention_bias
+        self.num_heads, self.num_kv_heads, self.head_dim = h, kvh, d
+        self.q_proj = Linear(cfg.hidden_size, h * d * 2, bias)
+        self.k_proj = Linear(cfg.hidden_size, kvh * d, bias)
+        self.v_proj = Linear(cfg.hidden_size, kvh * d, bias)
+        self.o_proj = Linear(h * d, cfg.hidden_size, bias)
+        self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
+        self.attn = PagedAttention(h, kvh, d, scale=d**-0.5)
+
+    def fuse_projections(self) -> None:
+        try:
+            self.qkv_proj = fuse([self.q_proj, self.k_proj, self.v_proj])
+        except ValueError:
+            return
+        del self.q_proj, self.k_proj, self.v_proj
+
+    def forward(self, x: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
+        # x: [num_tokens, hidden]
+        n = x.shape[0]
+        h, kvh, d = self.num_heads, self.num_kv_heads, self.head_dim
+        if hasattr(self, "qkv_proj"):
+            qkv = self.qkv_proj.forward(x)
+        else:
+            qkv = torch.cat((self.q_proj(x), self.k_proj(x), self.v_proj(x)), dim=-1)
+        qg, k, v = qkv.split([h * 2 * d, kvh * d, kvh * d], dim=-1)
+        qg = qg.view(n, h, 2 * d)  # per head: query, then gate
+        q, gate = qg[..., :d], qg[..., d:]
+        q = apply_partial_rotary(self.q_norm.forward(q), ctx.cos, ctx.sin)
+        k = apply_partial_rotary(self.k_norm.forward(k.view(n, kvh, d)), ctx.cos, ctx.sin)
+        o = self.attn.forward(q, k, v.view(n, kvh, d), ctx)  # [n, h, d]
+        o = o.reshape(n, h * d) * torch.sigmoid(gate.reshape(n, h * d))
+        return self.o_proj.forward(o)
+
+
+class Qwen3_5DecoderLayer(nn.Module):
+    sparse = False  # qwen3_5_moe: a routed MLP with a shared expert
+
+    def __init__(self, cfg: ModelConfig, index: int) -> None:
+        super().__init__()
+        self.layer_type = cfg.hf["layer_types"][index]
+        if self.layer_type not in LAYER_TYPES:
+            raise ValueError(
+                f"unsupported layer type {self.layer_type!r}; supported: {LAYER_TYPES}"
+            )
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.is_linear = self.layer_type == "linear_attention"
+        if self.is_linear:
+            self.linear_attn = GatedDeltaNet(cfg.hf, cfg.hidden_size, cfg.rms_norm_eps)
+        else:
+            self.self_attn = GatedAttention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        if self.sparse:
+            self.mlp: nn.Module = moe_block(cfg, norm_topk_prob=True, shared=True)
+        else:
+            self.mlp = MLP(cfg)
+
+    def forward(self, x: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
+        mixer = self.linear_attn if self.is_linear else self.self_attn
+        x = x + mixer.forward(self.input_layernorm.forward(x), ctx)
+        return x + self.mlp.forward(self.post_attention_layernorm.forward(x))
+
+
+class Qwen3_5MoeDecoderLayer(Qwen3_5DecoderLayer):
+    sparse = True
+
+
+class Qwen3_5ForCausalLM(LlamaForCausalLM):
+    layer_cls = Qwen3_5DecoderLayer
+    weight_prefixes = ("model.language_model.", "model.")
+    skipped_weight_prefixes = ("model.visual.", "mtp.")
+    norm_weight_offset = 1.0
+
+    @classmethod
+    def build(
+        cls, hf_config: dict[str, Any], tokenizer: Tokenizer, *, max_position: int | None = None
+    ) -> Qwen3_5ForCausalLM:
+        """From config.json: the decoder's settings sit in `text_config` when there is one."""
+        text = dict(hf_config.get("text_config") or hf_config)
+        text["model_type"] = hf_config["model_type"]
+        text.setdefault("tie_word_embeddings", hf_config.get("tie_word_embeddings", False))
+        num_layers = text["num_hidden_layers"]
+        if len(text.get("layer_types") or ()) < num_layers:
+            interval = text.get("full_attention_interval", 4)
+            text["layer_types"] = [
+                "full_attention" if (i + 1) % interval == 0 else "linear_attention"
+                for i in range(num_layers)
+            ]
+        return cls(ModelConfig.from_hf(text), max_position=max_position)
+
+    def __init__(self, cfg: ModelConfig, max_position: int | None = None) -> None:
+        super().__init__(cfg, max_position)
+        self.rotary = RotaryEmbedding(
+            rotary_dim(cfg), self.max_position, cfg.rope_theta, cfg.rope_scaling
+        )
+
+    @property
+    def attention_layers(self) -> list[PagedAttention]:
+        return [layer.self_attn.attn for layer in self.layers if hasattr(layer, "self_attn")]
+
+    @property
+    def recurrent_layers(self) -> list[GatedDeltaNet]:
+        return [layer.linear_attn for layer in self.layers if hasattr(layer, "linear_attn")]
+
+
+class Qwen3_5MoeForCausalLM(Qwen3_5ForCausalLM):
+    layer_cls = Qwen3_5MoeDecoderLayer
