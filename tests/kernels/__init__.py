@@ -10,12 +10,19 @@ Functions held from before still work: a reload reuses the module's namespace.
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import os
 import sys
 
+import pytest
 import torch
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+# naive tests run anywhere; the Triton ones need triton (a test dependency)
+needs_triton = pytest.mark.skipif(
+    importlib.util.find_spec("triton") is None, reason="triton is not installed"
+)
 
 KERNEL_MODULES = (
     "helexa.kernels.causal_conv1d",

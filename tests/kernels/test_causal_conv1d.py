@@ -6,7 +6,14 @@ import pytest
 import torch
 from transformers.models.qwen3_5.modeling_qwen3_5 import causal_conv1d_fn, causal_conv1d_update
 
-from helexa.kernels.causal_conv1d import naive_causal_conv1d, naive_causal_conv1d_update
+from helexa.kernels.causal_conv1d import (
+    naive_causal_conv1d,
+    naive_causal_conv1d_update,
+    triton_causal_conv1d,
+    triton_causal_conv1d_update,
+)
+
+from . import DEVICE, max_rel_error, needs_triton
 
 WIDTH = 4
 
@@ -73,3 +80,58 @@ def test_decode_steps_continue_the_prompt():
     pool = final[None].clone()
     steps = [naive_causal_conv1d_update(x[t : t + 1], pool, weight, bias) for t in range(7, 10)]
     torch.testing.assert_close(torch.cat(steps), whole[7:])
+
+
+# Triton against naive. Both sum W=4 products in fp32 in the same order, so they agree to a few
+# fp32 ulps: a bound of 1e-5 of the output's scale leaves room only for silu's exp.
+RTOL = 1e-5
+
+
+@needs_triton
+@pytest.mark.parametrize("num_tokens", [1, 2, 63])
+@pytest.mark.parametrize("with_state", [False, True])
+@pytest.mark.parametrize("activation", ["silu", None])
+def test_triton_conv_matches_naive(num_tokens, with_state, activation):
+    x, weight, bias, state = (t.to(DEVICE) for t in conv_inputs(num_tokens, 60))
+    state = state if with_state else None
+    out, final = triton_causal_conv1d(x, weight, bias, state, activation=activation)
+    want, want_final = naive_causal_conv1d(x, weight, bias, state, activation=activation)
+    assert max_rel_error(out, want) < RTOL
+    torch.testing.assert_close(final, want_final, rtol=0, atol=0)
+
+
+@needs_triton
+def test_triton_conv_reads_a_strided_slice_without_bias_in_bf16():
+    # the model convolves a column slice of one projection's output, in bf16
+    wide, weight, _, state = conv_inputs(63, 100)
+    x = wide.bfloat16().to(DEVICE)[:, 20:80]
+    weight, state = weight[:60].to(DEVICE), state[:60].to(DEVICE)
+    out, final = triton_causal_conv1d(x, weight, None, state)
+    want, want_final = naive_causal_conv1d(x, weight, None, state)
+    assert out.dtype == torch.bfloat16
+    assert max_rel_error(out, want) < 1e-2  # the same fp32 result, rounded once to bf16
+    torch.testing.assert_close(final, want_final, rtol=0, atol=0)
+
+
+@needs_triton
+@pytest.mark.parametrize("num_seqs", [1, 5])
+def test_triton_update_matches_naive_and_updates_the_same_rows(num_seqs):
+    x, weight, bias, _ = (t.to(DEVICE) for t in conv_inputs(num_seqs, 60))
+    pool = torch.randn(7, 60, WIDTH - 1, generator=torch.Generator().manual_seed(2)).to(DEVICE)
+    rows = torch.tensor([6, 0, 3, 2, 5][:num_seqs], device=DEVICE)
+    want_pool = pool.clone()
+    out = triton_causal_conv1d_update(x, pool, weight, bias, rows)
+    want = naive_causal_conv1d_update(x, want_pool, weight, bias, rows)
+    assert max_rel_error(out, want) < RTOL
+    torch.testing.assert_close(pool, want_pool, rtol=0, atol=0)
+
+
+@needs_triton
+def test_triton_update_without_indices_uses_the_first_rows():
+    x, weight, _, _ = (t.to(DEVICE) for t in conv_inputs(3, 60))
+    pool = torch.randn(3, 60, WIDTH - 1, generator=torch.Generator().manual_seed(3)).to(DEVICE)
+    want_pool = pool.clone()
+    out = triton_causal_conv1d_update(x, pool, weight, None, activation=None)
+    want = naive_causal_conv1d_update(x, want_pool, weight, None, activation=None)
+    assert max_rel_error(out, want) < RTOL
+    torch.testing.assert_close(pool, want_pool, rtol=0, atol=0)
