@@ -157,3 +157,308 @@ def naive_recurrent_gated_delta_rule(
     h = h + k[..., None] * delta[..., None, :]
     state[state_indices] = h
     return (h * q[..., None]).sum(-2).to(v.dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# Triton. The chunked form follows flash-linear-attention's decomposition:
+#   1. g_cum: the log-decay summed within each chunk                       (parallel over chunks)
+#   2. per chunk: A = beta k k^T with decay, X = (I + A)^-1 by forward substitution,
+#      w = X (beta exp(g_cum) k), u = X (beta v)                           (parallel over chunks)
+#   3. the state at each chunk's start, one chunk after another; v_new = u - w S
+#                                                        (sequential; parallel over heads, V)
+#   4. o = (q S) exp(g_cum) + (q k^T with decay) v_new                    (parallel over chunks)
+# Intermediates are fp32, token-major like the inputs: [T, Hv, *] and h: [num_chunks, Hv, K, V].
+# tl.dot on fp32 runs as TF32 on the GPU (fla runs these in bf16); the interpreter's is exact.
+
+CHUNK_SIZE = 64
+
+if triton is not None:
+
+    @triton.jit
+    def _chunk_cumsum_kernel(g, g_cum, T, H: tl.constexpr, C: tl.constexpr):
+        # grid (num_chunks, Hv); g, g_cum: [T, Hv]
+        i_c, i_h = tl.program_id(0), tl.program_id(1)
+        t = i_c * C + tl.arange(0, C)
+        b_g = tl.load(g + t * H + i_h, mask=t < T, other=0.0).to(tl.float32)
+        tl.store(g_cum + t * H + i_h, tl.cumsum(b_g, axis=0), mask=t < T)
+
+    @triton.jit
+    def _chunk_wy_kernel(
+        k, v, beta, g_cum, w, u, T,
+        HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+        C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    ):  # fmt: skip
+        # grid (num_chunks, Hv); k: [T, Hk, K]; v, u: [T, Hv, V]; w: [T, Hv, K]; beta: [T, Hv]
+        i_c, i_h = tl.program_id(0), tl.program_id(1)
+        i_hk = i_h // (HV // HK)
+        r = tl.arange(0, C)
+        t = i_c * C + r
+        m_t = t < T
+        o_k, o_v = tl.arange(0, BK), tl.arange(0, BV)
+
+        b_a = tl.zeros([C, C], dtype=tl.float32)  # k k^T over the chunk
+        for k0 in range(0, K, BK):
+            m_k = m_t[:, None] & (k0 + o_k < K)[None, :]
+            b_k = tl.load(k + (t[:, None] * HK + i_hk) * K + k0 + o_k[None, :], mask=m_k, other=0.0)
+            b_a += tl.dot(b_k, tl.trans(b_k))
+        b_gc = tl.load(g_cum + t * HV + i_h, mask=m_t, other=0.0)
+        b_beta = tl.load(beta + t * HV + i_h, mask=m_t, other=0.0).to(tl.float32)
+        # A[i, j] = beta_i k_i.k_j exp(g_cum_i - g_cum_j), j < i; the exponent is masked before
+        # exp, so padded rows (g_cum 0 beside a very negative one) cannot overflow into inf * 0
+        is_lower = (r[:, None] > r[None, :]) & m_t[:, None] & m_t[None, :]
+        b_decay = tl.exp(tl.where(is_lower, b_gc[:, None] - b_gc[None, :], 0.0))
+        b_a = tl.where(is_lower, b_a * b_decay * b_beta[:, None], 0.0)
+
+        # X = (I + A)^-1 row by row: x_i = e_i - sum_{j<i} A[i, j] x_j (rows j >= i still 0)
+        b_x = tl.zeros([C, C], dtype=tl.float32)
+        for i in range(0, tl.minimum(T - i_c * C, C)):
+            b_ai = tl.sum(tl.where(r[:, None] == i, b_a, 0.0), axis=0)  # [C]: row i of A
+            b_xi = tl.where(r == i, 1.0, 0.0) - tl.sum(b_ai[:, None] * b_x, axis=0)
+            b_x = tl.where(r[:, None] == i, b_xi[None, :], b_x)
+
+        for v0 in range(0, V, BV):
+            m_v = m_t[:, None] & (v0 + o_v < V)[None, :]
+            p = (t[:, None] * HV + i_h) * V + v0 + o_v[None, :]
+            b_v = tl.load(v + p, mask=m_v, other=0.0).to(tl.float32) * b_beta[:, None]
+            tl.store(u + p, tl.dot(b_x, b_v), mask=m_v)
+        b_kscale = b_beta * tl.exp(b_gc)
+        for k0 in range(0, K, BK):
+            m_k = m_t[:, None] & (k0 + o_k < K)[None, :]
+            b_k = tl.load(k + (t[:, None] * HK + i_hk) * K + k0 + o_k[None, :], mask=m_k, other=0.0)
+            p = (t[:, None] * HV + i_h) * K + k0 + o_k[None, :]
+            tl.store(w + p, tl.dot(b_x, b_k * b_kscale[:, None]), mask=m_k)
+
+    @triton.jit
+    def _chunk_state_kernel(
+        k, w, u, g_cum, h0, h, v_new, ht, T,
+        HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+        C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, HAS_H0: tl.constexpr,
+    ):  # fmt: skip
+        # grid (cdiv(V, BV), Hv); h: [num_chunks, Hv, K, V]; h0, ht: [Hv, K, V]; BK >= K
+        i_v, i_h = tl.program_id(0), tl.program_id(1)
+        i_hk = i_h // (HV // HK)
+        r, o_k = tl.arange(0, C), tl.arange(0, BK)
+        o_v = i_v * BV + tl.arange(0, BV)
+        m_kv = (o_k < K)[:, None] & (o_v < V)[None, :]
+        p_kv = (o_k[:, None] * V + o_v[None, :]).to(tl.int64)  # within one [K, V] state
+
+        if HAS_H0:
+            b_h = tl.load(h0 + i_h * K * V + p_kv, mask=m_kv, other=0.0)  # [BK, BV]
+        else:
+            b_h = tl.zeros([BK, BV], dtype=tl.float32)
+        for i_c in range(0, tl.cdiv(T, C)):
+            tl.store(h + (i_c * HV + i_h).to(tl.int64) * K * V + p_kv, b_h, mask=m_kv)
+            t = i_c * C + r
+            m_t = t < T
+            m_tk = m_t[:, None] & (o_k < K)[None, :]
+            m_tv = m_t[:, None] & (o_v < V)[None, :]
+            p_tv = (t[:, None] * HV + i_h) * V + o_v[None, :]
+            b_w = tl.load(w + (t[:, None] * HV + i_h) * K + o_k[None, :], mask=m_tk, other=0.0)
+            b_vn = tl.load(u + p_tv, mask=m_tv, other=0.0) - tl.dot(b_w, b_h)  # [C, BV]
+            tl.store(v_new + p_tv, b_vn, mask=m_tv)
+
+            # the state at the chunk's end: decayed by the whole chunk, plus each token's
+            # correction decayed from its position to the chunk's end
+            b_gc = tl.load(g_cum + t * HV + i_h, mask=m_t, other=0.0)
+            b_glast = tl.load(g_cum + (tl.minimum(T, i_c * C + C) - 1) * HV + i_h)
+            b_k = tl.load(k + (t[:, None] * HK + i_hk) * K + o_k[None, :], mask=m_tk, other=0.0)
+            b_k = b_k * tl.exp(tl.where(m_t, b_glast - b_gc, 0.0))[:, None]
+            b_h = b_h * tl.exp(b_glast) + tl.dot(tl.trans(b_k), b_vn)
+        tl.store(ht + i_h * K * V + p_kv, b_h, mask=m_kv)
+
+    @triton.jit
+    def _chunk_output_kernel(
+        q, k, v_new, g_cum, h, o, T, scale,
+        HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+        C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    ):  # fmt: skip
+        # grid (cdiv(V, BV), num_chunks, Hv); q, k: [T, Hk, K]; v_new, o: [T, Hv, V]
+        i_v, i_c, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        i_hk = i_h // (HV // HK)
+        r, o_k = tl.arange(0, C), tl.arange(0, BK)
+        o_v = i_v * BV + tl.arange(0, BV)
+        t = i_c * C + r
+        m_t = t < T
+        h += (i_c * HV + i_h).to(tl.int64) * K * V
+
+        b_qh = tl.zeros([C, BV], dtype=tl.float32)  # q S: the state as at the chunk's start
+        b_qk = tl.zeros([C, C], dtype=tl.float32)
+        for k0 in range(0, K, BK):
+            m_k = k0 + o_k < K
+            p_tk = (t[:, None] * HK + i_hk) * K + k0 + o_k[None, :]
+            b_q = tl.load(q + p_tk, mask=m_t[:, None] & m_k[None, :], other=0.0)
+            b_k = tl.load(k + p_tk, mask=m_t[:, None] & m_k[None, :], other=0.0)
+            p_h = (k0 + o_k[:, None]) * V + o_v[None, :]
+            b_h = tl.load(h + p_h, mask=m_k[:, None] & (o_v < V)[None, :], other=0.0)
+            b_qh += tl.dot(b_q, b_h)
+            b_qk += tl.dot(b_q, tl.trans(b_k))
+        b_gc = tl.load(g_cum + t * HV + i_h, mask=m_t, other=0.0)
+        is_causal = (r[:, None] >= r[None, :]) & m_t[:, None] & m_t[None, :]
+        b_decay = tl.exp(tl.where(is_causal, b_gc[:, None] - b_gc[None, :], 0.0))
+        b_qk = tl.where(is_causal, b_qk * b_decay, 0.0)
+
+        m_tv = m_t[:, None] & (o_v < V)[None, :]
+        p_tv = (t[:, None] * HV + i_h) * V + o_v[None, :]
+        b_vn = tl.load(v_new + p_tv, mask=m_tv, other=0.0)
+        b_o = (b_qh * tl.exp(b_gc)[:, None] + tl.dot(b_qk, b_vn)) * scale
+        tl.store(o + p_tv, b_o.to(o.dtype.element_ty), mask=m_tv)
+
+    @triton.jit
+    def _fused_recurrent_kernel(
+        q, k, v, g, beta, state, state_indices, o, scale,
+        HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+        BK: tl.constexpr, BV: tl.constexpr, USE_QK_L2NORM: tl.constexpr, EPS: tl.constexpr,
+    ):  # fmt: skip
+        # grid (N, Hv, cdiv(V, BV)); q, k: [N, Hk, K]; v, o: [N, Hv, V]; g, beta: [N, Hv];
+        # state: [S, Hv, K, V] fp32, row state_indices[n] read and written back in place
+        i_n, i_h, i_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        i_hk = i_h // (HV // HK)
+        o_k = tl.arange(0, BK)
+        o_v = i_v * BV + tl.arange(0, BV)
+        m_k, m_v = o_k < K, o_v < V
+
+        b_q = tl.load(q + (i_n * HK + i_hk) * K + o_k, mask=m_k, other=0.0).to(tl.float32)
+        b_k = tl.load(k + (i_n * HK + i_hk) * K + o_k, mask=m_k, other=0.0).to(tl.float32)
+        if USE_QK_L2NORM:
+            b_q = b_q * tl.rsqrt(tl.sum(b_q * b_q) + EPS)
+            b_k = b_k * tl.rsqrt(tl.sum(b_k * b_k) + EPS)
+        b_q = b_q * scale
+        b_v = tl.load(v + (i_n * HV + i_h) * V + o_v, mask=m_v, other=0.0).to(tl.float32)
+        b_g = tl.load(g + i_n * HV + i_h).to(tl.float32)
+        b_beta = tl.load(beta + i_n * HV + i_h).to(tl.float32)
+
+        row = tl.load(state_indices + i_n).to(tl.int64)
+        p_h = state + (row * HV + i_h) * K * V + o_k[:, None] * V + o_v[None, :]
+        m_h = m_k[:, None] & m_v[None, :]
+        b_h = tl.load(p_h, mask=m_h, other=0.0) * tl.exp(b_g)  # [BK, BV]
+        b_delta = (b_v - tl.sum(b_h * b_k[:, None], axis=0)) * b_beta  # [BV]
+        b_h += b_k[:, None] * b_delta[None, :]
+        tl.store(p_h, b_h, mask=m_h)
+        b_o = tl.sum(b_h * b_q[:, None], axis=0)
+        tl.store(o + (i_n * HV + i_h) * V + o_v, b_o.to(o.dtype.element_ty), mask=m_v)
+
+
+def _require_triton() -> None:
+    if triton is None:
+        raise RuntimeError("triton is not installed; use the naive_* gated delta rule instead")
+
+
+def _pow2(n: int, lo: int = 16) -> int:
+    return max(lo, triton.next_power_of_2(n))
+
+
+def _chunk_launch(q, k, v, g, beta, initial_state, scale, chunk_size):
+    """Launch the four chunk kernels; q, k fp32 [T, Hk, K] (normalised); v [T, Hv, V];
+    g, beta fp32 [T, Hv]. Returns o [T, Hv, V] in v.dtype and the final state [Hv, K, V]."""
+    num_tokens, num_k_heads, head_k_dim = k.shape
+    num_v_heads, head_v_dim = v.shape[1:]
+    C, num_chunks = chunk_size, triton.cdiv(num_tokens, chunk_size)
+    BK, BV = min(64, _pow2(head_k_dim)), min(64, _pow2(head_v_dim))  # blocks looped over
+    # The state kernel holds a whole [K, BV] state tile and [C, K] tiles of k and w in
+    # registers: narrow V blocks keep that from spilling on sm_90 up to K = 128 (ptxas -v).
+    BK_STATE = _pow2(head_k_dim)
+    BV_STATE = min(16 if BK_STATE >= 128 else 32, _pow2(head_v_dim))
+    dims = dict(HK=num_k_heads, HV=num_v_heads, K=head_k_dim, V=head_v_dim, C=C)
+    f32 = dict(device=v.device, dtype=torch.float32)
+
+    g_cum = torch.empty(num_tokens, num_v_heads, **f32)
+    _chunk_cumsum_kernel[(num_chunks, num_v_heads)](g, g_cum, num_tokens, num_v_heads, C)
+
+    w = torch.empty(num_tokens, num_v_heads, head_k_dim, **f32)
+    u = torch.empty(num_tokens, num_v_heads, head_v_dim, **f32)
+    _chunk_wy_kernel[(num_chunks, num_v_heads)](
+        k, v, beta, g_cum, w, u, num_tokens, **dims, BK=BK, BV=BV, num_warps=8
+    )
+
+    h = torch.empty(num_chunks, num_v_heads, head_k_dim, head_v_dim, **f32)
+    v_new = torch.empty_like(u)
+    final_state = torch.empty(num_v_heads, head_k_dim, head_v_dim, **f32)
+    has_h0 = initial_state is not None
+    h0 = initial_state.float().contiguous() if has_h0 else final_state  # unread when None
+    grid = (triton.cdiv(head_v_dim, BV_STATE), num_v_heads)
+    _chunk_state_kernel[grid](
+        k, w, u, g_cum, h0, h, v_new, final_state, num_tokens,
+        **dims, BK=BK_STATE, BV=BV_STATE, HAS_H0=has_h0,
+        num_warps=4 if BK_STATE >= 128 else 8, num_stages=1,  # one chunk after another
+    )  # fmt: skip
+
+    o = torch.empty_like(v)
+    grid = (triton.cdiv(head_v_dim, BV), num_chunks, num_v_heads)
+    _chunk_output_kernel[grid](
+        q, k, v_new, g_cum, h, o, num_tokens, scale, **dims, BK=BK, BV=BV, num_warps=8
+    )
+    return o, final_state
+
+
+def triton_chunk_gated_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    initial_state: torch.Tensor | None = None,
+    *,
+    scale: float | None = None,
+    use_qk_l2norm: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gated delta rule over one sequence, chunked, in Triton (fp32 tensors, TF32 matmuls).
+
+    q, k: [T, Hk, K]; v: [T, Hv, V]; g: [T, Hv] log-decay (<= 0); beta: [T, Hv];
+    initial_state: [Hv, K, V] fp32 or None (zeros). Hv % Hk == 0; q/k head i serves value heads
+    i*(Hv//Hk) ... (i+1)*(Hv//Hk)-1. scale None -> K**-0.5.
+    Returns o: [T, Hv, V] in v.dtype and the final state [Hv, K, V] fp32 (a new tensor).
+    """
+    _require_triton()
+    _check_shapes(q, k, v, g, beta)
+    scale = k.shape[-1] ** -0.5 if scale is None else scale
+    q, k = (_l2norm(x) if use_qk_l2norm else x.float() for x in (q, k))
+    return _chunk_launch(
+        q.contiguous(),
+        k.contiguous(),
+        v.contiguous(),
+        g.float().contiguous(),
+        beta.float().contiguous(),
+        initial_state,
+        scale,
+        CHUNK_SIZE,
+    )
+
+
+def triton_fused_recurrent_gated_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+    state_indices: torch.Tensor,
+    *,
+    scale: float | None = None,
+    use_qk_l2norm: bool = True,
+) -> torch.Tensor:
+    """One decode step of N sequences (one token each), one Triton kernel.
+
+    q, k: [N, Hk, K]; v: [N, Hv, V]; g, beta: [N, Hv]; state: [S, Hv, K, V] fp32, a pool whose
+    rows state_indices: [N] int64 (distinct) are updated in place. Returns o: [N, Hv, V] in v.dtype.
+    """
+    _require_triton()
+    _check_shapes(q, k, v, g, beta)
+    num_seqs, num_k_heads, head_k_dim = k.shape
+    num_v_heads, head_v_dim = v.shape[1:]
+    if state.dtype != torch.float32 or not state.is_contiguous():
+        raise ValueError(f"state must be contiguous fp32 (updated in place), got {state.dtype}")
+    if state.shape[1:] != (num_v_heads, head_k_dim, head_v_dim):
+        raise ValueError(
+            f"state {tuple(state.shape)} must be [S, {num_v_heads}, {head_k_dim}, {head_v_dim}]"
+        )
+    scale = head_k_dim**-0.5 if scale is None else scale
+    BK, BV = _pow2(head_k_dim), min(32, _pow2(head_v_dim))
+    o = torch.empty(num_seqs, num_v_heads, head_v_dim, dtype=v.dtype, device=v.device)
+    grid = (num_seqs, num_v_heads, triton.cdiv(head_v_dim, BV))
+    _fused_recurrent_kernel[grid](
+        q.contiguous(), k.contiguous(), v.contiguous(), g.contiguous(), beta.contiguous(),
+        state, state_indices.contiguous(), o, scale,
+        HK=num_k_heads, HV=num_v_heads, K=head_k_dim, V=head_v_dim, BK=BK, BV=BV,
+        USE_QK_L2NORM=use_qk_l2norm, EPS=L2NORM_EPS,
+    )  # fmt: skip
+    return o

@@ -1,21 +1,25 @@
 """The gated delta rule: naive chunked vs naive recurrent vs HF's reference, and the Triton
 kernels vs the naive ones (on CPU through Triton's interpreter).
 
-Error bound: everything is fp32; the chunked form reorders the sums of the token-by-token
-recurrence (and goes through a triangular solve), so the paths differ by a few fp32 ulps times
-the depth of the sums. max|a - b| / max|b| < 1e-4 leaves two orders of headroom over the ~1e-6
-seen, yet catches any wrong mask, decay or index, which shows up at 1e-2 or worse.
+Error bound: everything is fp32 (the interpreter's tl.dot is an exact fp32 matmul, not tf32);
+the chunked forms reorder the sums of the token-by-token recurrence and go through a triangular
+solve, so the paths differ by a few fp32 ulps times the depth of the sums: up to ~3e-6 seen.
+max|a - b| / max|b| < 1e-4 leaves over an order of magnitude of headroom, yet catches any wrong
+mask, decay or index, which shows up at 1e-2 or worse.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import os
+import sys
 
 os.environ["TRITON_INTERPRET"] = "1"  # before anything imports triton: kernels run on CPU
 
 import pytest
 import torch
 
+import helexa.kernels.gated_delta_rule as gdr
 from helexa.kernels.gated_delta_rule import (
     naive_chunk_gated_delta_rule,
     naive_recurrent_gated_delta_rule,
@@ -107,25 +111,6 @@ def test_naive_recurrent_matches_hf_torch_recurrent_gated_delta_rule():
     assert rel_err(h, h_hf[0]) < REL_TOL
 
 
-def test_naive_chunk_stays_finite_on_repeated_and_correlated_keys():
-    # Keys that are nearly the same vector make the chunk's triangular system as ill-behaved
-    # as it gets (every entry of A near beta); a power-series inverse overflowed here.
-    T, K, V = 512, 64, 32
-    gen = torch.Generator().manual_seed(4)
-    base = torch.randn(1, 1, K, generator=gen)
-    k = base + 1e-3 * torch.randn(T, 1, K, generator=gen)
-    k[::3] = base  # and exact repeats
-    q = torch.randn(T, 1, K, generator=gen)
-    v = torch.randn(T, 2, V, generator=gen)
-    g = -torch.rand(T, 2, generator=gen) * 1e-3  # almost no decay: nothing damps the system
-    beta = torch.full((T, 2), 0.99)
-    o, h = naive_chunk_gated_delta_rule(q, k, v, g, beta)
-    o_ref, h_ref = recurrent_token_by_token(q, k, v, g, beta)
-    assert torch.isfinite(o).all() and torch.isfinite(h).all()
-    assert rel_err(o, o_ref) < REL_TOL
-    assert rel_err(h, h_ref) < REL_TOL
-
-
 def test_naive_recurrent_updates_only_the_listed_pool_rows():
     q, k, v, g, beta = make_inputs(3, 2, 4, 60, 60, seed=9)
     pool = torch.randn(5, 4, 60, 60, generator=torch.Generator().manual_seed(5))
@@ -148,3 +133,114 @@ def test_naive_chunk_keeps_bf16_inputs_in_bf16_out():
     assert o.dtype == torch.bfloat16 and h.dtype == torch.float32
     assert rel_err(h, h_ref) < REL_TOL
     assert rel_err(o, o_ref) < 1e-2  # both round the same fp32 result to bf16
+
+
+def correlated_inputs(T=512, K=64, V=32):
+    """Nearly the same key every token, some exactly repeated, beta near 1, almost no decay."""
+    gen = torch.Generator().manual_seed(4)
+    base = torch.randn(1, 1, K, generator=gen)
+    k = base + 1e-3 * torch.randn(T, 1, K, generator=gen)
+    k[::3] = base
+    q = torch.randn(T, 1, K, generator=gen)
+    v = torch.randn(T, 2, V, generator=gen)
+    g = -torch.rand(T, 2, generator=gen) * 1e-3
+    beta = torch.full((T, 2), 0.99)
+    return q, k, v, g, beta
+
+
+def test_naive_chunk_stays_finite_on_repeated_and_correlated_keys():
+    # Every entry of the chunk's triangular system near beta is as ill-behaved as it gets; a
+    # power-series (nilpotent squaring) inverse of it is off by ~1e10 in fp32 here.
+    q, k, v, g, beta = correlated_inputs()
+    o, h = naive_chunk_gated_delta_rule(q, k, v, g, beta)
+    o_ref, h_ref = recurrent_token_by_token(q, k, v, g, beta)
+    assert torch.isfinite(o).all() and torch.isfinite(h).all()
+    assert rel_err(o, o_ref) < REL_TOL
+    assert rel_err(h, h_ref) < REL_TOL
+
+
+# --- Triton, through the interpreter ----------------------------------------------------------
+
+
+@pytest.fixture
+def triton_gdr():
+    """The module, once triton is known to import (the interpreter runs the kernels on CPU)."""
+    pytest.importorskip("triton")
+    return gdr
+
+
+@pytest.mark.parametrize("T", [1, 63, 130])
+@pytest.mark.parametrize(("K", "V"), [(60, 60), (64, 32)])
+@pytest.mark.parametrize("with_state", [False, True])
+def test_triton_chunk_matches_naive(triton_gdr, T, K, V, with_state):
+    q, k, v, g, beta = make_inputs(T, 2, 4, K, V, seed=T + K)
+    h0 = torch.randn(4, K, V, generator=torch.Generator().manual_seed(1)) if with_state else None
+    h0_before = None if h0 is None else h0.clone()
+    o, h = triton_gdr.triton_chunk_gated_delta_rule(q, k, v, g, beta, h0)
+    o_ref, h_ref = naive_chunk_gated_delta_rule(q, k, v, g, beta, h0)
+    assert o.shape == (T, 4, V) and o.dtype == v.dtype
+    assert h.shape == (4, K, V) and h.dtype == torch.float32
+    assert rel_err(o, o_ref) < REL_TOL
+    assert rel_err(h, h_ref) < REL_TOL
+    if h0 is not None:
+        assert torch.equal(h0, h0_before) and h is not h0
+
+
+def test_triton_chunk_stays_finite_on_repeated_and_correlated_keys(triton_gdr):
+    q, k, v, g, beta = correlated_inputs(T=300)
+    o, h = triton_gdr.triton_chunk_gated_delta_rule(q, k, v, g, beta)
+    o_ref, h_ref = naive_chunk_gated_delta_rule(q, k, v, g, beta)
+    assert torch.isfinite(o).all() and torch.isfinite(h).all()
+    assert rel_err(o, o_ref) < REL_TOL
+    assert rel_err(h, h_ref) < REL_TOL
+
+
+def test_triton_chunk_takes_bf16_without_l2norm_and_an_explicit_scale(triton_gdr):
+    q, k, v, g, beta = make_inputs(70, 1, 2, 32, 48, seed=11, dtype=torch.bfloat16)
+    kw = dict(scale=0.1, use_qk_l2norm=False)
+    o, h = triton_gdr.triton_chunk_gated_delta_rule(q, k, v, g, beta, **kw)
+    o_ref, h_ref = naive_chunk_gated_delta_rule(q, k, v, g, beta, **kw)
+    assert o.dtype == torch.bfloat16
+    assert rel_err(h, h_ref) < REL_TOL
+    assert rel_err(o, o_ref) < 1e-2  # both round the same fp32 result to bf16
+
+
+@pytest.mark.parametrize(("K", "V"), [(60, 60), (64, 32)])
+@pytest.mark.parametrize("use_qk_l2norm", [True, False])
+def test_triton_fused_recurrent_updates_the_listed_pool_rows_like_naive(
+    triton_gdr, K, V, use_qk_l2norm
+):
+    q, k, v, g, beta = make_inputs(3, 2, 4, K, V, seed=K + V)
+    pool = torch.randn(5, 4, K, V, generator=torch.Generator().manual_seed(6))
+    pool_ref = pool.clone()
+    rows = torch.tensor([3, 0, 4])
+    kw = dict(use_qk_l2norm=use_qk_l2norm, scale=None if use_qk_l2norm else 0.05)
+    o = triton_gdr.triton_fused_recurrent_gated_delta_rule(q, k, v, g, beta, pool, rows, **kw)
+    o_ref = naive_recurrent_gated_delta_rule(q, k, v, g, beta, pool_ref, rows, **kw)
+    assert o.shape == (3, 4, V) and o.dtype == v.dtype
+    assert rel_err(o, o_ref) < REL_TOL
+    assert rel_err(pool[rows], pool_ref[rows]) < REL_TOL
+    assert torch.equal(pool[[1, 2]], pool_ref[[1, 2]])  # rows not listed are untouched
+
+
+def test_triton_functions_say_so_when_triton_is_missing(monkeypatch):
+    monkeypatch.setattr(gdr, "triton", None)
+    q, k, v, g, beta = make_inputs(4, 1, 1, 16, 16)
+    with pytest.raises(RuntimeError, match="triton is not installed"):
+        gdr.triton_chunk_gated_delta_rule(q, k, v, g, beta)
+    with pytest.raises(RuntimeError, match="triton is not installed"):
+        gdr.triton_fused_recurrent_gated_delta_rule(
+            q, k, v, g, beta, torch.zeros(1, 1, 16, 16), torch.zeros(1, dtype=torch.int64)
+        )
+
+
+def test_module_imports_and_naive_paths_run_without_triton(monkeypatch):
+    monkeypatch.setitem(sys.modules, "triton", None)  # `import triton` now raises ImportError
+    monkeypatch.setitem(sys.modules, "triton.language", None)
+    spec = importlib.util.spec_from_file_location("gdr_without_triton", gdr.__file__)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert module.triton is None
+    q, k, v, g, beta = make_inputs(5, 1, 1, 16, 16)
+    o, _ = module.naive_chunk_gated_delta_rule(q, k, v, g, beta)
+    assert rel_err(o, naive_chunk_gated_delta_rule(q, k, v, g, beta)[0]) == 0
