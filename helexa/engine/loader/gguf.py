@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 import os
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,7 +23,14 @@ from tokenizers import decoders, models, normalizers, pre_tokenizers
 from helexa.engine.loader.dequant import check_format, dequantize
 from helexa.engine.tokenizer import Tokenizer
 
-SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3")
+# llama.cpp architecture (`general.architecture`) -> HF `model_type` of the family that runs it
+MODEL_TYPES = {
+    "llama": "llama",
+    "qwen2": "qwen2",
+    "qwen3": "qwen3",
+    "qwen3moe": "qwen3_moe",
+}
+SUPPORTED_ARCHS = tuple(MODEL_TYPES)
 
 # GGUF tensor stem -> HF module name; suffixes (.weight/.bias) carry over unchanged.
 GLOBAL_NAMES = {
@@ -44,6 +52,20 @@ BLOCK_NAMES = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    "ffn_gate_inp": "mlp.gate",  # the MoE router [E, H]
+}
+# llama.cpp's stacked expert tensors [E, out, in] -> the HF-style stacked name the MoE layer
+# loads (no `.weight`: it splits them into its per-expert Linears by rows, still quantized).
+EXPERT_NAMES = {
+    "ffn_gate_exps": "mlp.experts.gate_proj",
+    "ffn_up_exps": "mlp.experts.up_proj",
+    "ffn_down_exps": "mlp.experts.down_proj",
+}
+# `{arch}.<key>` -> HF config key, for the keys MoE files carry (each only where present)
+MOE_KEYS = {
+    "expert_count": "num_experts",
+    "expert_used_count": "num_experts_per_tok",
+    "expert_feed_forward_length": "moe_intermediate_size",
 }
 _BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 _GLOBAL_RE = re.compile(r"(\w+)\.(weight|bias)")
@@ -95,8 +117,11 @@ def load_gguf(path: str | os.PathLike[str]) -> GGUFModel:
 
 def hf_name(gguf_name: str) -> str:
     """The HF name of a GGUF tensor; names the table does not know stay as they are."""
-    if (m := _BLOCK_RE.fullmatch(gguf_name)) and m[2] in BLOCK_NAMES:
-        return f"model.layers.{m[1]}.{BLOCK_NAMES[m[2]]}.{m[3]}"
+    if m := _BLOCK_RE.fullmatch(gguf_name):
+        if m[2] in BLOCK_NAMES:
+            return f"model.layers.{m[1]}.{BLOCK_NAMES[m[2]]}.{m[3]}"
+        if m[2] in EXPERT_NAMES and m[3] == "weight":
+            return f"model.layers.{m[1]}.{EXPERT_NAMES[m[2]]}"
     if (m := _GLOBAL_RE.fullmatch(gguf_name)) and m[1] in GLOBAL_NAMES:
         return f"{GLOBAL_NAMES[m[1]]}.{m[2]}"
     return gguf_name
@@ -106,6 +131,7 @@ def _raw_tensor(t: Any) -> GGUFTensor:
     qtype = t.tensor_type.name
     shape = tuple(int(n) for n in reversed(t.shape))  # GGUF lists dims innermost first
     check_format(qtype, shape)
+    # every dim but the innermost counts rows: stacked experts [E, out, in] are E*out rows
     rows = math.prod(shape[:-1])
     data = torch.from_numpy(t.data.view(np.uint8)).reshape(rows, -1)
     return GGUFTensor(name=hf_name(t.name), qtype=qtype, shape=shape, data=data)
@@ -144,8 +170,8 @@ def _config(meta: dict[str, Any], arch: str, tensors: dict[str, GGUFTensor]) -> 
         return meta.get(f"{arch}.{name}", default)
 
     hidden, heads = key("embedding_length"), key("attention.head_count")
-    return {
-        "model_type": arch,
+    config = {
+        "model_type": MODEL_TYPES[arch],
         "hidden_size": hidden,
         "intermediate_size": key("feed_forward_length"),
         "num_hidden_layers": key("block_count"),
@@ -165,6 +191,24 @@ def _config(meta: dict[str, Any], arch: str, tensors: dict[str, GGUFTensor]) -> 
         "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),
         "pad_token_id": meta.get("tokenizer.ggml.padding_token_id"),
     }
+    if key("expert_count"):
+        config.update(_moe_config(key))
+        # sparse-only files may state no dense size (or 0): fall back to the experts' size
+        config["intermediate_size"] = config["intermediate_size"] or config.get(
+            "moe_intermediate_size"
+        )
+    return config
+
+
+def _moe_config(key: Callable[..., Any]) -> dict[str, Any]:
+    """HF MoE keys from `{arch}.expert_*`. llama.cpp builds qwen3moe with every layer sparse
+    and the top-k weights renormalised (the released Qwen3-MoE configs' norm_topk_prob), so
+    those are the defaults; `expert_weights_norm`, where a file states it, wins."""
+    moe = {hf_key: key(gguf_key) for gguf_key, hf_key in MOE_KEYS.items() if key(gguf_key)}
+    moe["norm_topk_prob"] = bool(key("expert_weights_norm", True))
+    moe["decoder_sparse_step"] = 1
+    moe["mlp_only_layers"] = []
+    return moe
 
 
 def _rope_scaling(meta: dict[str, Any], arch: str) -> dict[str, Any] | None:
