@@ -1,0 +1,58 @@
+"""`python -m helexa.kernels.selftest`: every kernel against its twin, one line each."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from . import needs_triton
+
+
+def selftest(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "helexa.kernels.selftest", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
+
+
+@needs_triton
+def test_selftest_passes_every_kernel_on_this_machine():
+    # as a user runs it: without TRITON_INTERPRET, which it sets itself where there is no GPU
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = selftest(env=env)
+    lines = run.stdout.splitlines()
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert len(lines) == 6
+    assert all(line.endswith(" ok") for line in lines), run.stdout
+    names = [line.split()[0] for line in lines]
+    assert names == [
+        "chunk_gated_delta_rule",
+        "fused_recurrent_gated_delta_rule",
+        "causal_conv1d",
+        "causal_conv1d_update",
+        "gdn_gating",
+        "fused_moe",
+    ]
+
+
+@needs_triton
+def test_selftest_fails_when_one_kernel_is_off_by_a_percent():
+    run = selftest("--perturb", "fused_moe")
+    assert run.returncode == 1
+    verdicts = {line.split()[0]: line.split()[-1] for line in run.stdout.splitlines()}
+    assert verdicts.pop("fused_moe") == "FAIL"
+    assert set(verdicts.values()) == {"ok"}
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
+def test_selftest_refuses_a_device_torch_cannot_see():
+    run = selftest("--device", "cuda")
+    assert run.returncode == 2
+    assert "no CUDA device" in run.stderr
