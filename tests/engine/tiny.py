@@ -103,7 +103,10 @@ HYBRID_TEXT = dict(
     layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"],
     num_hidden_layers=4,
     rms_norm_eps=1e-6,
-    initializer_range=0.2,
+    # 0.1, not 0.2: at 0.2 a random hybrid model amplifies fp32 rounding (l2-normed q/k of
+    # near-zero vectors) so much that transformers' own chunked and recurrent paths differ
+    # by 8e-4 in the logits; at 0.1 they agree to 3e-5, so a 1e-4 bound still means something
+    initializer_range=0.1,
     max_position_embeddings=4096,
 )
 MOE = dict(num_experts=6, num_experts_per_tok=2, moe_intermediate_size=32)  # 6: not a power of 2
