@@ -363,10 +363,15 @@ def _rows(args: argparse.Namespace) -> list[tuple[str, str, str]]:
     return rows
 
 
-def _reference_cell(key: str) -> str:
-    parts = [f"{v:g} ({src})" for k, src, v in REFERENCE if k == key]
+def _references(args: argparse.Namespace) -> list[tuple[str, str, float]]:
+    """Others' figures apply to the file they were measured on: the bundled SmolLM2."""
+    return REFERENCE if getattr(args, "model", None) is None else []
+
+
+def _reference_cell(key: str, refs: list[tuple[str, str, float]]) -> str:
+    parts = [f"{v:g} ({src})" for k, src, v in refs if k == key]
     if key.startswith("agg_decode@") and key != "agg_decode@8":
-        parts += [f"{v:g} ({src}, batch 8)" for k, src, v in REFERENCE if k == "agg_decode@8"]
+        parts += [f"{v:g} ({src}, batch 8)" for k, src, v in refs if k == "agg_decode@8"]
     return "; ".join(parts) or "–"
 
 
@@ -376,11 +381,12 @@ def format_table(results: list[SideResult], args: argparse.Namespace) -> str:
     figs = [r.figures() for r in results]
     head = ["figure", *(r.name for r in results), "reference", "rest of machine (CPUs)"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    refs = _references(args)
     for key, label, unit in _rows(args):
         cells = ["–" if key not in f else f"{f[key]:.{2 if unit == 's' else 1}f}" for f in figs]
         busy = " / ".join(f"{_busy(r, key):.2f}" for r in results)
         lines.append(
-            f"| {label} ({unit}) | {' | '.join(cells)} | {_reference_cell(key)} | {busy} |"
+            f"| {label} ({unit}) | {' | '.join(cells)} | {_reference_cell(key, refs)} | {busy} |"
         )
     return "\n".join(lines)
 
@@ -509,7 +515,8 @@ def main(args: argparse.Namespace, cfg: Config) -> int:
     for res in results:
         for note in res.notes:
             print(f"{res.name}: {note}")
-    print(f"reference: {REFERENCE_SOURCE}")
+    refs = _references(args)
+    print(f"reference: {REFERENCE_SOURCE}" if refs else "reference: none for this model")
     print()
     print(format_table(results, args))
 
@@ -519,7 +526,7 @@ def main(args: argparse.Namespace, cfg: Config) -> int:
             "engine": settings,
             "args": {k: v for k, v in vars(args).items() if k != "func"},
             "sides": {r.name: r.raw() for r in results},
-            "reference": [{"figure": k, "source": s, "value": v} for k, s, v in REFERENCE],
+            "reference": [{"figure": k, "source": s, "value": v} for k, s, v in refs],
         }
         with open(args.json, "w") as f:
             json.dump(report, f, indent=2, default=str)
