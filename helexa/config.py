@@ -166,6 +166,9 @@ class EngineConfig:
     num_threads: PositiveInt | None = None
     seed: int = 0
     enable_prefix_caching: bool = True
+    # Which kernels run Gated DeltaNet and MoE layers: "auto" (Triton on CUDA, plain torch
+    # on CPU), "naive" (always plain torch: A/B checks), "triton" (always Triton).
+    kernels: Literal["auto", "naive", "triton"] = "auto"
     # Hybrid (Gated DeltaNet) models: recurrent-state snapshots kept for the prefix cache.
     max_prefix_snapshots: NonNegativeInt = 8
     cpu_dense_copy: bool = True

@@ -12,6 +12,7 @@ from dataclasses import dataclass, fields
 
 import torch
 
+from helexa import kernels
 from helexa.config import EngineConfig
 from helexa.engine.block_manager import BlockManager
 from helexa.engine.loader.load import (
@@ -123,6 +124,7 @@ class LLMEngine:
         if args.num_threads and device.type == "cpu":
             torch.set_num_threads(args.num_threads)
         torch.manual_seed(args.seed)
+        kernels.set_backend(args.kernels)  # process-wide, like the torch thread count
         if loaded is None:
             ref = args.model or _bundled_or_fail()
             loaded = load_model(
