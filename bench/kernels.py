@@ -6,8 +6,8 @@
 On CUDA, in bf16 (states fp32): a GDN layer's kernels (hidden 5120, 16 key / 48 value heads of
 128, conv width 4) for a prompt of T tokens (gating, conv, chunked delta rule) and a decode
 step of N sequences (conv update, recurrent delta rule), in tokens/s; the MoE experts (hidden
-2048, 128 experts of 768, top-8) in ms per call. Each figure is the mean of a timed batch
-after warmup, with torch.cuda.synchronize around it. On CPU there is no Triton to time
+2048, 128 experts of 768, top-8) in ms per call. Each figure is the best of three timed
+batches' means after warmup, with torch.cuda.synchronize around each batch. On CPU there is no Triton to time
 (its interpreter is a correctness tool): the naive paths run at reduced sizes, and the table
 says so.
 """
@@ -36,7 +36,7 @@ from helexa.kernels.gated_delta_rule import (
 )
 from helexa.kernels.gdn_gating import naive_gdn_gating, triton_gdn_gating
 
-# (name, Qwen3.6-27B GDN layer, reduced for CPU)
+# per device: the real layer's shapes on CUDA, reduced ones on CPU
 GDN = {"cuda": dict(Hk=16, Hv=48, D=128, W=4), "cpu": dict(Hk=4, Hv=12, D=64, W=4)}
 MOE = {"cuda": dict(H=2048, I=768, E=128, k=8), "cpu": dict(H=512, I=192, E=32, k=8)}
 PREFILL = {"cuda": (512, 4096), "cpu": (64, 256)}

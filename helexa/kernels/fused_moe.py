@@ -79,7 +79,7 @@ def align_by_expert(
     dest = padded_end[expert] - padded[expert] + torch.arange(num_pairs, device=device)
     dest -= first_pair[expert]
     max_rows = num_pairs + min(num_experts, num_pairs) * (block_m - 1)
-    num_blocks = triton.cdiv(max_rows, block_m) if triton else -(-max_rows // block_m)
+    num_blocks = -(-max_rows // block_m)
     sorted_pairs = torch.full((num_blocks * block_m,), num_pairs, dtype=torch.int32, device=device)
     sorted_pairs[dest] = order.to(torch.int32)
     block_start = torch.arange(num_blocks, device=device) * block_m
@@ -231,7 +231,9 @@ def triton_fused_moe(
     output is fp32 and the k slots are summed in fp32.
     """
     if triton is None:
-        raise RuntimeError("triton_fused_moe needs triton, which is not installed")
+        raise RuntimeError(
+            "triton_fused_moe needs triton, which is not installed; use naive_fused_moe"
+        )
     num_tokens, top_k = topk_ids.shape
     hidden, inter = w2.shape[1], w2.shape[2]
     if num_tokens == 0:

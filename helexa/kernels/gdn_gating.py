@@ -83,7 +83,9 @@ def triton_gdn_gating(
     """As naive_gdn_gating, in Triton: a, b [T, H] (any strides); A_log, dt_bias [H]
     contiguous -> (g, beta) fp32 [T, H]."""
     if triton is None:
-        raise RuntimeError("triton_gdn_gating needs triton, which is not installed")
+        raise RuntimeError(
+            "triton_gdn_gating needs triton, which is not installed; use naive_gdn_gating"
+        )
     g = torch.empty(a.shape, dtype=torch.float32, device=a.device)
     beta = torch.empty_like(g)
     if a.shape[0] > 0:
