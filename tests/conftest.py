@@ -18,6 +18,19 @@ FIXTURES_DIR = (REPO_ROOT / ".." / "shared" / "fixtures").resolve()
 os.environ["HF_HUB_OFFLINE"] = "1"
 
 
+def _triton_interprets_on_cpu() -> None:
+    """Without a GPU the kernel tests run Triton through its interpreter. Triton reads
+    TRITON_INTERPRET when triton itself is first imported (helexa.kernels and transformers'
+    Qwen3.5 module import it), so it is set before any test module loads."""
+    import torch
+
+    if not torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+_triton_interprets_on_cpu()
+
+
 @pytest.fixture(scope="session")
 def fixtures_dir() -> Path:
     """`<repo>/../shared/fixtures` (models/ holds real upstream configs and tokenizers)."""
