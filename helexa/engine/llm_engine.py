@@ -147,14 +147,30 @@ class LLMEngine:
         # taken from the same memory budget as the KV cache.
         state_bytes = ModelRunner.state_bytes_per_slot(model, dtype)
         num_snapshots = args.max_prefix_snapshots if args.enable_prefix_caching else 0
-        num_state_slots = (args.max_num_seqs + num_snapshots) if state_bytes else 0
+        max_num_seqs = args.max_num_seqs
         per_token = ModelRunner.kv_bytes_per_token(model, dtype)
-        budget = self._kv_budget_bytes(device) - num_state_slots * state_bytes
+        budget = self._kv_budget_bytes(device)
+        if state_bytes:
+            # States take at most half the budget: fewer concurrent sequences (and snapshots)
+            # when a row is large (Qwen3.6-27B: ~150 MiB), so the KV cache keeps room.
+            rows = max(2, budget // 2 // state_bytes)
+            if max_num_seqs + num_snapshots > rows:
+                max_num_seqs = max(1, min(max_num_seqs, rows - rows // 4))
+                num_snapshots = min(num_snapshots, rows - max_num_seqs)
+                log.warning(
+                    "recurrent state is %d MiB a sequence: serving at most %d sequences at "
+                    "once with %d prefix snapshots (give the cache more memory for more)",
+                    state_bytes // MiB,
+                    max_num_seqs,
+                    num_snapshots,
+                )
+        num_state_slots = (max_num_seqs + num_snapshots) if state_bytes else 0
+        budget -= num_state_slots * state_bytes
         if budget <= 0 and not args.num_kv_blocks:
             raise ValueError(
                 f"the recurrent state of {num_state_slots} sequences "
                 f"({num_state_slots * state_bytes // MiB} MiB) leaves no room for a KV cache; "
-                "lower max_num_seqs or max_prefix_snapshots, or give the cache more memory"
+                "give the cache more memory (kv_cache_memory_mb)"
             )
         num_blocks = args.num_kv_blocks or max(1, budget // (per_token * args.block_size))
         self.max_model_len = min(
@@ -165,14 +181,14 @@ class LLMEngine:
         self.block_manager = BlockManager(num_blocks, args.block_size, args.enable_prefix_caching)
         self.state_manager = (
             StateManager(
-                args.max_num_seqs, num_snapshots, self.block_manager, self.tokenizer.special_ids()
+                max_num_seqs, num_snapshots, self.block_manager, self.tokenizer.special_ids()
             )
             if num_state_slots
             else None
         )
         self.scheduler = Scheduler(
             SchedulerConfig(
-                max_num_seqs=args.max_num_seqs,
+                max_num_seqs=max_num_seqs,
                 max_num_batched_tokens=args.max_num_batched_tokens,
                 max_prefill_chunk=args.max_prefill_chunk,
             ),

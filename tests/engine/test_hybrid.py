@@ -219,3 +219,14 @@ def test_a_batch_of_turns_sharing_a_snapshot_all_resume_from_it(hybrid_dir):
     refs = plain.generate(nexts, GREEDY)
     assert [o.num_cached_tokens for o in outs] == [len(base) - 2] * 3
     assert [o.token_ids for o in outs] == [r.token_ids for r in refs]
+
+
+def test_large_states_lower_the_number_of_concurrent_sequences_instead_of_failing(hybrid_dir):
+    # a state row of this model is ~16 KiB; half of 1 MiB holds 32 rows, not 64 + 8
+    llm = _engine(hybrid_dir, kv_cache_memory_mb=1)
+    engine = llm.engine
+    rows = engine.state_manager.num_slots
+    assert rows <= 32 and engine.scheduler.config.max_num_seqs < rows
+    assert engine.state_manager.max_snapshots == rows - engine.scheduler.config.max_num_seqs
+    outs = llm.generate([_turn(8, s) for s in range(40)], GREEDY)  # more than fit at once
+    assert all(len(o.token_ids) == GREEDY.max_tokens for o in outs)
