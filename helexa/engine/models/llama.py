@@ -27,6 +27,7 @@ if TYPE_CHECKING:
 class Attention(nn.Module):
     qkv_bias: bool | None = None  # None: follow config.attention_bias
     qk_norm = False
+    q_parts = 1  # per head, q_proj yields the query (Qwen3.5: and an output gate)
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -34,7 +35,7 @@ class Attention(nn.Module):
         kvh = cfg.num_kv_heads
         bias = cfg.attention_bias if self.qkv_bias is None else self.qkv_bias
         self.num_heads, self.num_kv_heads, self.head_dim = h, kvh, d
-        self.q_proj = Linear(cfg.hidden_size, h * d, bias)
+        self.q_proj = Linear(cfg.hidden_size, h * d * self.q_parts, bias)
         self.k_proj = Linear(cfg.hidden_size, kvh * d, bias)
         self.v_proj = Linear(cfg.hidden_size, kvh * d, bias)
         self.o_proj = Linear(h * d, cfg.hidden_size, cfg.attention_bias and self.qkv_bias is None)

@@ -24,11 +24,10 @@ from torch import nn
 
 from helexa.engine.layers.attention import AttentionContext, PagedAttention
 from helexa.engine.layers.gated_deltanet import GatedDeltaNet
-from helexa.engine.layers.linear import Linear, fuse
 from helexa.engine.layers.norm import RMSNorm
 from helexa.engine.layers.rotary import RotaryEmbedding, apply_rotary
 from helexa.engine.models.config import ModelConfig
-from helexa.engine.models.llama import MLP, LlamaForCausalLM
+from helexa.engine.models.llama import MLP, Attention, LlamaForCausalLM
 from helexa.engine.models.qwen3_moe import moe_block
 
 if TYPE_CHECKING:
@@ -51,28 +50,11 @@ def apply_partial_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) 
     return torch.cat((apply_rotary(x[..., :rd], cos, sin), x[..., rd:]), dim=-1)
 
 
-class GatedAttention(nn.Module):
+class GatedAttention(Attention):
     """Full attention of Qwen3.5: output gated per element by sigmoid(q_proj's gate half)."""
 
-    def __init__(self, cfg: ModelConfig) -> None:
-        super().__init__()
-        h, kvh, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        bias = cfg.attention_bias
-        self.num_heads, self.num_kv_heads, self.head_dim = h, kvh, d
-        self.q_proj = Linear(cfg.hidden_size, h * d * 2, bias)
-        self.k_proj = Linear(cfg.hidden_size, kvh * d, bias)
-        self.v_proj = Linear(cfg.hidden_size, kvh * d, bias)
-        self.o_proj = Linear(h * d, cfg.hidden_size, bias)
-        self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
-        self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
-        self.attn = PagedAttention(h, kvh, d, scale=d**-0.5)
-
-    def fuse_projections(self) -> None:
-        try:
-            self.qkv_proj = fuse([self.q_proj, self.k_proj, self.v_proj])
-        except ValueError:
-            return
-        del self.q_proj, self.k_proj, self.v_proj
+    qk_norm = True
+    q_parts = 2
 
     def forward(self, x: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
         # x: [num_tokens, hidden]
