@@ -25,7 +25,7 @@ from helexa.engine.layers.linear import Linear, as_dense
 
 if TYPE_CHECKING:
     from helexa.engine.layers.attention import AttentionContext
-    from helexa.engine.models.llama import WeightSource
+    from helexa.engine.layers.linear import WeightSource
 
 
 class RMSNormGated(nn.Module):
@@ -35,6 +35,14 @@ class RMSNormGated(nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
+
+    PARAMS = ("weight",)
+
+    def load_param(self, name: str, src: WeightSource, dtype: torch.dtype) -> None:
+        """Its weight as stored: a plain scale, not Qwen3.5's (1 + w) of the other norms."""
+        w = as_dense(src)
+        assert name == "weight" and w.shape == self.weight.shape, (name, tuple(w.shape))
+        self.weight.data = w.to(dtype).contiguous()
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         # x, gate: [..., dim]

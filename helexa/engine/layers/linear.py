@@ -30,6 +30,9 @@ from torch import nn
 if TYPE_CHECKING:
     from helexa.engine.loader.gguf import GGUFTensor
 
+    # A checkpoint tensor as the loaders hand it over: torch, or GGUF still quantized.
+    WeightSource = torch.Tensor | GGUFTensor
+
 QUANTS = (None, "int8", "int4")
 GROUP = 32  # int4 group along in_features: one GGUF Q4_0/Q4_1/Q8_0 block
 PACK_BLOCK_N = 64  # rows the CPU int4 packing interleaves (AVX512); fuse concatenates whole ones

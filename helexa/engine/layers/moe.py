@@ -22,7 +22,11 @@ from helexa import kernels
 from helexa.engine.layers.linear import Linear
 
 if TYPE_CHECKING:
-    from helexa.engine.models.llama import MLP, WeightSource
+    from helexa.engine.layers.linear import WeightSource
+
+    # An expert: a SwiGLU MLP with gate_proj/up_proj (or fused gate_up_proj) and down_proj
+    # Linears and fuse_projections(), as models/llama.py:MLP.
+    MLP = nn.Module
 
 # How a checkpoint may name stacked expert weights (HF fused layout, GGUF `*_exps`).
 STACKED_NAMES = ("gate_up_proj", "gate_proj", "up_proj", "down_proj")

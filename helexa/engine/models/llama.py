@@ -10,18 +10,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from helexa.engine.layers.attention import AttentionContext, PagedAttention
-from helexa.engine.layers.gated_deltanet import GatedDeltaNet, RMSNormGated
 from helexa.engine.layers.linear import Linear, as_dense, fuse
-from helexa.engine.layers.moe import Experts
 from helexa.engine.layers.norm import RMSNorm
 from helexa.engine.layers.rotary import RotaryEmbedding, apply_rotary
 from helexa.engine.models.config import ModelConfig
 
 if TYPE_CHECKING:
-    from helexa.engine.loader.gguf import GGUFTensor
+    from helexa.engine.layers.linear import WeightSource
     from helexa.engine.tokenizer import Tokenizer
-
-    WeightSource = torch.Tensor | GGUFTensor
 
 
 class Attention(nn.Module):
@@ -213,7 +209,7 @@ class LlamaForCausalLM(nn.Module):
             mod = modules.get(mod_path) if kind else None
             if mod is None or mod is self:
                 raise ValueError(f"unexpected weight {name!r} for {self.config.model_type}")
-            if isinstance(mod, Experts):
+            if hasattr(mod, "load_stacked"):  # moe.Experts: one tensor for all experts
                 mod.load_stacked(kind, src, dtype=dtype, quant=quant, dense=dense_copies)
                 loaded.update(_stacked_names(mod_path, kind, mod.num_experts))
                 continue
@@ -239,9 +235,9 @@ class LlamaForCausalLM(nn.Module):
                 names.append(f"{path}.weight")
                 if mod.has_bias:
                     names.append(f"{path}.bias")
-            elif isinstance(mod, RMSNorm | Embedding | RMSNormGated):
+            elif isinstance(mod, RMSNorm | Embedding):
                 names.append(f"{path}.weight")
-            elif isinstance(mod, GatedDeltaNet):
+            elif hasattr(mod, "PARAMS"):  # a layer that loads its own tensors (load_param)
                 names.extend(f"{path}.{p}" for p in mod.PARAMS)
         return names
 
@@ -288,13 +284,11 @@ def _load_one(
             mod.load_bias(as_dense(src), dtype=dtype)
     elif isinstance(mod, Embedding):
         mod.load_weight(src, dtype=dtype)
-    elif isinstance(mod, RMSNorm | RMSNormGated) and kind == "weight":
-        w = as_dense(src).float()
+    elif isinstance(mod, RMSNorm):
+        w = as_dense(src).float() + norm_offset
         assert w.shape == mod.weight.shape, (tuple(w.shape), tuple(mod.weight.shape))
-        if isinstance(mod, RMSNorm):
-            w = w + norm_offset
         mod.weight.data = w.to(dtype).contiguous()
-    elif isinstance(mod, GatedDeltaNet):
+    elif hasattr(mod, "load_param"):  # GatedDeltaNet's conv, A_log, dt_bias; RMSNormGated
         mod.load_param(kind, src, dtype)
     else:
         raise ValueError(f"no loader for {type(mod).__name__}.{kind}")
