@@ -21,7 +21,7 @@ from .causal_conv1d import (
     triton_causal_conv1d,
     triton_causal_conv1d_update,
 )
-from .fused_moe import naive_fused_moe, triton_fused_moe
+from .fused_moe import moe_by_expert, naive_fused_moe, triton_fused_moe
 from .gdn_gating import naive_gdn_gating, triton_gdn_gating
 
 try:
@@ -156,6 +156,7 @@ __all__ = [
     "fused_moe",
     "fused_recurrent_gated_delta_rule",
     "gdn_gating",
+    "moe_by_expert",
     "set_backend",
     "uses_triton",
 ]

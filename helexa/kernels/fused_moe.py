@@ -12,6 +12,8 @@ out = the sum of y over each token's k slots.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
@@ -20,6 +22,37 @@ try:
     import triton.language as tl
 except ImportError:  # triton is optional: the naive path serves CPU hosts
     triton = None
+
+
+def moe_by_expert(
+    x: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    num_experts: int,
+    expert: Callable[[int, torch.Tensor], torch.Tensor],
+) -> torch.Tensor:
+    """Each expert run once, on exactly the tokens routed to it, then mixed.
+
+    x: [T, H]; topk_weights: [T, k] float; topk_ids: [T, k] int; expert(e, rows [n, H]) ->
+    [n, H]. Returns [T, H] in x.dtype; the weighted sum over k is accumulated in fp32.
+    """
+    num_tokens, top_k = topk_ids.shape
+    # (token, slot) pairs sorted by expert: each expert's pairs are one contiguous run
+    flat_ids = topk_ids.reshape(-1)
+    order = torch.argsort(flat_ids, stable=True)
+    token_of = order // top_k
+    weight_of = topk_weights.reshape(-1)[order].float()
+    counts = torch.bincount(flat_ids, minlength=num_experts).tolist()
+    out = torch.zeros(num_tokens, x.shape[1], dtype=torch.float32, device=x.device)
+    start = 0
+    for e, count in enumerate(counts):
+        if count == 0:
+            continue
+        rows = token_of[start : start + count]
+        y = expert(e, x[rows])
+        out.index_add_(0, rows, y.float() * weight_of[start : start + count, None])
+        start += count
+    return out.to(x.dtype)
 
 
 def naive_fused_moe(
@@ -34,27 +67,14 @@ def naive_fused_moe(
     x: [T, H]; w13: [E, 2I, H]; w2: [E, H, I]; topk_weights: [T, k] float; topk_ids: [T, k]
     int. Returns [T, H] in x.dtype; the weighted sum over k is accumulated in fp32.
     """
-    num_tokens, top_k = topk_ids.shape
-    num_experts, two_i, _ = w13.shape
-    inter = two_i // 2
-    # (token, slot) pairs sorted by expert: each expert's pairs are one contiguous run
-    flat_ids = topk_ids.reshape(-1)
-    order = torch.argsort(flat_ids, stable=True)
-    token_of = order // top_k
-    weight_of = topk_weights.reshape(-1)[order].float()
-    counts = torch.bincount(flat_ids, minlength=num_experts).tolist()
-    out = torch.zeros(num_tokens, x.shape[1], dtype=torch.float32, device=x.device)
-    start = 0
-    for expert, count in enumerate(counts):
-        if count == 0:
-            continue
-        rows = token_of[start : start + count]
-        gate_up = x[rows] @ w13[expert].T  # [n, 2I]
+    inter = w13.shape[1] // 2
+
+    def swiglu(e: int, rows: torch.Tensor) -> torch.Tensor:
+        gate_up = rows @ w13[e].T  # [n, 2I]
         h = F.silu(gate_up[:, :inter].float()) * gate_up[:, inter:].float()
-        y = h.to(x.dtype) @ w2[expert].T  # [n, H]
-        out.index_add_(0, rows, y.float() * weight_of[start : start + count, None])
-        start += count
-    return out.to(x.dtype)
+        return h.to(x.dtype) @ w2[e].T  # [n, H]
+
+    return moe_by_expert(x, topk_weights, topk_ids, w13.shape[0], swiglu)
 
 
 def align_by_expert(

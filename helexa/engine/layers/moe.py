@@ -86,20 +86,9 @@ class Experts(nn.ModuleList):
         # x: [T, H]; weights, ids: [T, k] -> [T, H]
         if self.w13 is not None:
             return kernels.fused_moe(x, self.w13, self.w2, weights, ids)
-        k = ids.shape[1]
-        flat = ids.reshape(-1)
-        order = flat.argsort(stable=True)
-        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
-        rows = order // k  # the token of each sorted (token, slot) pair
-        xs = x[rows]
-        outs = []
-        start = 0
-        for expert, n in zip(self, counts, strict=True):
-            if n:
-                outs.append(expert.forward(xs[start : start + n]))
-                start += n
-        y = torch.cat(outs) * weights.reshape(-1)[order, None].to(x.dtype)
-        return torch.zeros_like(x).index_add_(0, rows, y)
+        return kernels.moe_by_expert(
+            x, weights, ids, self.num_experts, lambda e, rows: self[e].forward(rows)
+        )
 
 
 class SparseMoE(nn.Module):
