@@ -103,14 +103,7 @@ class Scheduler:
                 snap = sm.match(seq, len(seq.block_table))
                 cached = snap.length if snap is not None else 0
                 bm.truncate(seq, cached // bm.block_size)
-                boundary = sm.boundary(seq)
-                seq.snapshot_at = (
-                    boundary
-                    if boundary is not None
-                    and boundary > cached
-                    and not sm.has(seq.token_ids[:boundary])
-                    else None
-                )
+                seq.snapshot_at = sm.snapshot_point(seq, cached)
             seq.num_computed_tokens = cached
             n = self._chunk(seq, min(seq.num_tokens - cached, chunk, budget))
             if not bm.can_allocate(seq, cached + n):

@@ -62,9 +62,6 @@ class StateManager:
         self._free: list[int] = list(range(self.num_slots - 1, -1, -1))
         self._snapshots: OrderedDict[int, Snapshot] = OrderedDict()  # by id, oldest use first
         self._pending: dict[int, Snapshot] = {}  # reserved, filled by the running step
-        # Counters for metrics: prompts resumed from a snapshot, and the tokens they skipped.
-        self.num_snapshot_hits = 0
-        self.num_snapshot_tokens = 0
 
     @property
     def num_snapshots(self) -> int:
@@ -81,14 +78,15 @@ class StateManager:
             seq.state_slot = -1
 
     # -- snapshots ---------------------------------------------------------------------
-    def boundary(self, seq: Sequence) -> int | None:
-        """The prompt position right after its last special token (None: no special token,
-        or only at position 0)."""
+    def snapshot_point(self, seq: Sequence, cached: int) -> int | None:
+        """Where to snapshot `seq`, resuming after `cached` tokens: right after the last
+        special token of its prompt, unless that is not past `cached` or a snapshot of those
+        tokens exists already."""
         prompt = seq.prompt_token_ids
-        for i in range(len(prompt) - 1, 0, -1):
-            if prompt[i] in self.special_ids:
-                return i + 1
-        return None
+        at = next(
+            (i + 1 for i in range(len(prompt) - 1, 0, -1) if prompt[i] in self.special_ids), 0
+        )
+        return at if at > cached and not self.has(prompt[:at]) else None
 
     def match(self, seq: Sequence, num_full_blocks: int) -> Snapshot | None:
         """The longest snapshot `seq` can resume from: its tokens start `seq`'s, at least one
@@ -108,8 +106,6 @@ class StateManager:
                 best = snap
         if best is not None:
             self._snapshots.move_to_end(id(best))
-            self.num_snapshot_hits += 1
-            self.num_snapshot_tokens += best.length
         return best
 
     def has(self, tokens: list[int]) -> bool:
@@ -173,10 +169,6 @@ class StateManager:
             src_block=snap.tail_block,
             dst_block=seq.block_table[snap.length // bs] if snap.tail_block is not None else None,
         )
-
-    def clear(self) -> None:
-        for snap in list(self._snapshots.values()):
-            self._drop(snap)
 
     def _drop(self, snap: Snapshot) -> None:
         del self._snapshots[id(snap)]

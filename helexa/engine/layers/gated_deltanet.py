@@ -105,9 +105,6 @@ class GatedDeltaNet(nn.Module):
         else:
             raise ValueError(f"unexpected GatedDeltaNet weight {name!r}")
 
-    def fuse_projections(self) -> None:
-        return  # q/k/v already arrive as one matmul; z, a, b are cheap
-
     def _apply(self, fn, recurse=True):  # type: ignore[no-untyped-def]
         for name in ("conv_weight", "A_log", "dt_bias", "conv_state", "ssm_state"):
             if (t := getattr(self, name)) is not None:

@@ -99,7 +99,10 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = self.attention_cls(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+        self.mlp = self.make_mlp(cfg, index)
+
+    def make_mlp(self, cfg: ModelConfig, index: int) -> nn.Module:
+        return MLP(cfg)
 
     def forward(self, x: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
         # .forward() directly: Module.__call__'s hook machinery costs ~3 µs a call, and
@@ -206,8 +209,8 @@ class LlamaForCausalLM(nn.Module):
                 embed_src = src
             if mod_path == "lm_head" and self.config.tie_word_embeddings:
                 continue
-            mod = modules.get(mod_path) if kind else None
-            if mod is None or mod is self:
+            mod = modules[mod_path]
+            if mod is self or not kind:
                 raise ValueError(f"unexpected weight {name!r} for {self.config.model_type}")
             if hasattr(mod, "load_stacked"):  # moe.Experts: one tensor for all experts
                 mod.load_stacked(kind, src, dtype=dtype, quant=quant, dense=dense_copies)
@@ -253,7 +256,8 @@ def _fuse(module: nn.Module) -> None:
 
 def _owner(modules: dict[str, nn.Module], path: str) -> tuple[str, str]:
     """The deepest module on `path` and the rest of the name: ("layers.0.linear_attn",
-    "conv1d.weight") for a parameter a module keeps under a sub-name."""
+    "conv1d.weight") for a parameter a module keeps under a sub-name; ("", path) when no
+    module but the root is on it."""
     head, rest = path, ""
     while head:
         if head in modules:

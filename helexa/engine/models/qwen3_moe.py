@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from torch import nn
+
 from helexa.engine.layers.moe import SparseMoE
 from helexa.engine.models.config import ModelConfig
 from helexa.engine.models.llama import MLP, LlamaForCausalLM
@@ -38,11 +40,11 @@ def is_sparse_layer(cfg: ModelConfig, index: int) -> bool:
 
 
 class Qwen3MoeDecoderLayer(Qwen3DecoderLayer):
-    def __init__(self, cfg: ModelConfig, index: int) -> None:
-        super().__init__(cfg, index)
-        if is_sparse_layer(cfg, index):
-            # HF's default is no renormalisation; the released checkpoints turn it on
-            self.mlp = moe_block(cfg, norm_topk_prob=bool(cfg.hf.get("norm_topk_prob", False)))
+    def make_mlp(self, cfg: ModelConfig, index: int) -> nn.Module:
+        if not is_sparse_layer(cfg, index):
+            return MLP(cfg)
+        # HF's default is no renormalisation; the released checkpoints turn it on
+        return moe_block(cfg, norm_topk_prob=bool(cfg.hf.get("norm_topk_prob", False)))
 
 
 class Qwen3MoeForCausalLM(LlamaForCausalLM):
