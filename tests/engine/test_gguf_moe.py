@@ -15,54 +15,13 @@ from helexa.engine import LLM, SamplingParams
 from helexa.engine.layers.linear import Linear
 from helexa.engine.layers.moe import Experts
 from helexa.engine.loader.gguf import load_gguf
+from tests.engine.test_gguf_parity import _gguf_name
 from tests.engine.test_parity import _hf_greedy, _record_logits
+from tests.engine.tiny import tiny_hf_model
 
 PROMPT_LENGTHS = (1, 7, 37, 90)
 NUM_TOKENS = 32
 VOCAB = 512
-
-# HF module → llama.cpp tensor stem, as convert_hf_to_gguf.py names them for qwen3moe
-BLOCK = {
-    "input_layernorm": "attn_norm",
-    "post_attention_layernorm": "ffn_norm",
-    "self_attn.q_proj": "attn_q",
-    "self_attn.k_proj": "attn_k",
-    "self_attn.v_proj": "attn_v",
-    "self_attn.o_proj": "attn_output",
-    "self_attn.q_norm": "attn_q_norm",
-    "self_attn.k_norm": "attn_k_norm",
-    "mlp.gate": "ffn_gate_inp",
-}
-GLOBAL = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
-
-
-def _tiny_hf_qwen3_moe():
-    """Every layer sparse (a GGUF cannot state mlp_only_layers); 6 experts, top-2."""
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
-
-    config = Qwen3MoeConfig(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=32,
-        num_experts=6,  # not a power of two
-        num_experts_per_tok=2,
-        moe_intermediate_size=32,  # int4-packable: rows of 16, groups of 32
-        norm_topk_prob=True,
-        initializer_range=0.2,  # peaked logits: greedy ties become rare
-        max_position_embeddings=4096,
-        tie_word_embeddings=False,
-    )
-    torch.manual_seed(0)
-    model = Qwen3MoeForCausalLM(config).float()
-    with torch.no_grad():  # random norms, so a misplaced one shows
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.add_(torch.randn_like(p) * 0.1)
-    return model.eval()
 
 
 def _gguf_tensors(hf) -> dict[str, np.ndarray]:
@@ -79,12 +38,7 @@ def _gguf_tensors(hf) -> dict[str, np.ndarray]:
         elif name.endswith("mlp.experts.down_proj"):
             out[f"blk.{name.split('.')[2]}.ffn_down_exps.weight"] = a
         else:
-            module, _, kind = name.rpartition(".")
-            if module in GLOBAL:
-                out[f"{GLOBAL[module]}.{kind}"] = a
-            else:
-                _, _, n, rest = module.split(".", 3)
-                out[f"blk.{n}.{BLOCK[rest]}.{kind}"] = a
+            out[_gguf_name(name)] = a
     return out
 
 
@@ -133,7 +87,7 @@ def write_qwen3moe_gguf(
 
 @pytest.fixture(scope="module")
 def hf():
-    return _tiny_hf_qwen3_moe()
+    return tiny_hf_model("qwen3_moe", vocab_size=VOCAB, mlp_only_layers=[])  # all sparse
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,7 @@ import torch
 
 from helexa.engine import LLM, SamplingParams
 from helexa.engine.layers.linear import Linear
-from tests.engine.test_parity import NUM_TOKENS, _hf_greedy, _prompts, _record_logits
+from tests.engine.test_parity import _prompts, _record_logits, assert_matches_transformers
 from tests.engine.tiny import FIXTURE_MODELS, make_tiny_new_family
 
 pytestmark = pytest.mark.skipif(not FIXTURE_MODELS.is_dir(), reason="shared fixtures absent")
@@ -23,16 +23,7 @@ def test_logits_and_greedy_tokens_match_transformers_for_a_mixed_batch(kind, tmp
     # Small chunks: long prompts prefill in pieces (the recurrent state carried from chunk to
     # chunk) while short ones already decode in the same steps.
     llm = LLM(str(model_dir), kv_cache_memory_mb=8, block_size=16, max_prefill_chunk=24)
-    seen = _record_logits(llm)
-    prompts = _prompts(512)
-    params = SamplingParams(temperature=0, max_tokens=NUM_TOKENS, ignore_eos=True)
-    outputs = llm.generate(prompts, params)
-    for prompt, out in zip(prompts, outputs, strict=True):
-        ref_tokens, ref_logits = _hf_greedy(hf, prompt)
-        ours = torch.stack(seen[out.request_id])
-        diff = (ours - ref_logits).abs().max().item()
-        assert diff <= 1e-4, f"{kind} prompt len {len(prompt)}: max |Δlogits| {diff:.2e}"
-        assert out.token_ids == ref_tokens, f"{kind} prompt len {len(prompt)}"
+    assert_matches_transformers(llm, hf, _prompts(512), kind)
 
 
 def test_the_vision_tower_is_skipped_and_the_models_serve_text(tmp_path):

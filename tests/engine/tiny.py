@@ -113,8 +113,9 @@ MOE = dict(num_experts=6, num_experts_per_tok=2, moe_intermediate_size=32)  # 6:
 VISION = dict(depth=1, hidden_size=32, intermediate_size=32, num_heads=2, out_hidden_size=64)
 
 
-def _hf_model(kind: str, vocab_size: int):
-    """An HF model of `kind` with tiny random weights; text-only kinds are CausalLMs."""
+def _hf_model(kind: str, vocab_size: int, **overrides):
+    """An HF model of `kind` with tiny random weights; text-only kinds are CausalLMs.
+    `overrides` change qwen3_moe's config."""
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
     from transformers.models.qwen3_5 import (
         Qwen3_5Config,
@@ -138,10 +139,10 @@ def _hf_model(kind: str, vocab_size: int):
             num_key_value_heads=2,
             head_dim=32,
             norm_topk_prob=True,
-            mlp_only_layers=[1],  # a dense layer between sparse ones
             initializer_range=0.2,
             max_position_embeddings=4096,
-            **MOE,
+            # a dense layer between sparse ones, unless overridden (a GGUF cannot state it)
+            **{"mlp_only_layers": [1], **MOE, **overrides},
         )
         return Qwen3MoeForCausalLM(config)
     if kind == "qwen3_5":
@@ -156,18 +157,23 @@ def _hf_model(kind: str, vocab_size: int):
     raise ValueError(kind)
 
 
+def tiny_hf_model(kind: str, *, seed: int = 0, vocab_size: int = 512, **overrides):
+    """`kind` with tiny random weights, in fp32 and eval mode (see _hf_model)."""
+    torch.manual_seed(seed)
+    model = _hf_model(kind, vocab_size, **overrides).float()
+    with torch.no_grad():  # random norms and gating parameters, so a misplaced one shows
+        for name, p in model.named_parameters():
+            if "norm" in name or name.endswith(("bias", "A_log", "dt_bias")):
+                p.add_(torch.randn_like(p) * 0.1)
+    return model.eval()
+
+
 def make_tiny_new_family(
     kind: str, root: Path, *, seed: int = 0, vocab_size: int = 512, tokenizer: str = "Qwen3-0.6B"
 ):
     """Write `kind` (qwen3_moe, qwen3_5, qwen3_5_text, qwen3_5_moe) as save_pretrained lays it
     out, with a fixture tokenizer; return (dir, hf_model)."""
-    torch.manual_seed(seed)
-    model = _hf_model(kind, vocab_size).float()
-    with torch.no_grad():  # random norms and gating parameters, so a misplaced one shows
-        for name, p in model.named_parameters():
-            if "norm" in name or name.endswith(("bias", "A_log", "dt_bias")):
-                p.add_(torch.randn_like(p) * 0.1)
-    model.eval()
+    model = tiny_hf_model(kind, seed=seed, vocab_size=vocab_size)
     out = root / kind
     model.save_pretrained(out, safe_serialization=True)
     for f in ("tokenizer.json", "tokenizer_config.json"):
