@@ -296,6 +296,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_arguments(eng)
     eng.set_defaults(func=cmd_bench)
+    gpu_bench = bench_sub.add_parser(
+        "gpu", help="decode vs memory bandwidth, TTFT and throughput on random Qwen3 weights"
+    )
+    _add_config_arg(gpu_bench)
+    from helexa.bench.gpu import add_arguments as add_gpu_arguments
+    from helexa.bench.gpu import main as bench_gpu
+
+    add_gpu_arguments(gpu_bench)
+    gpu_bench.set_defaults(func=bench_gpu)
     node_bench = bench_sub.add_parser("node", help="what the node's HTTP layer costs")
     _add_config_arg(node_bench)
     from helexa.bench.node import add_arguments as add_node_arguments

@@ -1,0 +1,302 @@
+"""Models in the shapes of real checkpoints, with random weights made on the device.
+
+`helexa bench gpu` needs Qwen3-0.6B, Qwen3-8B and Qwen3-30B-A3B without downloading them:
+speed depends on the shapes and on how the weights are held, not on their values. Each
+preset is the few config.json numbers that fix the shapes. The helexa model is built by
+its family from that dict and fed random tensors through `load_weights`, generated on the
+target device (so 16 GB of Qwen3-8B never pass through host RAM); the HF transformers
+model is built from the same dict with its own random init.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from helexa.engine.layers.linear import Linear
+from helexa.engine.layers.moe import Experts
+from helexa.engine.layers.norm import RMSNorm
+from helexa.engine.loader.gguf import GGUFTensor
+from helexa.engine.loader.load import LoadedModel
+from helexa.engine.models import MODEL_REGISTRY
+from helexa.engine.models.llama import Embedding
+from helexa.engine.tokenizer import Tokenizer
+
+FORMATS = ("bf16", "q4_k")
+INIT_STD = 0.02  # HF's initializer_range: keeps 36 layers' activations finite
+_QWEN3 = dict(
+    model_type="qwen3",
+    head_dim=128,
+    rms_norm_eps=1e-6,
+    rope_theta=1_000_000.0,
+    max_position_embeddings=40960,
+    attention_bias=False,
+    vocab_size=151936,
+    bos_token_id=151643,
+    eos_token_id=151645,
+)
+# config.json numbers of each checkpoint (Qwen3-0.6B from its config.json; Qwen3-8B and
+# Qwen3-30B-A3B from theirs on the Hub). Tiny presets: the same families, small enough for
+# a CPU in seconds; 256 wide because a Q4_K block spans 256 weights of a row.
+PRESETS: dict[str, dict[str, Any]] = {
+    "qwen3-0.6b": dict(
+        _QWEN3,
+        hidden_size=1024,
+        intermediate_size=3072,
+        num_hidden_layers=28,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        tie_word_embeddings=True,
+    ),
+    "qwen3-8b": dict(
+        _QWEN3,
+        hidden_size=4096,
+        intermediate_size=12288,
+        num_hidden_layers=36,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        tie_word_embeddings=False,
+    ),
+    "qwen3-30b-a3b": dict(
+        _QWEN3,
+        model_type="qwen3_moe",
+        hidden_size=2048,
+        intermediate_size=6144,
+        moe_intermediate_size=768,
+        num_hidden_layers=48,
+        num_attention_heads=32,
+        num_key_value_heads=4,
+        num_experts=128,
+        num_experts_per_tok=8,
+        norm_topk_prob=True,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+        tie_word_embeddings=False,
+    ),
+    "tiny-dense": dict(
+        _QWEN3,
+        vocab_size=1024,
+        bos_token_id=None,
+        eos_token_id=1023,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        tie_word_embeddings=True,
+    ),
+    "tiny-moe": dict(
+        _QWEN3,
+        model_type="qwen3_moe",
+        vocab_size=1024,
+        bos_token_id=None,
+        eos_token_id=1023,
+        hidden_size=256,
+        intermediate_size=512,
+        moe_intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        num_experts=4,
+        num_experts_per_tok=2,
+        norm_topk_prob=True,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+        tie_word_embeddings=False,
+    ),
+}
+
+
+def active_fraction(cfg: dict[str, Any]) -> float:
+    """Share of the expert weights one token reads (1.0 for dense models)."""
+    experts = cfg.get("num_experts") or 0
+    return cfg["num_experts_per_tok"] / experts if experts else 1.0
+
+
+# -- the helexa model ------------------------------------------------------------------
+def build_skeleton(cfg: dict[str, Any], tokenizer: Tokenizer | None = None) -> nn.Module:
+    """The family's model for `cfg`, holding no weights yet (cheap even for 30B)."""
+    return MODEL_REGISTRY[cfg["model_type"]].build(cfg, tokenizer)
+
+
+def weight_shapes(model: nn.Module) -> dict[str, tuple[int, ...]]:
+    """Every weight `load_weights` expects, by name, with its shape; a tied lm_head is
+    the embedding and is left out."""
+    modules = dict(model.named_modules())
+    tied = model.config.tie_word_embeddings
+    shapes: dict[str, tuple[int, ...]] = {}
+    for name in model._expected_weights():
+        path, kind = name.rsplit(".", 1)
+        mod = modules[path]
+        if path == "lm_head" and tied:
+            continue
+        if isinstance(mod, Linear):
+            shapes[name] = (
+                (mod.out_features,) if kind == "bias" else (mod.out_features, mod.in_features)
+            )
+        elif isinstance(mod, Embedding):
+            shapes[name] = (mod.vocab_size, mod.hidden_size)
+        elif isinstance(mod, RMSNorm):
+            shapes[name] = tuple(mod.weight.shape)
+        else:
+            raise ValueError(f"no random init for {name!r} ({type(mod).__name__})")
+    return shapes
+
+
+def param_counts(cfg: dict[str, Any]) -> tuple[int, int]:
+    """(total parameters, parameters one token reads: only the routed experts of an MoE),
+    embeddings included, from the shapes the family builds for `cfg`."""
+    shapes = weight_shapes(build_skeleton(cfg))
+    total = sum(math.prod(s) for s in shapes.values())
+    experts = sum(math.prod(s) for n, s in shapes.items() if ".experts." in n)
+    return total, total - experts + round(experts * active_fraction(cfg))
+
+
+def random_weights(
+    model: nn.Module, fmt: str, device: torch.device, seed: int
+) -> Iterator[tuple[str, torch.Tensor | GGUFTensor]]:
+    """(name, weight) for `load_weights`: norms 1, Linear/embedding weights N(0, 0.02) in
+    bf16, or as Q4_K blocks when `fmt` is "q4_k"; made on `device` one at a time."""
+    if fmt == "q4_k":
+        from helexa.kernels.quant_matmul import make_gguf_blocks
+
+    modules = dict(model.named_modules())
+    gen = torch.Generator(device=device)
+    gen.manual_seed(seed)
+    for name, shape in weight_shapes(model).items():
+        if isinstance(modules[name.rsplit(".", 1)[0]], RMSNorm):
+            yield name, torch.ones(shape, device=device, dtype=torch.bfloat16)
+        elif name.endswith(".bias"):
+            yield name, torch.zeros(shape, device=device, dtype=torch.bfloat16)
+        elif fmt == "q4_k":
+            raw = make_gguf_blocks("Q4_K", *shape, generator=gen, device=device)
+            yield name, GGUFTensor(name, "Q4_K", shape, raw)
+        else:
+            w = torch.randn(shape, generator=gen, device=device, dtype=torch.bfloat16)
+            yield name, w.mul_(INIT_STD)
+
+
+def estimate_weight_bytes(cfg: dict[str, Any], fmt: str) -> int:
+    """Bytes the weights will take on the device: all bf16, or for "q4_k" the Linears as
+    GGUF Q4_K blocks (the GPU's packing differs by a few %) beside a bf16 embedding."""
+    shapes = weight_shapes(build_skeleton(cfg))
+    if fmt == "bf16":
+        return sum(2 * math.prod(s) for s in shapes.values())
+    from helexa.kernels.quant_matmul import gguf_nbytes
+
+    total = 0
+    for name, shape in shapes.items():
+        quantized = len(shape) == 2 and "embed_tokens" not in name
+        total += gguf_nbytes("Q4_K", shape) if quantized else 2 * math.prod(shape)
+    if cfg["tie_word_embeddings"]:  # the lm_head's own Q4_K copy
+        total += gguf_nbytes("Q4_K", (cfg["vocab_size"], cfg["hidden_size"]))
+    return total
+
+
+def kv_bytes_per_token(cfg: dict[str, Any]) -> int:
+    """K and V of every layer in bf16."""
+    return 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * cfg["head_dim"] * 2
+
+
+def build_random_model(
+    name: str, cfg: dict[str, Any], fmt: str, device: torch.device, seed: int = 0
+) -> LoadedModel:
+    """What `load_model` returns, for a preset with random weights in `fmt`."""
+    if fmt not in FORMATS:
+        raise ValueError(f"unknown format {fmt!r}; supported: {list(FORMATS)}")
+    tokenizer = synthetic_tokenizer(cfg["vocab_size"], cfg.get("eos_token_id"))
+    model = build_skeleton(cfg, tokenizer)
+    weights = random_weights(model, fmt, device, seed)
+    model.load_weights(weights, dtype=torch.bfloat16, dense_copies=False)
+    model.post_load()
+    model = model.to(device).eval()
+    return LoadedModel(model, tokenizer, model.config, Path(f"random:{name}"), "random")
+
+
+def weight_bytes(model: nn.Module, cfg: dict[str, Any]) -> tuple[int, int]:
+    """(bytes the weights hold on the device, bytes one decoded token reads). The second
+    leaves out the input embedding table (a token reads one row of it) unless the
+    lm_head shares it, and counts only top-k of E experts. KV caches and rotary tables
+    are not weights."""
+    from helexa.engine.layers.attention import PagedAttention
+    from helexa.engine.layers.rotary import RotaryEmbedding
+
+    expert_mods = {id(m) for e in model.modules() if isinstance(e, Experts) for m in e.modules()}
+    embed_mods = {id(m) for m in model.modules() if isinstance(m, Embedding)}
+    seen: dict[tuple[int, int], float] = {}  # (address, bytes) -> share read per token
+    held: dict[tuple[int, int], None] = {}
+    frac = active_fraction(cfg)
+    for mod in model.modules():
+        if isinstance(mod, PagedAttention | RotaryEmbedding):
+            continue
+        for t in _held_tensors(mod):
+            key = (t.data_ptr(), t.nbytes)
+            held[key] = None
+            if id(mod) in embed_mods:
+                continue
+            seen[key] = frac if id(mod) in expert_mods else 1.0
+    return sum(n for _, n in held), round(sum(n * share for (_, n), share in seen.items()))
+
+
+def _held_tensors(mod: nn.Module) -> list[torch.Tensor]:
+    """The module's own tensors: parameters, buffers, plain attributes, and those of packed
+    weights (a Linear's `qweight` lists its own in `.tensors`)."""
+    held = [*mod._parameters.values(), *mod._buffers.values()]
+    for value in vars(mod).values():
+        if isinstance(value, torch.Tensor):
+            held.append(value)
+        elif isinstance(getattr(value, "tensors", None), list):
+            held.extend(value.tensors)
+    return [t for t in held if isinstance(t, torch.Tensor) and t.device.type != "meta"]
+
+
+# -- the tokenizer -----------------------------------------------------------------------
+def synthetic_tokenizer(vocab_size: int, eos_id: int | None = None) -> Tokenizer:
+    """A word-level tokenizer of `vocab_size` made-up tokens ("t0", "t1", ...) with one
+    special eos: enough for the engine (eos ids, special ids, detokenizing output)."""
+    import tokenizers
+    from tokenizers import AddedToken, models, pre_tokenizers
+
+    eos_id = eos_id if eos_id is not None and 0 <= eos_id < vocab_size else vocab_size - 1
+    eos = "<|endoftext|>"
+    vocab = {f"t{i}": i for i in range(vocab_size)}
+    del vocab[f"t{eos_id}"]
+    vocab[eos] = eos_id
+    backend = tokenizers.Tokenizer(models.WordLevel(vocab, unk_token=eos))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    backend.add_special_tokens([AddedToken(eos, special=True, normalized=False)])
+    return Tokenizer(backend=backend, eos_token=eos, pad_token=eos, eos_token_ids={eos_id})
+
+
+# -- HF transformers -----------------------------------------------------------------------
+def build_hf_model(cfg: dict[str, Any], device: torch.device, seed: int = 0) -> nn.Module:
+    """The same shapes as an HF transformers model: its own random init, bf16, SDPA."""
+    import transformers
+
+    config = transformers.AutoConfig.for_model(**cfg)
+    config.pad_token_id = cfg.get("eos_token_id")
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = transformers.AutoModelForCausalLM.from_config(
+            config, dtype=torch.bfloat16, attn_implementation="sdpa"
+        )
+    return model.to(device).eval()  # a no-op unless the init ignored the default device
+
+
+def hf_weight_bytes(model: nn.Module, cfg: dict[str, Any]) -> tuple[int, int]:
+    """`weight_bytes` for an HF model: (held, read per decoded token)."""
+    held = read = 0.0
+    tied = cfg.get("tie_word_embeddings", False)
+    for name, p in model.named_parameters():  # a tied lm_head is listed once, as the embedding
+        held += p.nbytes
+        if "embed_tokens" in name and not tied:
+            continue
+        read += p.nbytes * (active_fraction(cfg) if ".experts." in name else 1.0)
+    return int(held), round(read)
