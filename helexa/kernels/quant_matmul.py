@@ -1,0 +1,425 @@
+"""y = x @ W.T (+ bias) with W held quantized (GGUF blocks, int8, int4, fp8) and dequantized
+in registers, never in memory. Layouts are quant_pack's (`QuantWeight`); this module re-exports
+its API.
+
+Two Triton kernels, one per regime, each parametrized by a constexpr KIND that picks the decode
+(`_codes`: the codes of a tile's low and high half-groups; `_affine`: each group's a, b with
+w = a * code + b):
+- `_quant_gemv_kernel` for a few rows (decode, M <= GEMV_MAX_M): programs split N (and K, for
+  split-K) and loop over K a [BLOCK_N, groups, half-group] tile at a time, dequantized in fp32
+  registers and multiply-added with the M rows of x into an fp32 accumulator of the tile's
+  shape, reduced across threads once, after the loop;
+- `_quant_gemm_kernel` for more rows (prefill): [BLOCK_M, BLOCK_N] output tiles; each K step
+  dequantizes W's [BLOCK_K, BLOCK_N] tile in registers as its low and high half-groups (two
+  [BLOCK_K/2, BLOCK_N], each beside a run of x's columns), casts them to x's dtype and
+  tl.dot's them into an fp32 accumulator (bf16/fp16 tensor cores; fp32 x: 3xTF32).
+Split-K programs write fp32 partials, summed afterwards. No host syncs: the grid and every
+choice come from shapes (and the GPU's SM count), so both are CUDA-graph safe. Every tile
+plan of _plan compiles for sm_90, bf16 and fp16 ones without register spills (checked with
+Triton's compiler and ptxas, without a GPU); tiles and GEMV_MAX_M are yet to be tuned on one.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from .quant_pack import (
+    BLOCK,
+    GGUF_KINDS,
+    GROUP,
+    QK_K,
+    QUANT_KINDS,
+    QuantWeight,
+    cat_rows,
+    check_shape,
+    gguf_nbytes,
+    make_gguf_blocks,
+    naive_dequantize,
+    pack_gguf,
+    quantize,
+)
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # triton is optional: the naive path serves CPU hosts
+    triton = None
+
+# Rows up to which the GEMV kernel runs: it spends M fp32 FMAs per weight where the GEMM's
+# tensor cores spend none, so past a few rows the GEMM (16-row tiles) should win. To tune on
+# the GPU (bench), as are the tiles in _plan.
+GEMV_MAX_M = 4
+# the kernels' decode: int4 is held as Q4_1
+DECODE = {kind: "Q4_1" if kind == "int4" else kind for kind in QUANT_KINDS}
+
+
+def naive_quant_matmul(
+    x: torch.Tensor, qw: QuantWeight, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """x [M, K] (any leading dims) @ dequantized W [N, K].T (+ bias [N]) in plain torch, in
+    fp32, -> [M, N] in x.dtype. Dequantizes the whole weight every call: a reference."""
+    w = naive_dequantize(qw)
+    y = x.float() @ w.T
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype)
+
+
+def unsupported_reason(kind: str, device: torch.device | str) -> str | None:
+    """None if quant_matmul runs `kind` on `device`, else why (a sentence).
+
+    On CUDA that is the Triton kernels (every kind, fp8 included: its e4m3 bits are decoded by
+    integer ops, no fp8 hardware needed); elsewhere naive_quant_matmul, correct but slow.
+    """
+    if kind not in QUANT_KINDS:
+        return f"unknown quant kind {kind!r}; supported: {', '.join(QUANT_KINDS)}."
+    device = torch.device(device)
+    if device.type != "cuda":
+        return None
+    if triton is None:
+        return "quantized weights on CUDA need triton, which is not installed."
+    major, minor = torch.cuda.get_device_capability(device)
+    if major < 8:
+        return (
+            f"the quantized kernels need compute capability 8.0 or later (bf16 tensor-core "
+            f"dots); this GPU has {major}.{minor}."
+        )
+    return None
+
+
+if triton is not None:
+
+    @triton.jit
+    def _codes(qs_row, qh_row, g, j, mask, KIND: tl.constexpr, GROUP: tl.constexpr):
+        """(lo, hi): the fp32 codes of elements g*GROUP + j and g*GROUP + GROUP/2 + j of the
+        rows whose pointers are qs_row and qh_row; everything broadcasts to the tile's shape.
+        fp8's code is its value / 256 (the epilogue's scale puts the 256 back)."""
+        HALF: tl.constexpr = GROUP // 2
+        if KIND == "Q8_0" or KIND == "int8" or KIND == "fp8":  # a byte per weight
+            lo = tl.load(qs_row + g * GROUP + j, mask=mask, other=0)
+            hi = tl.load(qs_row + g * GROUP + HALF + j, mask=mask, other=0)
+        else:  # two 4-bit codes per byte, split by half-group
+            b = tl.load(qs_row + g * HALF + j, mask=mask, other=0).to(tl.int32)
+            lo, hi = b & 0xF, b >> 4
+        if KIND == "Q5_K":  # one high bit per weight: bit e of the group's int32
+            h = tl.load(qh_row + g, mask=mask, other=0)
+            lo |= ((h >> j) & 1) << 4
+            hi |= ((h >> (j + HALF)) & 1) << 4
+        if KIND == "Q6_K":  # two high bits per weight: bits 2e and 2e+1
+            h = tl.load(qh_row + g, mask=mask, other=0)
+            lo |= ((h >> (2 * j)) & 3) << 4
+            hi |= ((h >> (2 * j + GROUP)) & 3) << 4
+        if KIND == "fp8":
+            # e4m3 -> fp16 by moving its bits (exponent bias 7 -> 15, subnormals to
+            # subnormals), which divides the value by 2^(15-7)
+            lo, hi = lo.to(tl.uint16), hi.to(tl.uint16)
+            lo = (((lo & 0x7F) << 7) | ((lo & 0x80) << 8)).to(tl.float16, bitcast=True)
+            hi = (((hi & 0x7F) << 7) | ((hi & 0x80) << 8)).to(tl.float16, bitcast=True)
+        return lo.to(tl.float32), hi.to(tl.float32)
+
+    @triton.jit
+    def _affine(s_row, m_row, d_row, dmin_row, g, mask, KIND: tl.constexpr, GROUP: tl.constexpr):
+        """(a, b) of group g: its weights are a * code + b. int8 and fp8: (1, 0), their
+        per-channel scale is applied to the accumulator."""
+        if KIND == "int8" or KIND == "fp8":
+            a, b = 1.0, 0.0
+        else:
+            s = tl.load(s_row + g, mask=mask, other=0).to(tl.float32)
+            if KIND == "Q4_0":
+                a, b = s, -8.0 * s
+            elif KIND == "Q4_1":
+                a, b = s, tl.load(m_row + g, mask=mask, other=0).to(tl.float32)
+            elif KIND == "Q8_0":
+                a, b = s, 0.0
+            else:  # k-quants: d (and dmin) per super-block of 256 weights
+                sb = g // (256 // GROUP)
+                a = tl.load(d_row + sb, mask=mask, other=0).to(tl.float32) * s
+                if KIND == "Q6_K":
+                    b = -32.0 * a
+                else:
+                    mn = tl.load(m_row + g, mask=mask, other=0).to(tl.float32)
+                    b = -tl.load(dmin_row + sb, mask=mask, other=0).to(tl.float32) * mn
+        return a, b
+
+    @triton.jit
+    def _epilogue(
+        acc, offs_m, offs_n, M, N, split, s_ptr, bias_ptr, out_ptr, stride_os, stride_om,
+        KIND: tl.constexpr, HAS_BIAS: tl.constexpr,
+    ):  # fmt: skip
+        """out[split, m, n] = acc (* per-channel scale) (+ bias: only without split-K)."""
+        n_ok = offs_n < N
+        if KIND == "int8" or KIND == "fp8":
+            scale = tl.load(s_ptr + offs_n, mask=n_ok, other=0.0)
+            if KIND == "fp8":
+                scale = scale * 256.0
+            acc = acc * scale[None, :]
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        out = out_ptr + split * stride_os + offs_m.to(tl.int64)[:, None] * stride_om
+        mask = (offs_m < M)[:, None] & n_ok[None, :]
+        tl.store(out + offs_n[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _quant_gemv_kernel(
+        x_ptr, qs_ptr, qh_ptr, s_ptr, m_ptr, d_ptr, dmin_ptr, bias_ptr, out_ptr,
+        M, N, num_groups, groups_per_split,
+        stride_xm, stride_qs, stride_qh, stride_s, stride_d, stride_os, stride_om,
+        KIND: tl.constexpr, GROUP: tl.constexpr, HAS_BIAS: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr,
+    ):  # fmt: skip
+        """out[:M, n-block] for one split of K. Each step dequantizes a [BLOCK_N, BLOCK_G
+        groups, GROUP/2] tile (its low and high half-groups; a and b loaded once per group) and
+        multiply-adds it into a [BLOCK_M, BLOCK_N, BLOCK_G, GROUP/2] fp32 accumulator: no
+        reduction across threads until after the loop."""
+        HALF: tl.constexpr = GROUP // 2
+        split = tl.program_id(1)
+        offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = (offs_n < N)[None, :, None, None]  # (row, n, group, position)
+        rows = offs_n.to(tl.int64)[None, :, None, None]
+        qs_row, qh_row = qs_ptr + rows * stride_qs, qh_ptr + rows * stride_qh
+        s_row, m_row = s_ptr + rows * stride_s, m_ptr + rows * stride_s
+        d_row, dmin_row = d_ptr + rows * stride_d, dmin_ptr + rows * stride_d
+        j = tl.arange(0, HALF)[None, None, None, :]
+        offs_m = tl.arange(0, BLOCK_M)
+        # rows past M read row M-1 again; the store drops them
+        x_rows = x_ptr + tl.minimum(offs_m, M - 1)[:, None, None, None] * stride_xm
+        g_first = split * groups_per_split
+        g_end = tl.minimum(g_first + groups_per_split, num_groups)
+        acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_G, HALF], dtype=tl.float32)
+        for g0 in range(g_first, g_end, BLOCK_G):
+            g = g0 + tl.arange(0, BLOCK_G)[None, None, :, None]
+            g_ok = g < g_end
+            lo, hi = _codes(qs_row, qh_row, g, j, n_ok & g_ok, KIND, GROUP)
+            a, b = _affine(s_row, m_row, d_row, dmin_row, g, n_ok & g_ok, KIND, GROUP)
+            k = g * GROUP + j  # the low halves' x columns
+            x_lo = tl.load(x_rows + k, mask=g_ok, other=0.0).to(tl.float32)
+            x_hi = tl.load(x_rows + k + HALF, mask=g_ok, other=0.0).to(tl.float32)
+            acc += (lo * a + b) * x_lo + (hi * a + b) * x_hi
+        acc = tl.sum(tl.sum(acc, axis=3), axis=2)  # [BLOCK_M, BLOCK_N]
+        _epilogue(
+            acc, offs_m, offs_n, M, N, split, s_ptr, bias_ptr, out_ptr, stride_os, stride_om,
+            KIND, HAS_BIAS,
+        )  # fmt: skip
+
+    @triton.jit
+    def _quant_gemm_kernel(
+        x_ptr, qs_ptr, qh_ptr, s_ptr, m_ptr, d_ptr, dmin_ptr, bias_ptr, out_ptr,
+        M, N, num_groups, groups_per_split,
+        stride_xm, stride_qs, stride_qh, stride_s, stride_d, stride_os, stride_om,
+        KIND: tl.constexpr, GROUP: tl.constexpr, HAS_BIAS: tl.constexpr,
+        PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    ):  # fmt: skip
+        """One [BLOCK_M, BLOCK_N] tile of out for one split of K. Each step dequantizes W's
+        [BLOCK_K, BLOCK_N] tile as [groups, half-group, BLOCK_N] (a and b loaded once per group
+        and column), then its low and high half-groups flattened to two [BLOCK_K/2, BLOCK_N]."""
+        HALF: tl.constexpr = GROUP // 2
+        GROUPS: tl.constexpr = BLOCK_K // GROUP
+        split = tl.program_id(2)
+        offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        m_ok = offs_m < M
+        n_ok = (offs_n < N)[None, None, :]  # (group, position, n)
+        rows = offs_n.to(tl.int64)[None, None, :]
+        qs_row, qh_row = qs_ptr + rows * stride_qs, qh_ptr + rows * stride_qh
+        s_row, m_row = s_ptr + rows * stride_s, m_ptr + rows * stride_s
+        d_row, dmin_row = d_ptr + rows * stride_d, dmin_ptr + rows * stride_d
+        j = tl.arange(0, HALF)[None, :, None]
+        t = tl.arange(0, BLOCK_K // 2)  # the flattened (group, position) of a half
+        x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm
+        g_first = split * groups_per_split
+        g_end = tl.minimum(g_first + groups_per_split, num_groups)
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for g0 in range(g_first, g_end, GROUPS):
+            g = g0 + tl.arange(0, GROUPS)[:, None, None]
+            mask = n_ok & (g < g_end)
+            lo, hi = _codes(qs_row, qh_row, g, j, mask, KIND, GROUP)
+            a, b = _affine(s_row, m_row, d_row, dmin_row, g, mask, KIND, GROUP)
+            lo = (lo * a + b).reshape(BLOCK_K // 2, BLOCK_N)
+            hi = (hi * a + b).reshape(BLOCK_K // 2, BLOCK_N)
+            g_t = g0 + t // HALF
+            k = (g_t * GROUP + t % HALF)[None, :]  # the low halves' x columns
+            x_ok = m_ok[:, None] & (g_t < g_end)[None, :]
+            x_lo = tl.load(x_rows + k, mask=x_ok, other=0.0)
+            x_hi = tl.load(x_rows + k + HALF, mask=x_ok, other=0.0)
+            if UPCAST:  # Triton's interpreter dots 16-bit floats as raw bits (3.9)
+                x_lo, x_hi = x_lo.to(tl.float32), x_hi.to(tl.float32)
+            else:
+                lo, hi = lo.to(x_ptr.dtype.element_ty), hi.to(x_ptr.dtype.element_ty)
+            acc = tl.dot(x_lo, lo, acc, input_precision=PRECISION)
+            acc = tl.dot(x_hi, hi, acc, input_precision=PRECISION)
+        _epilogue(
+            acc, offs_m, offs_n, M, N, split, s_ptr, bias_ptr, out_ptr, stride_os, stride_om,
+            KIND, HAS_BIAS,
+        )  # fmt: skip
+
+
+@functools.cache
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4  # Triton's interpreter: any small number keeps the plan the same shape
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _split_k(programs: int, num_groups: int, block_g: int, device: torch.device) -> int:
+    """Splits of K that bring the programs to ~2 per SM, each at least 4 steps long."""
+    want = -(-2 * _num_sms(device) // programs)
+    return max(1, min(want, num_groups // (4 * block_g), 16))
+
+
+def _plan(
+    m: int, n: int, k: int, kind: str, dtype: torch.dtype, device: torch.device, **given
+) -> dict:
+    """Kernel, tiles and split-K for an [m, k] @ [n, k].T; `given` overrides any of them."""
+    group = GROUP[kind]
+    num_groups = k // group
+    gemv = given.get("gemv")
+    gemv = m <= GEMV_MAX_M if gemv is None else gemv
+    if gemv:
+        if m > 16:  # its accumulator holds every row
+            raise ValueError(f"the GEMV kernel takes at most 16 rows; got {m}")
+        block_m = triton.next_power_of_2(m)
+        # ~8K fp32 accumulators whatever the rows: 32 a thread at 8 warps. Compiled for sm_90,
+        # one row's 32 x 256 tile at 8 warps keeps the whole step in registers (no shared
+        # memory, ~80 registers); at 4 warps Triton shuffles it through shared memory.
+        block_n = 32 if block_m == 1 else 16
+        plan = {"block_m": block_m, "block_n": block_n, "block_k": 8192 // (block_m * block_n)}
+        plan.update({key: v for key, v in given.items() if v is not None})
+        programs = triton.cdiv(n, plan["block_n"])
+        warps, stages = 8, 2
+    else:
+        block_m = 16 if m <= 16 else 32 if m <= 32 else 64 if m <= 64 else 128
+        if dtype == torch.float32:  # its 3xTF32 dots spill past 64 x 64 (sm_90)
+            block_m = min(block_m, 64)
+        plan = {"block_m": block_m, "block_n": 64 if block_m <= 64 else 128, "block_k": 64}
+        plan.update({key: v for key, v in given.items() if v is not None})
+        programs = triton.cdiv(m, plan["block_m"]) * triton.cdiv(n, plan["block_n"])
+        warps = 8 if plan["block_m"] * plan["block_n"] >= 128 * 128 else 4
+        stages = 3
+    block_g = plan["block_k"] // group
+    if block_g < 1 or plan["block_k"] % group:
+        raise ValueError(f"block_k {plan['block_k']} is not a multiple of {kind}'s {group}")
+    if not gemv and plan["block_k"] < 32:  # two dots of block_k/2, and tl.dot takes K >= 16
+        raise ValueError(f"the GEMM kernel needs block_k >= 32; got {plan['block_k']}")
+    split = plan.get("split_k") or _split_k(programs, num_groups, block_g, device)
+    # whole steps per split, and no split left empty
+    per_split = triton.cdiv(triton.cdiv(num_groups, split), block_g) * block_g
+    plan.update(
+        gemv=gemv, block_g=block_g, per_split=per_split,
+        split_k=triton.cdiv(num_groups, per_split), num_warps=warps, num_stages=stages,
+    )  # fmt: skip
+    return plan
+
+
+def _precision(x: torch.Tensor) -> str:
+    """tl.dot's input_precision. fp32 x: fp32-accurate dots, to match torch to ~1e-6: 3xTF32
+    on a GPU (tensor cores; "ieee" dots spill registers there), plain fp32 in the interpreter.
+    16-bit x: ignored (bf16/fp16 tensor-core dots)."""
+    if x.dtype != torch.float32:
+        return "tf32"
+    return "tf32x3" if x.is_cuda else "ieee"
+
+
+def _launch(x, qw: QuantWeight, bias, plan: dict) -> torch.Tensor:
+    m, n = x.shape[0], qw.out_features
+    split, group = plan["split_k"], GROUP[qw.kind]
+    out = torch.empty(
+        (split, m, n) if split > 1 else (1, m, n),
+        dtype=torch.float32 if split > 1 else x.dtype,
+        device=x.device,
+    )
+    qs = qw.qs
+    qh, mins, d, dmin = (t if t is not None else qs for t in (qw.qh, qw.mins, qw.d, qw.dmin))
+    args = (
+        x, qs, qh, qw.scales, mins, d, dmin, bias if split == 1 and bias is not None else qs, out,
+        m, n, qw.in_features // group, plan["per_split"],
+        x.stride(0), qs.stride(0), qh.stride(0), qw.scales.stride(0), d.stride(0),
+        out.stride(0), out.stride(1),
+    )  # fmt: skip
+    common = {
+        "KIND": DECODE[qw.kind],
+        "GROUP": group,
+        "HAS_BIAS": split == 1 and bias is not None,
+        "BLOCK_M": plan["block_m"],
+        "BLOCK_N": plan["block_n"],
+        "num_warps": plan["num_warps"],
+        "num_stages": plan["num_stages"],
+    }
+    if plan["gemv"]:
+        grid = (triton.cdiv(n, plan["block_n"]), split)
+        _quant_gemv_kernel[grid](*args, BLOCK_G=plan["block_g"], **common)
+    else:
+        grid = (triton.cdiv(m, plan["block_m"]), triton.cdiv(n, plan["block_n"]), split)
+        _quant_gemm_kernel[grid](
+            *args,
+            PRECISION=_precision(x),
+            UPCAST=x.device.type == "cpu" and x.dtype != torch.float32,
+            BLOCK_K=plan["block_k"],
+            **common,
+        )
+    if split == 1:
+        return out[0]
+    y = out.sum(0)
+    return (y if bias is None else y + bias.float()).to(x.dtype)
+
+
+def triton_quant_matmul(
+    x: torch.Tensor,
+    qw: QuantWeight,
+    bias: torch.Tensor | None = None,
+    *,
+    gemv: bool | None = None,
+    block_m: int | None = None,
+    block_n: int | None = None,
+    block_k: int | None = None,
+    split_k: int | None = None,
+) -> torch.Tensor:
+    """As naive_quant_matmul, in Triton: x [M, K] (any leading dims; bf16, fp16 or fp32) @
+    W.T (+ bias [N]) -> [M, N] in x.dtype, W dequantized in registers, accumulated in fp32.
+
+    The keywords override the plan (tests: small tiles run faster in Triton's interpreter):
+    gemv picks the kernel (default: M <= GEMV_MAX_M), block_k counts weights and must be a
+    multiple of the kind's group (32; 16 for Q6_K), split_k splits K (default: to fill the GPU).
+    """
+    if triton is None:
+        raise RuntimeError(
+            "triton_quant_matmul needs triton, which is not installed; use naive_quant_matmul"
+        )
+    if x.shape[-1] != qw.in_features:
+        raise ValueError(f"x has {x.shape[-1]} features; the weight takes {qw.in_features}")
+    if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise ValueError(f"x must be bf16, fp16 or fp32; got {x.dtype}")
+    lead = x.shape[:-1]
+    x = x.reshape(-1, qw.in_features)
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    if x.shape[0] == 0:
+        return x.new_empty(*lead, qw.out_features)
+    plan = _plan(
+        x.shape[0], qw.out_features, qw.in_features, qw.kind, x.dtype, x.device,
+        gemv=gemv, block_m=block_m, block_n=block_n, block_k=block_k, split_k=split_k,
+    )  # fmt: skip
+    return _launch(x, qw, bias, plan).reshape(*lead, qw.out_features)
+
+
+__all__ = [
+    "BLOCK",
+    "GEMV_MAX_M",
+    "GGUF_KINDS",
+    "GROUP",
+    "QK_K",
+    "QUANT_KINDS",
+    "QuantWeight",
+    "cat_rows",
+    "check_shape",
+    "gguf_nbytes",
+    "make_gguf_blocks",
+    "naive_dequantize",
+    "naive_quant_matmul",
+    "pack_gguf",
+    "quantize",
+    "triton_quant_matmul",
+    "unsupported_reason",
+]
