@@ -1,10 +1,12 @@
-"""RMSNorm as Llama/Qwen define it (computed in float32, cast back)."""
+"""RMSNorm as Llama/Qwen define it (computed in float32, cast back), optionally fused with
+the residual add before it: `helexa.kernels.rms_norm` (Triton on CUDA, torch on CPU)."""
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
+
+from helexa import kernels
 
 
 class RMSNorm(nn.Module):
@@ -13,10 +15,18 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # x: [..., hidden_size]
-        if x.dtype == torch.float32:  # one fused kernel; same math as below
-            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(x.dtype)
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """x [..., hidden] -> RMSNorm(x); with a residual (as x), the residual stream's next
+        value comes back too: (RMSNorm(x + residual), x + residual)."""
+        return kernels.rms_norm(x, self.weight, self.eps, residual)
+
+    def forward_residual(
+        self, x: torch.Tensor, residual: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(RMSNorm(x + residual), x + residual); with no residual yet (the first layer's
+        input), (RMSNorm(x), x)."""
+        if residual is None:
+            return kernels.rms_norm(x, self.weight, self.eps), x
+        return kernels.rms_norm(x, self.weight, self.eps, residual)

@@ -1,4 +1,5 @@
-"""Rotary position embeddings (rotate-half layout, as HF stores Llama/Qwen weights)."""
+"""Rotary position embeddings (rotate-half layout, as HF stores Llama/Qwen weights): the
+cos/sin tables here; `helexa.kernels.rotary` applies them to q and k."""
 
 from __future__ import annotations
 
@@ -93,11 +94,3 @@ class RotaryEmbedding:
         return self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(
             dtype
         )
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
-    """x * cos + rotate_half(x) * sin, with the sign already in `signed_sin`."""
-    # x: [num_tokens, num_heads, head_dim]; cos, signed_sin: [num_tokens, 1, head_dim]
-    n, heads, d = x.shape
-    swapped = x.reshape(n, heads, 2, d // 2).flip(2).view(n, heads, d)  # [x2, x1]
-    return torch.addcmul(x * cos, swapped, signed_sin)

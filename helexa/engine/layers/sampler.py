@@ -1,70 +1,109 @@
-"""Turn the last-position logits of a batch into tokens, each row with its own params."""
+"""Turn the last-position logits of a batch into tokens, each row with its own params.
+
+The math is two kernels, `helexa.kernels.apply_penalties` and `helexa.kernels.sample`
+(Triton on CUDA; on CPU their naive twins, which sort); this module builds their per-row
+inputs on the host. On CUDA, `Sampler.sample` never waits for the device: lists go to it
+through pinned memory with non_blocking copies, unseeded rows draw their Exp(1) noise on the
+device, and seeded rows draw theirs from their own CPU generator (so a seed gives the same
+tokens on every device), pinned and copied likewise.
+"""
 
 from __future__ import annotations
 
 import torch
 
+from helexa import kernels
+from helexa.engine.sampling_params import SamplingParams
 from helexa.engine.sequence import Sequence, TokenLogprob
 
 
+def _to(data: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A host list as a tensor on `device`; to CUDA from pinned memory, without a sync."""
+    if device.type != "cuda":
+        return torch.tensor(data, dtype=dtype)
+    return torch.tensor(data, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
+
+
 def _apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> None:
-    vocab = logits.shape[-1]
+    """Each penalised row's output tokens, then (for a repetition penalty) its prompt's, as
+    flat (row, token) pairs: one host array, one copy, one kernel."""
+    rows: list[int] = []
+    tokens: list[int] = []
+    prompt_rows: list[int] = []
+    prompt_tokens: list[int] = []
+    n = len(seqs)
+    rep, freq, pres = [1.0] * n, [0.0] * n, [0.0] * n
     for i, seq in enumerate(seqs):
         p = seq.params
         if not p.has_penalties:
             continue
-        row = logits[i]
-        out = torch.tensor(seq.output_token_ids, dtype=torch.long, device=logits.device)
-        out = out[out < vocab]
-        if p.repetition_penalty != 1.0:
-            seen = torch.tensor(seq.token_ids, dtype=torch.long, device=logits.device)
-            seen = seen[seen < vocab].unique()
-            vals = row[seen]
-            row[seen] = torch.where(
-                vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty
-            )
-        if (p.frequency_penalty or p.presence_penalty) and out.numel():
-            counts = torch.zeros(vocab, dtype=logits.dtype, device=logits.device)
-            counts.scatter_add_(0, out, torch.ones_like(out, dtype=logits.dtype))
-            row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0)
+        ids, num_prompt = seq.token_ids, seq.num_prompt_tokens
+        tokens += ids[num_prompt:]
+        rows += [i] * (len(ids) - num_prompt)
+        if p.repetition_penalty != 1.0:  # over the prompt too (the output is in `tokens`)
+            prompt_tokens += ids[:num_prompt]
+            prompt_rows += [i] * num_prompt
+        rep[i], freq[i], pres[i] = p.repetition_penalty, p.frequency_penalty, p.presence_penalty
+    dev = logits.device
+    pairs = _to([rows + prompt_rows, tokens + prompt_tokens], torch.int32, dev)
+    rep_t, freq_t, pres_t = _to([rep, freq, pres], torch.float32, dev)
+    kernels.apply_penalties(logits, pairs[0], pairs[1], len(tokens), rep_t, freq_t, pres_t)
 
 
 def _apply_logit_bias(logits: torch.Tensor, seqs: list[Sequence]) -> None:
     """OpenAI's logit_bias: each listed token's logit moved by its bias (ids checked
     against the vocabulary when the request was admitted)."""
+    vocab = logits.shape[-1]
+    pos: list[int] = []
+    values: list[float] = []
     for i, seq in enumerate(seqs):
         bias = seq.params.logit_bias
         if bias:
-            ids = torch.tensor(list(bias), dtype=torch.long, device=logits.device)
-            values = torch.tensor(list(bias.values()), dtype=logits.dtype, device=logits.device)
-            logits[i].index_add_(0, ids, values)
+            pos += [i * vocab + t for t in bias]
+            values += bias.values()
+    if pos:  # one add per (row, token): the same sums in any order
+        dev = logits.device
+        logits.view(-1).index_add_(0, _to(pos, torch.long, dev), _to(values, logits.dtype, dev))
 
 
-def _filter(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-    """Temperature, top-k, top-p and min-p, vectorized; returns probabilities."""
-    dev = logits.device
-    temps = torch.tensor([s.params.temperature or 1.0 for s in seqs], device=dev)
-    logits = logits / temps.unsqueeze(1)
-    top_ks = [s.params.top_k for s in seqs]
-    top_ps = [s.params.top_p for s in seqs]
-    min_ps = [s.params.min_p for s in seqs]
-    if any(top_ks) or any(p < 1.0 for p in top_ps):
-        sorted_logits, order = logits.sort(dim=-1, descending=True)
-        vocab = logits.shape[-1]
-        ks = torch.tensor([k if k > 0 else vocab for k in top_ks], device=dev)
-        ranks = torch.arange(vocab, device=dev).unsqueeze(0)
-        drop = ranks >= ks.unsqueeze(1)
-        probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(-1)
-        cum = probs.cumsum(-1) - probs  # mass strictly before each token
-        drop |= cum > torch.tensor(top_ps, device=dev).unsqueeze(1)
-        drop[:, 0] = False
-        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-        logits = torch.empty_like(logits).scatter_(-1, order, sorted_logits)
-    probs = logits.softmax(-1)
-    if any(min_ps):
-        floor = torch.tensor(min_ps, device=dev).unsqueeze(1) * probs.max(-1, keepdim=True).values
-        probs = probs.masked_fill(probs < floor, 0.0)
-    return probs
+def _noise(logits: torch.Tensor, seqs: list[Sequence], greedy: list[bool]) -> torch.Tensor:
+    """Exp(1) draws [N, V] for the sampled rows (greedy rows' are not read): a seeded row's
+    from its generator, on the CPU; the others' from torch's generator of the logits' device."""
+    noise = torch.empty_like(logits)
+    if not logits.is_cuda:
+        for i, seq in enumerate(seqs):
+            if not greedy[i]:
+                noise[i].exponential_(generator=seq.generator)
+        return noise
+    seeded = [i for i, s in enumerate(seqs) if not greedy[i] and s.generator is not None]
+    if len(seeded) < greedy.count(False):
+        noise.exponential_()
+    if seeded:
+        host = torch.empty(len(seeded), logits.shape[1], pin_memory=True)
+        for j, i in enumerate(seeded):
+            host[j].exponential_(generator=seqs[i].generator)
+        drawn = host.to(logits.device, non_blocking=True)
+        if len(seeded) == len(seqs):
+            return drawn
+        noise.index_copy_(0, _to(seeded, torch.long, logits.device), drawn)
+    return noise
+
+
+def _row_params(params: list[SamplingParams], vocab: int, device: torch.device):
+    """temperature, top_k, top_p, min_p [N] (top_k as an int tensor, at most the vocab)."""
+    temperature = [p.temperature for p in params]
+    top_k = [min(p.top_k, vocab) for p in params]  # k >= vocab keeps all, as k = vocab does
+    top_p = [p.top_p for p in params]
+    min_p = [p.min_p for p in params]
+    if device.type != "cuda":
+        return (
+            torch.tensor(temperature),
+            torch.tensor(top_k),
+            torch.tensor(top_p),
+            torch.tensor(min_p),
+        )
+    t = _to([temperature, top_k, top_p, min_p], torch.float32, device)  # one copy
+    return t[0], t[1].to(torch.int32), t[2], t[3]
 
 
 class Sampler:
@@ -75,34 +114,11 @@ class Sampler:
     def __call__(
         self, logits: torch.Tensor, seqs: list[Sequence]
     ) -> tuple[list[int], list[TokenLogprob | None] | None]:
-        # logits: [num_seqs, vocab]
-        if any(s.params.debug_fault == "sampler" for s in seqs):
-            raise RuntimeError("fault injected by HELEXA_DEBUG_FAULT=sampler")
+        """logits [N, vocab] -> (one token per row, per-row logprobs when any row asks)."""
         logits = logits.float()
         want_logprobs = any(s.params.logprobs is not None for s in seqs)
         raw_logprobs = logits.log_softmax(-1) if want_logprobs else None
-        if any(s.params.has_penalties or s.params.logit_bias for s in seqs):
-            logits = logits.clone()
-            _apply_penalties(logits, seqs)
-            _apply_logit_bias(logits, seqs)
-        greedy = [s.params.is_greedy for s in seqs]
-        tokens = logits.argmax(-1)
-        if not all(greedy):
-            probs = _filter(logits, seqs)
-            noise = torch.empty_like(probs)
-            for i, seq in enumerate(seqs):
-                if greedy[i]:
-                    continue
-                g = seq.generator  # a CPU generator: its draws are the same on every device
-                if g is None or noise.device.type == "cpu":
-                    noise[i].exponential_(generator=g)
-                else:
-                    noise[i].copy_(torch.empty(noise.shape[1]).exponential_(generator=g))
-            is_greedy = torch.tensor(greedy, device=noise.device)
-            noise[is_greedy] = 1.0
-            sampled = (probs / noise).argmax(-1)
-            tokens = torch.where(is_greedy, tokens, sampled)
-        token_list = tokens.tolist()
+        token_list = self.sample(logits, seqs).tolist()
         if raw_logprobs is None:
             return token_list, None
         lps: list[TokenLogprob | None] = []
@@ -118,3 +134,25 @@ class Sampler:
                 top = list(zip(idx.tolist(), vals.tolist(), strict=True))
             lps.append(TokenLogprob(token_list[i], float(row[token_list[i]]), top))
         return token_list, lps
+
+    def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        """logits [N, vocab] (not modified) -> tokens [N] int64 on the logits' device. On CUDA
+        nothing here waits for the device."""
+        if any(s.params.debug_fault == "sampler" for s in seqs):
+            raise RuntimeError("fault injected by HELEXA_DEBUG_FAULT=sampler")
+        params = [s.params for s in seqs]
+        given = logits
+        logits = logits.float()
+        if any(p.has_penalties or p.logit_bias for p in params):
+            if logits is given:  # .float() made no copy: make one to modify
+                logits = logits.clone(memory_format=torch.contiguous_format)
+            logits = logits.contiguous()
+            if any(p.has_penalties for p in params):
+                _apply_penalties(logits, seqs)
+            _apply_logit_bias(logits, seqs)
+        greedy = [p.is_greedy for p in params]
+        if all(greedy):
+            return logits.argmax(-1)
+        noise = _noise(logits, seqs, greedy)
+        temperature, top_k, top_p, min_p = _row_params(params, logits.shape[1], logits.device)
+        return kernels.sample(logits, noise, temperature, top_k, top_p, min_p)

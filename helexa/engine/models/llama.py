@@ -9,10 +9,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from helexa import kernels
 from helexa.engine.layers.attention import AttentionContext, PagedAttention
 from helexa.engine.layers.linear import Linear, as_dense, fuse
 from helexa.engine.layers.norm import RMSNorm
-from helexa.engine.layers.rotary import RotaryEmbedding, apply_rotary
+from helexa.engine.layers.rotary import RotaryEmbedding
 from helexa.engine.models.config import ModelConfig
 
 if TYPE_CHECKING:
@@ -59,11 +60,8 @@ class Attention(nn.Module):
         qkv = qkv.view(n, h + 2 * kvh, d)
         q, k, v = qkv.split([h, kvh, kvh], dim=1)
         if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-            q = apply_rotary(q, ctx.cos, ctx.sin)
-            k = apply_rotary(k, ctx.cos, ctx.sin)
-        else:  # q and k sit side by side in qkv: rotate both in one pass
-            q, k = apply_rotary(qkv[:, : h + kvh], ctx.cos, ctx.sin).split([h, kvh], dim=1)
+            q, k = self.q_norm.forward(q), self.k_norm.forward(k)
+        q, k = kernels.rotary(q, k, ctx.cos, ctx.sin)
         o = self.attn.forward(q, k, v, ctx)  # [num_tokens, num_heads, head_dim]
         return self.o_proj.forward(o.reshape(n, -1))
 
@@ -85,9 +83,8 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if hasattr(self, "gate_up_proj"):
-            gate, up = self.gate_up_proj.forward(x).chunk(2, dim=-1)
-        else:
-            gate, up = self.gate_proj(x), self.up_proj(x)
+            return self.down_proj.forward(kernels.silu_and_mul(self.gate_up_proj.forward(x)))
+        gate, up = self.gate_proj(x), self.up_proj(x)
         return self.down_proj.forward(F.silu(gate).mul_(up))
 
 
@@ -104,11 +101,19 @@ class DecoderLayer(nn.Module):
     def make_mlp(self, cfg: ModelConfig, index: int) -> nn.Module:
         return MLP(cfg)
 
-    def forward(self, x: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None, ctx: AttentionContext
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: the last layer's output (the embeddings for the first, residual None); residual:
+        the residual stream before that output was added. Returns this layer's (x, residual):
+        each norm adds the pending output into the stream as it normalises (one kernel on
+        CUDA; on CPU the same `x + residual` as an unfused layer)."""
         # .forward() directly: Module.__call__'s hook machinery costs ~3 µs a call, and
         # decode makes hundreds of these calls per token.
-        x = x + self.self_attn.forward(self.input_layernorm.forward(x), ctx)
-        return x + self.mlp.forward(self.post_attention_layernorm.forward(x))
+        x, residual = self.input_layernorm.forward_residual(x, residual)
+        x = self.self_attn.forward(x, ctx)
+        x, residual = self.post_attention_layernorm.forward(x, residual)
+        return self.mlp.forward(x), residual
 
 
 class Embedding(nn.Module):
@@ -164,9 +169,10 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         # input_ids, positions: [num_tokens] -> hidden: [num_tokens, hidden]
         x = self.embed_tokens(input_ids)
+        residual = None
         for layer in self.layers:
-            x = layer.forward(x, ctx)
-        return self.norm.forward(x)
+            x, residual = layer.forward(x, residual, ctx)
+        return self.norm.forward_residual(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor, seqs: list | None = None) -> torch.Tensor:
         # hidden: [num_seqs, hidden] -> [num_seqs, vocab]

@@ -22,10 +22,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from helexa import kernels
 from helexa.engine.layers.attention import AttentionContext, PagedAttention
 from helexa.engine.layers.gated_deltanet import GatedDeltaNet
 from helexa.engine.layers.norm import RMSNorm
-from helexa.engine.layers.rotary import RotaryEmbedding, apply_rotary
+from helexa.engine.layers.rotary import RotaryEmbedding
 from helexa.engine.models.config import ModelConfig
 from helexa.engine.models.llama import MLP, Attention, LlamaForCausalLM
 from helexa.engine.models.qwen3_moe import moe_block
@@ -40,14 +41,6 @@ def rotary_dim(cfg: ModelConfig) -> int:
     rope = cfg.hf.get("rope_parameters") or {}
     factor = rope.get("partial_rotary_factor", cfg.hf.get("partial_rotary_factor", 1.0))
     return int(cfg.head_dim * factor)
-
-
-def apply_partial_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # x: [num_tokens, heads, head_dim]; cos, sin: [num_tokens, 1, rotary_dim]
-    rd = cos.shape[-1]
-    if rd == x.shape[-1]:
-        return apply_rotary(x, cos, sin)
-    return torch.cat((apply_rotary(x[..., :rd], cos, sin), x[..., rd:]), dim=-1)
 
 
 class GatedAttention(Attention):
@@ -67,8 +60,8 @@ class GatedAttention(Attention):
         qg, k, v = qkv.split([h * 2 * d, kvh * d, kvh * d], dim=-1)
         qg = qg.view(n, h, 2 * d)  # per head: query, then gate
         q, gate = qg[..., :d], qg[..., d:]
-        q = apply_partial_rotary(self.q_norm.forward(q), ctx.cos, ctx.sin)
-        k = apply_partial_rotary(self.k_norm.forward(k.view(n, kvh, d)), ctx.cos, ctx.sin)
+        q, k = self.q_norm.forward(q), self.k_norm.forward(k.view(n, kvh, d))
+        q, k = kernels.rotary(q, k, ctx.cos, ctx.sin)  # cos, sin [n, 1, rotary_dim]: partial
         o = self.attn.forward(q, k, v.view(n, kvh, d), ctx)  # [n, h, d]
         o = o.reshape(n, h * d) * torch.sigmoid(gate.reshape(n, h * d))
         return self.o_proj.forward(o)
@@ -96,10 +89,15 @@ class Qwen3_5DecoderLayer(nn.Module):
         else:
             self.mlp = MLP(cfg)
 
-    def forward(self, x: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None, ctx: AttentionContext
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """As llama.DecoderLayer.forward: the residual add fused into each norm."""
         mixer = self.linear_attn if self.is_linear else self.self_attn
-        x = x + mixer.forward(self.input_layernorm.forward(x), ctx)
-        return x + self.mlp.forward(self.post_attention_layernorm.forward(x))
+        x, residual = self.input_layernorm.forward_residual(x, residual)
+        x = mixer.forward(x, ctx)
+        x, residual = self.post_attention_layernorm.forward(x, residual)
+        return self.mlp.forward(x), residual
 
 
 class Qwen3_5MoeDecoderLayer(Qwen3_5DecoderLayer):
