@@ -7,7 +7,9 @@ CPU tensors that means Triton's interpreter, TRITON_INTERPRET=1, which only test
 Nothing here reads the environment.
 
 Shapes are in each function's docstring; the kernels live beside their twins in
-causal_conv1d.py, gdn_gating.py, fused_moe.py and gated_delta_rule.py.
+causal_conv1d.py, gdn_gating.py, fused_moe.py, gated_delta_rule.py, paged_attention.py and
+quant_matmul.py and quant_moe.py (with quant_pack.py, the quantized weights' layouts); the
+decoder's and sampler's small ops in rms_norm.py, rotary.py, activation.py and sampling.py.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from . import gated_delta_rule as gdr
+from .activation import naive_silu_and_mul, triton_silu_and_mul
 from .causal_conv1d import (
     naive_causal_conv1d,
     naive_causal_conv1d_update,
@@ -23,6 +26,32 @@ from .causal_conv1d import (
 )
 from .fused_moe import moe_by_expert, naive_fused_moe, triton_fused_moe
 from .gdn_gating import naive_gdn_gating, triton_gdn_gating
+from .paged_attention import (
+    naive_paged_decode_attention,
+    naive_paged_prefill_attention,
+    triton_paged_decode_attention,
+    triton_paged_prefill_attention,
+)
+from .quant_matmul import (
+    QUANT_KINDS,
+    QuantWeight,
+    check_shape,
+    make_gguf_blocks,
+    naive_quant_matmul,
+    pack_gguf,
+    quantize,
+    triton_quant_matmul,
+    unsupported_reason,
+)
+from .quant_moe import naive_quant_fused_moe, triton_quant_fused_moe
+from .rms_norm import naive_rms_norm, triton_rms_norm
+from .rotary import naive_rotary, triton_rotary
+from .sampling import (
+    naive_apply_penalties,
+    naive_sample,
+    triton_apply_penalties,
+    triton_sample,
+)
 
 try:
     import triton  # noqa: F401
@@ -146,17 +175,146 @@ def fused_moe(
     return fn(x, w13, w2, topk_weights, topk_ids)
 
 
+def paged_decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """One decode step over the paged KV cache: q [N, H, D]; k_cache, v_cache [num_blocks,
+    block_size, KVH, D]; block_tables [N, max_blocks] int32; context_lens [N] int32 (0: a
+    padding row, zeros out) -> o [N, H, D]. The Triton path is CUDA-graph safe."""
+    fn = triton_paged_decode_attention if uses_triton(q) else naive_paged_decode_attention
+    return fn(q, k_cache, v_cache, block_tables, context_lens, scale)
+
+
+def paged_prefill_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    context_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    scale: float,
+    max_seqlen_q: int,
+) -> torch.Tensor:
+    """Causal attention of B sequences' new chunks over the paged KV cache (their K/V already
+    in it): q [T, H, D]; cu_seqlens_q [B+1] int32; context_lens [B] int32 (prefix + chunk);
+    block_tables [B, max_blocks] int32; max_seqlen_q a host int -> o [T, H, D]."""
+    fn = triton_paged_prefill_attention if uses_triton(q) else naive_paged_prefill_attention
+    return fn(q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, scale, max_seqlen_q)
+
+
+def quant_matmul(
+    x: torch.Tensor, qw: QuantWeight, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """y = x @ W.T (+ bias) with W held quantized (quant_matmul.QuantWeight [N, K], from
+    pack_gguf or quantize): x [M, K] bf16/fp16/fp32, bias [N] | None -> [M, N] in x.dtype."""
+    fn = triton_quant_matmul if uses_triton(x) else naive_quant_matmul
+    return fn(x, qw, bias)
+
+
+def quant_fused_moe(
+    x: torch.Tensor,
+    w13: QuantWeight,
+    w2: QuantWeight,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+) -> torch.Tensor:
+    """fused_moe with every expert's weights stacked in one QuantWeight each: x [T, H],
+    w13 [E*2I, H], w2 [E*H, I], topk_weights, topk_ids [T, k] -> [T, H] in x.dtype."""
+    fn = triton_quant_fused_moe if uses_triton(x) else naive_quant_fused_moe
+    return fn(x, w13, w2, topk_weights, topk_ids)
+
+
+def rms_norm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    residual: torch.Tensor | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """RMSNorm in fp32 (HF's rounding): x [..., D], weight [D] -> out [..., D]; with a
+    residual (as x): new_residual = x + residual, normalised -> (out, new_residual)."""
+    fn = triton_rms_norm if uses_triton(x) else naive_rms_norm
+    return fn(x, weight, eps, residual)
+
+
+def rotary(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate-half rotary over each head's first R dims: q [T, Hq, D], k [T, Hk, D]; cos,
+    signed_sin [T, 1, R] (R <= D even, the sign folded into sin) -> new (q, k)."""
+    fn = triton_rotary if uses_triton(q) else naive_rotary
+    return fn(q, k, cos, signed_sin)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """SwiGLU's activation: x [..., 2I] (gate | up) -> silu(gate) * up [..., I]."""
+    fn = triton_silu_and_mul if uses_triton(x) else naive_silu_and_mul
+    return fn(x)
+
+
+def apply_penalties(
+    logits: torch.Tensor,
+    rows: torch.Tensor,
+    tokens: torch.Tensor,
+    num_output: int,
+    repetition: torch.Tensor,
+    frequency: torch.Tensor,
+    presence: torch.Tensor,
+) -> None:
+    """Repetition (over prompt and output), frequency and presence (over output) penalties,
+    in place on logits [N, V] fp32: rows, tokens [P] int (row, token id) pairs, the first
+    num_output (a host int) the output tokens; repetition, frequency, presence [N] fp32."""
+    fn = triton_apply_penalties if uses_triton(logits) else naive_apply_penalties
+    fn(logits, rows, tokens, num_output, repetition, frequency, presence)
+
+
+def sample(
+    logits: torch.Tensor,
+    noise: torch.Tensor,
+    temperature: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    min_p: torch.Tensor,
+) -> torch.Tensor:
+    """One token per row: logits, noise (Exp(1) draws) [N, V] fp32; temperature, top_p,
+    min_p [N] fp32, top_k [N] int (0: off) -> [N] int64; temperature 0 or top_k 1 is greedy,
+    else argmax(prob / noise) over the tokens top-k, top-p and min-p keep. The Triton path
+    does not sort and does not sync with the host."""
+    fn = triton_sample if uses_triton(logits) else naive_sample
+    return fn(logits, noise, temperature, top_k, top_p, min_p)
+
+
 __all__ = [
     "BACKENDS",
     "HAS_TRITON",
+    "QUANT_KINDS",
+    "QuantWeight",
+    "apply_penalties",
     "backend",
     "causal_conv1d",
     "causal_conv1d_update",
+    "check_shape",
     "chunk_gated_delta_rule",
     "fused_moe",
     "fused_recurrent_gated_delta_rule",
     "gdn_gating",
+    "make_gguf_blocks",
     "moe_by_expert",
+    "pack_gguf",
+    "paged_decode_attention",
+    "paged_prefill_attention",
+    "quant_fused_moe",
+    "quant_matmul",
+    "quantize",
+    "rms_norm",
+    "rotary",
+    "sample",
     "set_backend",
+    "silu_and_mul",
+    "unsupported_reason",
     "uses_triton",
 ]
