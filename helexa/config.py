@@ -73,7 +73,7 @@ Device = Annotated[
 ]
 DType = Literal["auto", "float32", "bfloat16", "float16"]
 DTYPES: tuple[str, ...] = get_args(DType)  # the one list: config, loads and the console
-InSituQuant = Literal["int8", "int4"]
+InSituQuant = Literal["int8", "int4", "fp8"]
 IN_SITU_QUANTS: tuple[str, ...] = get_args(InSituQuant)
 
 
@@ -166,9 +166,11 @@ class EngineConfig:
     num_threads: PositiveInt | None = None
     seed: int = 0
     enable_prefix_caching: bool = True
-    # Which kernels run Gated DeltaNet and MoE layers: "auto" (Triton on CUDA, plain torch
-    # on CPU), "naive" (always plain torch: A/B checks), "triton" (always Triton).
+    # Which kernels run the model: "auto" (Triton on CUDA, plain torch on CPU), "naive"
+    # (always plain torch: A/B checks), "triton" (always Triton).
     kernels: Literal["auto", "naive", "triton"] = "auto"
+    # CUDA: capture one CUDA graph per decode batch-size bucket at load and replay it.
+    cuda_graphs: bool = True
     # Hybrid (Gated DeltaNet) models: recurrent-state snapshots kept for the prefix cache.
     max_prefix_snapshots: NonNegativeInt = 8
     cpu_dense_copy: bool = True

@@ -203,6 +203,10 @@ class LLMEngine:
             block_size=args.block_size,
             num_state_slots=num_state_slots,
         )
+        if args.cuda_graphs and device.type == "cuda":
+            self.runner.capture_graphs(max_num_seqs, self.max_model_len)
+        elif device.type == "cuda":
+            self.runner.graphs_off_reason = "[engine] cuda_graphs = false"
         self._seqs: dict[str, Sequence] = {}
 
     def _kv_budget_bytes(self, device: torch.device) -> int:

@@ -9,6 +9,8 @@ import math
 
 import torch
 
+from helexa import kernels
+from helexa.engine.cuda_graph import DecodeGraphs, capture_decode_graphs
 from helexa.engine.layers.attention import AttentionContext, PrefillSegment
 from helexa.engine.layers.linear import PREFILL_STEP
 from helexa.engine.layers.sampler import Sampler
@@ -47,17 +49,32 @@ class ModelRunner:
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.sampler = Sampler()
+        # the whole model's kernels are Triton (CUDA, or `kernels = "triton"`) or plain torch
+        self.use_triton = kernels.uses_triton(torch.empty(0, device=device))
+        self.graphs: DecodeGraphs | None = None  # set by capture_graphs()
         self.attention_layers = model.attention_layers
         self.recurrent_layers = recurrent_layers(model)
+        # One block and one state row past what the managers hand out: where the padding
+        # rows of a CUDA-graph batch write, so that they never touch a sequence's.
+        self.scratch_block = num_blocks
+        self.scratch_state_slot = num_state_slots
         for attn in self.attention_layers:
-            shape = (num_blocks, block_size, attn.num_kv_heads, attn.head_dim)
+            shape = (num_blocks + 1, block_size, attn.num_kv_heads, attn.head_dim)
             attn.k_cache = torch.zeros(shape, dtype=dtype, device=device)
             attn.v_cache = torch.zeros(shape, dtype=dtype, device=device)
+        rows = num_state_slots + 1
         for layer in self.recurrent_layers:
             conv, ssm = layer.state_shapes()
-            layer.conv_state = torch.zeros(num_state_slots, *conv, dtype=dtype, device=device)
+            layer.conv_state = torch.zeros(rows, *conv, dtype=dtype, device=device)
             # the delta-rule state accumulates over the whole context: kept in float32
-            layer.ssm_state = torch.zeros(num_state_slots, *ssm, dtype=torch.float32, device=device)
+            layer.ssm_state = torch.zeros(rows, *ssm, dtype=torch.float32, device=device)
+        self.graphs_off_reason: str | None = "not captured"
+
+    def capture_graphs(self, max_num_seqs: int, max_model_len: int) -> None:
+        """Capture the decode CUDA graphs (or record why not, in graphs_off_reason)."""
+        self.graphs, self.graphs_off_reason = capture_decode_graphs(
+            self, max_num_seqs, max_model_len
+        )
 
     @staticmethod
     def kv_bytes_per_token(model: torch.nn.Module, dtype: torch.dtype) -> int:
@@ -78,16 +95,15 @@ class ModelRunner:
         """Copy state rows (and KV blocks) as the scheduler asked: snapshots in and out."""
         if not copies:
             return
-        dev = self.device
-        src = torch.tensor([c.src_slot for c in copies], device=dev)
-        dst = torch.tensor([c.dst_slot for c in copies], device=dev)
+        src = self.tensor([c.src_slot for c in copies])
+        dst = self.tensor([c.dst_slot for c in copies])
         for layer in self.recurrent_layers:
             layer.conv_state.index_copy_(0, dst, layer.conv_state[src])
             layer.ssm_state.index_copy_(0, dst, layer.ssm_state[src])
         blocks = [(c.src_block, c.dst_block) for c in copies if c.src_block is not None]
         if blocks:
-            bsrc = torch.tensor([b[0] for b in blocks], device=dev)
-            bdst = torch.tensor([b[1] for b in blocks], device=dev)
+            bsrc = self.tensor([b[0] for b in blocks])
+            bdst = self.tensor([b[1] for b in blocks])
             for attn in self.attention_layers:
                 attn.k_cache.index_copy_(0, bdst, attn.k_cache[bsrc])
                 attn.v_cache.index_copy_(0, bdst, attn.v_cache[bsrc])
@@ -96,6 +112,14 @@ class ModelRunner:
         """Cache slots of positions [start, end) of `seq`."""
         bs, table = self.block_size, seq.block_table
         return [table[p // bs] * bs + p % bs for p in range(start, end)]
+
+    def tensor(self, values: list, dtype: torch.dtype = torch.long) -> torch.Tensor:
+        """A host list on the device. On CUDA through pinned memory and a non-blocking copy:
+        `torch.tensor(values, device=cuda)` would wait for the stream (a host sync)."""
+        if self.device.type != "cuda":
+            return torch.tensor(values, dtype=dtype, device=self.device)
+        host = torch.tensor(values, dtype=dtype, pin_memory=True)
+        return host.to(self.device, non_blocking=True)
 
     def prepare(
         self, batch: ScheduledBatch
@@ -110,37 +134,35 @@ class ModelRunner:
         decode_seqs: list[Sequence] = []
         sample_rows: list[int] = []
         sample_seqs: list[int] = []
-        dev = self.device
         row = 0
         for i, seq in enumerate(batch.seqs):
             n = batch.num_new_tokens[i]
             start = seq.num_computed_tokens
             ids.extend(seq.token_ids[start : start + n])
             positions.extend(range(start, start + n))
+            slots.extend(self._slots(seq, start, start + n))
             if n == 1 and start > 0:
                 decode_rows.append(row)
                 decode_seqs.append(seq)
-                slots.extend(self._slots(seq, start, start + 1))
             else:
-                context = self._slots(seq, 0, start + n)
-                slots.extend(context[start:])
-                seg = PrefillSegment(row, row + n, None, state_slot=seq.state_slot)
-                if start:
-                    seg.context_slots = torch.tensor(context, dtype=torch.long, device=dev)
+                seg = PrefillSegment(row, row + n, None, state_slot=seq.state_slot, cached=start)
+                if start and not self.use_triton:
+                    context = self._slots(seq, 0, start + n)
+                    seg.context_slots = self.tensor(context)
                     span = start + n
-                    seg.mask = torch.ones(n, span, dtype=torch.bool, device=dev).tril(span - n)
+                    seg.mask = torch.ones(n, span, dtype=torch.bool).tril(span - n)
+                    seg.mask = seg.mask.to(self.device, non_blocking=True)
                 prefills.append(seg)
             row += n
             if batch.samples(i):
                 sample_rows.append(row - 1)
                 sample_seqs.append(i)
 
-        input_ids = torch.tensor(ids, dtype=torch.long, device=dev)
-        pos = torch.tensor(positions, dtype=torch.long, device=dev)
-        rotary = getattr(self.model, "rotary", None)
-        cos, sin = rotary.lookup(pos, self.dtype) if rotary is not None else (None, None)
+        input_ids = self.tensor(ids)
+        pos = self.tensor(positions)
+        cos, sin = self.rotary_tables(pos)
         ctx = AttentionContext(
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
+            slot_mapping=self.tensor(slots),
             cos=cos,
             sin=sin,
             prefills=prefills,
@@ -148,34 +170,56 @@ class ModelRunner:
             decode_blocks=None,
             decode_mask=None,
         )
+        if self.use_triton:
+            self._prepare_paged(ctx, batch, decode_only=not prefills)
         if decode_seqs:
             self._prepare_decode(ctx, decode_rows, decode_seqs, all_decode=not prefills)
         return input_ids, pos, ctx, sample_rows, sample_seqs
 
+    def rotary_tables(self, positions: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        """cos, sin [num_tokens, 1, rotary_dim] for the positions (None without rotary)."""
+        rotary = getattr(self.model, "rotary", None)
+        return rotary.lookup(positions, self.dtype) if rotary is not None else (None, None)
+
+    def _prepare_paged(self, ctx: AttentionContext, batch: ScheduledBatch, decode_only: bool):
+        """Block tables and lengths of every sequence of the step, for the Triton kernels."""
+        news = batch.num_new_tokens
+        lengths = [s.num_computed_tokens + n for s, n in zip(batch.seqs, news, strict=True)]
+        width = max(-(-n // self.block_size) for n in lengths)
+        tables = []
+        for seq in batch.seqs:
+            t = seq.block_table[:width]
+            tables.append(t + [0] * (width - len(t)))
+        ctx.context_lens = self.tensor(lengths, torch.int32)
+        ctx.block_tables = self.tensor(tables, torch.int32)
+        if not decode_only:
+            cu = [0]
+            for n in news:
+                cu.append(cu[-1] + n)
+            ctx.cu_seqlens_q = self.tensor(cu, torch.int32)
+            ctx.max_seqlen_q = max(news)
+
     def _prepare_decode(
         self, ctx: AttentionContext, rows: list[int], seqs: list[Sequence], all_decode: bool
     ) -> None:
+        ctx.decode_rows = self.tensor(rows)
+        ctx.all_decode = all_decode
+        if self.recurrent_layers:
+            ctx.decode_state_slots = self.tensor([s.state_slot for s in seqs])
+        if self.use_triton:
+            return  # attention reads ctx.block_tables / context_lens
         bs = self.block_size
         lengths = [s.num_computed_tokens + 1 for s in seqs]
         max_blocks = -(-max(lengths) // bs)
         table = [s.block_table[:max_blocks] for s in seqs]
-        dev = self.device
-        ctx.decode_blocks = torch.tensor(
-            [t + [0] * (max_blocks - len(t)) for t in table], dtype=torch.long, device=dev
-        )
+        ctx.decode_blocks = self.tensor([t + [0] * (max_blocks - len(t)) for t in table])
         span = max_blocks * bs
         if any(n != span for n in lengths):
             pos = torch.arange(span)
             visible = pos.unsqueeze(0) < torch.tensor(lengths).unsqueeze(1)
             # additive float mask: SDPA would convert a bool one again in every layer
             mask = torch.zeros(visible.shape, dtype=self.dtype).masked_fill_(~visible, -torch.inf)
-            ctx.decode_mask = mask[:, None, None, :].to(dev)
-        ctx.decode_rows = torch.tensor(rows, dtype=torch.long, device=dev)
-        ctx.all_decode = all_decode
-        if self.recurrent_layers:
-            ctx.decode_state_slots = torch.tensor(
-                [s.state_slot for s in seqs], dtype=torch.long, device=dev
-            )
+            ctx.decode_mask = mask[:, None, None, :].to(self.device, non_blocking=True)
 
     @torch.inference_mode()
     def run(
@@ -185,27 +229,38 @@ class ModelRunner:
 
         Returns tokens and logprobs by batch index, and the sequences that failed alone
         (non-finite logits in their row only, or their sampling raised) with the error.
-        A failure of the forward pass, or non-finite logits in every row, raises."""
-        input_ids, positions, ctx, sample_rows, sample_seqs = self.prepare(batch)
+        A failure of the forward pass, or non-finite logits in every row, raises.
+
+        A decode step on CUDA reads nothing back from the device but its sampled tokens
+        (with each row's finiteness, in the same copy)."""
         has_prompt = any(s.num_computed_tokens < s.num_prompt_tokens for s in batch.seqs)
         self.copy_states(batch.restores)
-        token = PREFILL_STEP.set(has_prompt)
-        try:
-            hidden = self.model(input_ids, positions, ctx)
-        finally:
-            PREFILL_STEP.reset(token)
+        hidden = self.graphs.run(self, batch) if self.graphs is not None else None
+        if hidden is None:
+            input_ids, positions, ctx, sample_rows, sample_seqs = self.prepare(batch)
+            token = PREFILL_STEP.set(has_prompt)
+            try:
+                hidden = self.model(input_ids, positions, ctx)
+            finally:
+                PREFILL_STEP.reset(token)
+        else:  # a replayed graph: every sequence decodes and samples, in order
+            sample_seqs = list(range(len(batch.seqs)))
+            sample_rows = sample_seqs
         self.copy_states(batch.snapshots)
         out: list[int | None] = [None] * len(batch.seqs)
         errors: dict[int, Exception] = {}
         if not sample_seqs:
             return out, None, errors
         sampling = [batch.seqs[i] for i in sample_seqs]
-        logits = self.model.compute_logits(hidden[sample_rows], sampling)
+        rows = hidden[: len(sample_rows)] if sample_rows is sample_seqs else hidden[sample_rows]
+        logits = self.model.compute_logits(rows, sampling)
         if any(s.params.debug_fault == "nonfinite" for s in sampling):
             for j, s in enumerate(sampling):
                 if s.params.debug_fault == "nonfinite":
                     logits[j] = torch.nan
-        finite = logits.isfinite().all(-1).tolist()
+        finite_rows = logits.isfinite().all(-1)
+        tokens = self._sample_fast(logits, sampling, finite_rows)
+        finite = tokens[1] if tokens is not None else finite_rows.tolist()
         if not any(finite):  # a lone sequence, or all of them: the device, not a request
             bad = [s.request_id for s in sampling]
             raise NonFiniteLogitsError(f"non-finite logits for requests {bad}")
@@ -216,6 +271,12 @@ class ModelRunner:
                         f"non-finite logits for request {sampling[j].request_id} "
                         "while its batch-mates' were finite"
                     )
+        if tokens is not None:  # rows sample independently: the finite rows' tokens stand
+            for j, i in enumerate(sample_seqs):
+                if finite[j]:
+                    out[i] = tokens[0][j]
+            return out, None, errors
+        if not all(finite):
             keep = [j for j, ok in enumerate(finite) if ok]
             logits = logits[keep]
             sampling = [sampling[j] for j in keep]
@@ -230,6 +291,24 @@ class ModelRunner:
             if lps is not None:
                 out_lps[i] = lps[j]
         return out, (out_lps if lps is not None else None), errors
+
+    def _sample_fast(
+        self, logits: torch.Tensor, seqs: list[Sequence], finite: torch.Tensor
+    ) -> tuple[list[int], list[bool]] | None:
+        """Tokens and row finiteness in one device-to-host copy, when no row wants logprobs
+        and sampling the whole batch at once succeeds; else None (the careful path runs)."""
+        if any(s.params.logprobs is not None for s in seqs):
+            return None
+        states = [s.generator.get_state() if s.generator is not None else None for s in seqs]
+        try:
+            tokens = self.sampler.sample(logits, seqs)
+            host = torch.stack((tokens, finite.to(tokens.dtype))).tolist()
+        except Exception:
+            for seq, state in zip(seqs, states, strict=True):
+                if state is not None:
+                    seq.generator.set_state(state)
+            return None
+        return host[0], [bool(f) for f in host[1]]
 
     def _sample(
         self, logits: torch.Tensor, seqs: list[Sequence]

@@ -68,7 +68,7 @@ def _inject(monkeypatch, llm: LLM, fault: str) -> None:
     """Make the victim's sampling, its row of logits or its detokenizer fail, mid-batch."""
     victim = f"r{VICTIM}"
     if fault == "sampler":  # after the real sampler has drawn every row's noise
-        sample = Sampler.__call__
+        sample = Sampler.sample  # what the runner and Sampler.__call__ both call
 
         def failing_sample(self, logits, seqs):
             out = sample(self, logits, seqs)
@@ -76,7 +76,7 @@ def _inject(monkeypatch, llm: LLM, fault: str) -> None:
                 raise InjectedError("sampler")
             return out
 
-        monkeypatch.setattr(Sampler, "__call__", failing_sample)
+        monkeypatch.setattr(Sampler, "sample", failing_sample)
     elif fault == "nonfinite":
         model = llm.engine.runner.model
         compute_logits = model.compute_logits

@@ -1,8 +1,15 @@
-"""Attention over the paged KV cache (pure torch; the CPU path and the reference).
+"""Attention over the paged KV cache.
 
 Each layer owns k/v caches shaped [num_blocks, block_size, num_kv_heads, head_dim].
-New tokens' K/V are written to their slots, then prefill segments attend causally
-over their whole context and decode rows attend, batched, over theirs.
+New tokens' K/V are written to their slots, then each token attends causally over its
+sequence's context. Two paths, chosen by the model runner for the whole step:
+
+- Triton kernels (CUDA; `kernels.paged_decode_attention` / `paged_prefill_attention`): the
+  context is read through block tables, never gathered. A decode-only step is one decode
+  call (CUDA-graph safe); any other step is one varlen prefill call over every sequence,
+  decode rows included as one-token chunks.
+- Plain torch (CPU, and the reference): prefill segments gather their context and run
+  SDPA; decode rows gather whole blocks and run one batched SDPA.
 """
 
 from __future__ import annotations
@@ -13,6 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from helexa import kernels
+
 
 @dataclass(slots=True)
 class PrefillSegment:
@@ -21,11 +30,12 @@ class PrefillSegment:
     start: int
     end: int
     # Slots of the whole context (cached prefix + this chunk), or None when the chunk is
-    # the entire context so far and K/V can be used as computed.
+    # the entire context so far and K/V can be used as computed (torch path only).
     context_slots: torch.Tensor | None
     # For a later chunk: query i sees keys up to span - length + i (built once per step).
     mask: torch.Tensor | None = None
     state_slot: int = -1  # hybrid models: the sequence's row in the recurrent-state pools
+    cached: int = 0  # tokens of the sequence before this chunk (0: the chunk starts it)
 
 
 @dataclass(slots=True)
@@ -44,6 +54,13 @@ class AttentionContext:
     all_decode: bool = False  # every row is a decode row, in order
     # hybrid models: [num_decode] the decode rows' rows in the recurrent-state pools
     decode_state_slots: torch.Tensor | None = None
+    # Triton path: every sequence of the step, in batch order. `context_lens` [B] int32 are
+    # tokens after this step; `block_tables` [B, max_blocks] int32. `cu_seqlens_q` [B+1] int32
+    # (new tokens per sequence, as offsets) is None on a decode-only step.
+    context_lens: torch.Tensor | None = None
+    block_tables: torch.Tensor | None = None
+    cu_seqlens_q: torch.Tensor | None = None
+    max_seqlen_q: int = 1
 
 
 class PagedAttention(nn.Module):
@@ -67,6 +84,21 @@ class PagedAttention(nn.Module):
         v_flat = self.v_cache.view(-1, kvh, d)
         k_flat.index_copy_(0, ctx.slot_mapping, k)
         v_flat.index_copy_(0, ctx.slot_mapping, v)
+        if ctx.context_lens is not None:
+            if ctx.cu_seqlens_q is None:
+                return kernels.paged_decode_attention(
+                    q, self.k_cache, self.v_cache, ctx.block_tables, ctx.context_lens, self.scale
+                )
+            return kernels.paged_prefill_attention(
+                q,
+                self.k_cache,
+                self.v_cache,
+                ctx.cu_seqlens_q,
+                ctx.context_lens,
+                ctx.block_tables,
+                self.scale,
+                ctx.max_seqlen_q,
+            )
         out = q.new_empty(q.shape)
 
         for seg in ctx.prefills:

@@ -130,7 +130,7 @@ class GatedDeltaNet(nn.Module):
 
         for seg in ctx.prefills:
             s, rows = seg.state_slot, slice(seg.start, seg.end)
-            fresh = seg.context_slots is None  # the chunk starts at position 0
+            fresh = seg.cached == 0  # the chunk starts at position 0
             conv0 = None if fresh else self.conv_state[s]
             mixed, conv_end = kernels.causal_conv1d(qkv[rows], self.conv_weight, None, conv0)
             self.conv_state[s] = conv_end
