@@ -16,6 +16,7 @@ import torch
 
 from helexa.config import Config
 from helexa.engine import AsyncLLM, EngineArgs, LLMEngine
+from helexa.engine.layers.linear import UnsupportedQuantError
 from helexa.engine.loader.load import ModelNotFoundError
 from helexa.engine.models import UnsupportedModelError
 from helexa.errors import model_not_found, service_unavailable
@@ -106,6 +107,8 @@ class ModelRegistry:
             raise LoadError("model_not_found", model_id, str(e), not_found_hint(model_id)) from e
         except UnsupportedModelError as e:
             raise LoadError("unsupported_architecture", model_id, str(e)) from e
+        except UnsupportedQuantError as e:
+            raise LoadError("unsupported_quant", model_id, str(e), e.suggestion) from e
         except (MemoryError, torch.OutOfMemoryError) as e:
             raise LoadError(
                 "insufficient_vram",

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from helexa.engine import AsyncLLM, LLMEngine
+from helexa.kernels import QuantWeight
 from helexa.node.admission import Admission
 from helexa.node.loading import GGUF_QUANTS, LoadOptions
 from helexa.protocol.reasoning import ReasoningMarkers
@@ -102,11 +103,14 @@ class ServedModel:
 
 
 def model_memory_mb(model: torch.nn.Module) -> int:
-    """Weights (packed, dense copies), KV pool and buffers: every tensor the model's
-    modules hold, as parameters or as plain attributes, each storage counted once."""
+    """Weights (packed, dense copies, quantized on a GPU), KV pool and buffers: every tensor
+    the model's modules hold, as parameters or as plain attributes, each storage counted once."""
     storages: dict[int, int] = {}
     for module in model.modules():
-        attrs = (v for v in vars(module).values() if isinstance(v, torch.Tensor))
+        attrs = [v for v in vars(module).values() if isinstance(v, torch.Tensor)]
+        for v in vars(module).values():
+            if isinstance(v, QuantWeight):
+                attrs.extend(v.tensors)
         for t in (*module.parameters(recurse=False), *module.buffers(recurse=False), *attrs):
             storage = t.untyped_storage()
             storages[storage.data_ptr()] = storage.nbytes()

@@ -215,7 +215,7 @@ def test_concurrent_loads_of_one_model_load_it_once(mgmt_node, model_dirs):
     mgmt_node.post("/models/unload", {"model_id": other})
 
 
-def test_an_impossible_load_is_a_422_naming_the_problem(mgmt_node, tmp_path):
+def test_an_impossible_load_is_a_422_naming_the_problem(mgmt_node, tmp_path, model_dirs):
     missing = mgmt_node.post("/models/load", {"model_id": str(tmp_path / "nothing")})
     assert missing.status_code == 422
     assert missing.json()["error"]["kind"] == "model_not_found"
@@ -225,6 +225,10 @@ def test_an_impossible_load_is_a_422_naming_the_problem(mgmt_node, tmp_path):
     assert "Q8_0" in err["suggestion"] and err["model_id"] == "org/x-GGUF"
     tp = mgmt_node.post("/models/load", {"model_id": "org/x", "tensor_parallel": 2})
     assert tp.json()["error"]["kind"] == "tensor_parallel_unsupported"
+    # fp8 has kernels on CUDA only: a CPU node refuses it rather than widening to float
+    fp8 = mgmt_node.post("/models/load", {"model_id": str(model_dirs["tiny2"]), "quant": "fp8"})
+    assert fp8.status_code == 422 and fp8.json()["error"]["kind"] == "unsupported_quant"
+    assert "CUDA" in fp8.json()["error"]["message"]
     typed = mgmt_node.post("/models/load", {"model_id": 5})
     assert typed.status_code == 400 and typed.json()["error"]["param"] == "model_id"
     assert mgmt_node.post("/models/unload", {"model_id": "never/loaded"}).status_code == 404

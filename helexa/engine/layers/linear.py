@@ -10,15 +10,22 @@ On CPU the weights stay quantized and run through torch's packed kernels:
 - quant="int8" → `_weight_int8pack_mm`, one symmetric scale per output channel. On a Q8_0
   tensor this requantizes (~1% rms error on SmolLM2's embeddings), so it is opt-in.
 
-Both kernels are vectorized only for bfloat16 (float32 takes a scalar loop 20-40x slower than
+On an accelerator (the source tensors already there) the weights stay quantized too, as a
+`kernels.QuantWeight` run through `kernels.quant_matmul` (Triton dequantize-GEMV/GEMM on
+CUDA): GGUF Q4_0, Q4_1, Q8_0, Q4_K, Q5_K and Q6_K as they are, and quant="int8", "int4" or
+"fp8" made at load. A quantization with no kernel there raises UnsupportedQuantError (a 422
+at load); nothing is widened to float behind the caller's back.
+
+Both CPU kernels are vectorized only for bfloat16 (float32 takes a scalar loop 20-40x slower than
 a float32 F.linear), so scales are held in bf16 and activations are cast to bf16 around the
 call. Rounding the f16 block scales to bf16 costs ~0.2% rms on the weights: the same as
-storing them in bf16. Everything else (other qtypes, tensors off the CPU, shapes the kernels
-reject) is dequantized to `dtype` and runs through F.linear.
+storing them in bf16. On the CPU everything else (other qtypes, shapes the kernels reject) is
+dequantized to `dtype` and runs through F.linear.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from contextvars import ContextVar
 from typing import TYPE_CHECKING
@@ -27,13 +34,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from helexa import kernels
+from helexa.kernels.quant_pack import GGUF_KINDS, QuantWeight, cat_rows, naive_dequantize
+
 if TYPE_CHECKING:
     from helexa.engine.loader.gguf import GGUFTensor
 
     # A checkpoint tensor as the loaders hand it over: torch, or GGUF still quantized.
     WeightSource = torch.Tensor | GGUFTensor
 
-QUANTS = (None, "int8", "int4")
+QUANTS = (None, "int8", "int4", "fp8")
+FLOAT_QTYPES = ("F32", "F16", "BF16")  # GGUF tensors that are plain floats
 GROUP = 32  # int4 group along in_features: one GGUF Q4_0/Q4_1/Q8_0 block
 PACK_BLOCK_N = 64  # rows the CPU int4 packing interleaves (AVX512); fuse concatenates whole ones
 PACKED_DTYPE = torch.bfloat16  # the only activation dtype the CPU packed kernels vectorize
@@ -51,12 +62,28 @@ PREFILL_STEP: ContextVar[bool] = ContextVar("PREFILL_STEP", default=False)
 _HAS_INT4 = hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu")  # torch >= 2.6
 
 
+def kernel_layout(device: torch.device) -> bool:
+    """Whether weights on `device` are held for helexa.kernels (QuantWeight, quant_matmul)
+    rather than for torch's CPU packed kernels: on every accelerator."""
+    return device.type != "cpu"
+
+
+class UnsupportedQuantError(ValueError):
+    """A weight's quantization cannot run on the device it is loaded to (a 422 at load):
+    it is refused rather than silently widened to float."""
+
+    def __init__(self, message: str, suggestion: str | None = None) -> None:
+        super().__init__(message)
+        self.suggestion = suggestion
+
+
 class Linear(nn.Module):
     """y = x @ W.T (+ b). W is [out_features, in_features] like torch/HF.
 
     `format` says how W is held: "float" (`weight` in the load dtype), "int8" (`weight` int8
     [out, in], `scales` [out]) or "int4" (`weight` packed uint8, `scales` [in/32, out, 2] of
-    (scale, zero)). A Linear made by `fuse` computes several; `split_sizes` cuts its output.
+    (scale, zero)) on the CPU, or "quant" (`qweight`, a kernels.QuantWeight) on an
+    accelerator. A Linear made by `fuse` computes several; `split_sizes` cuts its output.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
@@ -75,6 +102,7 @@ class Linear(nn.Module):
         # Optional f32 copy of a packed weight for calls with many rows (prefill, wide
         # decode batches), where a dense GEMM beats the int4 kernel (2x at 128 rows).
         self.dense: torch.Tensor | None = None
+        self.qweight: QuantWeight | None = None  # format "quant"
 
     # -- loading -------------------------------------------------------------------
     def load_weight(
@@ -97,6 +125,14 @@ class Linear(nn.Module):
         self.dtype = dtype
         raw = src if isinstance(src, torch.Tensor) else src.data
         qtype = "float" if isinstance(src, torch.Tensor) else src.qtype
+        if kernel_layout(raw.device):
+            self._load_on_device(src, raw, qtype, dtype, quant)
+            return
+        if quant == "fp8":
+            raise UnsupportedQuantError(
+                "quant 'fp8' runs on CUDA only; this model is loading on the CPU",
+                "on the CPU use quant 'int8' or 'int4'",
+            )
         as_blocks = qtype in ("Q4_0", "Q4_1") or (qtype == "Q8_0" and quant is None)
         kernel = "int4" if as_blocks else quant  # GGUF blocks map onto int4 groups as they are
         if kernel is None or raw.device.type != "cpu" or not self._can_pack(kernel):
@@ -111,6 +147,39 @@ class Linear(nn.Module):
             self._set_int4(*_quantize_int4(as_dense(src)))
         if dense_copy and self.format != "float":
             self.dense = as_dense(src).to(DENSE_DTYPE).contiguous()
+
+    def _load_on_device(
+        self,
+        src: torch.Tensor | GGUFTensor,
+        raw: torch.Tensor,
+        qtype: str,
+        dtype: torch.dtype,
+        quant: str | None,
+    ) -> None:
+        """Hold the weight quantized on the accelerator it came to, or as float if it is one
+        (a GGUF file's quantized tensors keep their own quant; `quant` applies to floats)."""
+        is_float = qtype == "float" or qtype in FLOAT_QTYPES
+        if is_float and quant is None:
+            self._set_float(as_dense(src), dtype)
+            return
+        kind = quant if is_float else qtype
+        name = getattr(src, "name", None) or "a weight"
+        shape = (self.out_features, self.in_features)
+        if not is_float and kind not in GGUF_KINDS:
+            raise UnsupportedQuantError(
+                f"{name}: GGUF {kind} has no kernel on {raw.device.type}; quantized weights "
+                f"run there as {', '.join(GGUF_KINDS)}",
+                "load a file of another quantization (e.g. Q4_K_M or Q8_0), or on the CPU",
+            )
+        reason = kernels.check_shape(kind, shape) or kernels.unsupported_reason(kind, raw.device)
+        if reason is not None:
+            raise UnsupportedQuantError(f"{name} {list(shape)} as {kind}: {reason}")
+        if is_float:
+            qw = kernels.quantize(as_dense(src), kind)
+        else:
+            qw = kernels.pack_gguf(raw, kind, shape)
+        self.format, self.k_repeat = "quant", 1
+        self.weight, self.scales, self.dense, self.qweight = None, None, None, qw
 
     def load_bias(self, b: torch.Tensor, *, dtype: torch.dtype) -> None:
         assert tuple(b.shape) == (self.out_features,), f"bias shape {tuple(b.shape)}"
@@ -148,6 +217,12 @@ class Linear(nn.Module):
             if x.dtype == w.dtype:
                 return F.linear(x, w, self.bias)
             return F.linear(x.to(w.dtype), w, self.bias).to(x.dtype)
+        if self.format == "quant":
+            h = x.reshape(-1, self.in_features)
+            if h.dtype != self.dtype:
+                h = h.to(self.dtype)
+            y = kernels.quant_matmul(h, self.qweight, self.bias)
+            return y.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
         if x.dim() != 2:
             y = self.forward(x.reshape(-1, self.in_features))
             return y.reshape(*x.shape[:-1], self.out_features)
@@ -173,6 +248,8 @@ class Linear(nn.Module):
         """The weight as float32 [out, in], whatever the storage (int4: to bf16 precision)."""
         if self.format == "float":
             return self.weight.float()
+        if self.format == "quant":
+            return naive_dequantize(self.qweight)
         if self.format == "int8":
             return self.weight.float() * self.scales.float()[:, None]
         # run the kernel on an identity: row k of the output is column k of W
@@ -185,11 +262,14 @@ class Linear(nn.Module):
     @property
     def memory_bytes(self) -> int:
         """Bytes held for the weight: the (packed) values, their scales, any dense copy."""
-        return sum(t.nbytes for t in (self.weight, self.scales, self.dense) if t is not None)
+        held = sum(t.nbytes for t in (self.weight, self.scales, self.dense) if t is not None)
+        return held + (self.qweight.nbytes if self.qweight is not None else 0)
 
     def _apply(self, fn, recurse=True):  # type: ignore[no-untyped-def]
+        if self.qweight is not None:
+            self.qweight = map_tensors(self.qweight, fn)
         # model.to(device) lands here; CPU-packed weights cannot follow onto an accelerator
-        if self.format != "float" and fn(torch.empty(0)).device.type != "cpu":
+        elif self.format != "float" and fn(torch.empty(0)).device.type != "cpu":
             self._set_float(self.dequantize(), self.dtype)
             self.dense = None
         for name in ("weight", "scales", "bias", "dense"):
@@ -212,10 +292,16 @@ def fuse(linears: Sequence[Linear]) -> Linear:
     `q, k, v = fused(x).split(fused.split_sizes, dim=-1)`.
     """
     first = linears[0]
-    layout = [(m.in_features, m.format, m.k_repeat, m.weight.dtype) for m in linears]
+    layout = [(m.in_features, m.format, m.k_repeat, _held_as(m)) for m in linears]
     if len(set(layout)) != 1:
         raise ValueError(f"cannot fuse linears held differently: {layout}")
     sizes = [m.out_features for m in linears]
+    if first.format == "quant":
+        fused = Linear(first.in_features, sum(sizes), any(m.has_bias for m in linears))
+        fused.format, fused.dtype, fused.split_sizes = "quant", first.dtype, sizes
+        fused.qweight = cat_rows([m.qweight for m in linears])
+        fused.bias = _cat_biases(linears)
+        return fused
     if first.format == "int4" and any(n % PACK_BLOCK_N for n in sizes[:-1]):
         raise ValueError(f"packed int4 fuses only {PACK_BLOCK_N}-row multiples; got {sizes}")
     fused = Linear(first.in_features, sum(sizes), any(m.has_bias for m in linears))
@@ -229,12 +315,32 @@ def fuse(linears: Sequence[Linear]) -> Linear:
         fused.scales = torch.cat(
             [m.scales for m in linears], dim=1 if first.format == "int4" else 0
         )
-    if fused.has_bias:
-        like = next(m.bias for m in linears if m.bias is not None)
-        fused.bias = torch.cat(
-            [like.new_zeros(m.out_features) if m.bias is None else m.bias for m in linears]
-        )
+    fused.bias = _cat_biases(linears)
     return fused
+
+
+def map_tensors(qw: QuantWeight, fn) -> QuantWeight:  # type: ignore[no-untyped-def]
+    """The QuantWeight with `fn` applied to each tensor it holds (a move, a row gather)."""
+    moved = {
+        f.name: fn(t)
+        for f in dataclasses.fields(qw)
+        if isinstance(t := getattr(qw, f.name), torch.Tensor)
+    }
+    return dataclasses.replace(qw, **moved)
+
+
+def _held_as(m: Linear) -> str:
+    """What a Linear's weight is, for fusing: its dtype, or its quant kind."""
+    return m.qweight.kind if m.qweight is not None else str(m.weight.dtype)
+
+
+def _cat_biases(linears: Sequence[Linear]) -> torch.Tensor | None:
+    if not any(m.has_bias for m in linears):
+        return None
+    like = next(m.bias for m in linears if m.bias is not None)
+    return torch.cat(
+        [like.new_zeros(m.out_features) if m.bias is None else m.bias for m in linears]
+    )
 
 
 # -- weight conversions ------------------------------------------------------------

@@ -19,7 +19,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from helexa import kernels
-from helexa.engine.layers.linear import Linear
+from helexa.engine.layers.linear import Linear, map_tensors
+from helexa.kernels.quant_pack import QuantWeight, cat_rows
 
 if TYPE_CHECKING:
     from helexa.engine.layers.linear import WeightSource
@@ -40,6 +41,8 @@ class Experts(nn.ModuleList):
         self.num_experts = len(experts)
         self.w13: torch.Tensor | None = None  # [E, 2I, H] once stacked
         self.w2: torch.Tensor | None = None  # [E, H, I]
+        self.qw13: QuantWeight | None = None  # [E*2I, H] quantized experts, once stacked
+        self.qw2: QuantWeight | None = None  # [E*H, I]
 
     # -- loading -------------------------------------------------------------------
     def load_stacked(
@@ -65,7 +68,12 @@ class Experts(nn.ModuleList):
 
     def _stack_if_float(self) -> None:
         linears = [lin for e in self for lin in _linears(e)]
-        if self.w13 is not None or any(lin.format != "float" for lin in linears):
+        if self.w13 is not None or self.qw13 is not None:
+            return
+        if all(lin.format == "quant" for lin in linears):
+            self._stack_quantized()
+            return
+        if any(lin.format != "float" for lin in linears):
             return
         self.w13 = torch.stack([_gate_up(e) for e in self]).contiguous()
         self.w2 = torch.stack([e.down_proj.weight for e in self]).contiguous()
@@ -73,7 +81,23 @@ class Experts(nn.ModuleList):
             for lin in _linears(e):
                 lin.weight = None
 
+    def _stack_quantized(self) -> None:
+        """Every expert's fused gate/up rows, then every down_proj, as one QuantWeight each,
+        when each set is of one kind (else the experts stay per-expert Linears)."""
+        if not all(hasattr(e, "gate_up_proj") for e in self):
+            return
+        gate_up = [e.gate_up_proj.qweight for e in self]
+        down = [e.down_proj.qweight for e in self]
+        if len({w.kind for w in gate_up}) != 1 or len({w.kind for w in down}) != 1:
+            return
+        self.qw13, self.qw2 = cat_rows(gate_up), cat_rows(down)
+        for e in self:  # the stacked copies are the only ones kept
+            e.gate_up_proj.qweight = e.down_proj.qweight = None
+
     def _apply(self, fn, recurse=True):  # type: ignore[no-untyped-def]
+        for name in ("qw13", "qw2"):
+            if (w := getattr(self, name)) is not None:
+                setattr(self, name, map_tensors(w, fn))
         for name in ("w13", "w2"):
             if (t := getattr(self, name)) is not None:
                 setattr(self, name, fn(t))
@@ -86,6 +110,8 @@ class Experts(nn.ModuleList):
         # x: [T, H]; weights, ids: [T, k] -> [T, H]
         if self.w13 is not None:
             return kernels.fused_moe(x, self.w13, self.w2, weights, ids)
+        if self.qw13 is not None:
+            return kernels.quant_fused_moe(x, self.qw13, self.qw2, weights, ids)
         return kernels.moe_by_expert(
             x, weights, ids, self.num_experts, lambda e, rows: self[e].forward(rows)
         )

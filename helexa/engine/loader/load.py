@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -183,6 +183,10 @@ def load_model(
 
 
 def _to(w, device: torch.device):
+    """A checkpoint tensor on the device it will serve from. GGUF blocks move as raw bytes
+    (packed for the GPU's kernels there); on the CPU they stay memory-mapped."""
     if isinstance(w, torch.Tensor):
         return w.to(device)
-    return w
+    if device.type == "cpu":
+        return w
+    return replace(w, data=w.data.to(device))

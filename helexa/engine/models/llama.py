@@ -11,10 +11,11 @@ from torch import nn
 
 from helexa import kernels
 from helexa.engine.layers.attention import AttentionContext, PagedAttention
-from helexa.engine.layers.linear import Linear, as_dense, fuse
+from helexa.engine.layers.linear import Linear, as_dense, fuse, kernel_layout, map_tensors
 from helexa.engine.layers.norm import RMSNorm
 from helexa.engine.layers.rotary import RotaryEmbedding
 from helexa.engine.models.config import ModelConfig
+from helexa.kernels.quant_pack import GGUF_KINDS, QuantWeight, naive_dequantize
 
 if TYPE_CHECKING:
     from helexa.engine.layers.linear import WeightSource
@@ -117,18 +118,43 @@ class DecoderLayer(nn.Module):
 
 
 class Embedding(nn.Module):
+    """Token embeddings: a float table, or on an accelerator GGUF blocks kept quantized
+    (`qweight`), of which a step dequantizes only the rows it looks up."""
+
     def __init__(self, vocab_size: int, hidden_size: int) -> None:
         super().__init__()
         self.vocab_size, self.hidden_size = vocab_size, hidden_size
         self.weight: torch.Tensor | None = None
+        self.qweight: QuantWeight | None = None
+        self.dtype = torch.float32
 
     def load_weight(self, src: WeightSource, *, dtype: torch.dtype, quant: str | None = None):
-        w = as_dense(src)
-        assert tuple(w.shape) == (self.vocab_size, self.hidden_size), tuple(w.shape)
-        self.weight = w.to(dtype).contiguous()
+        shape = (self.vocab_size, self.hidden_size)
+        assert tuple(src.shape) == shape, tuple(src.shape)
+        self.dtype = dtype
+        quantized = not isinstance(src, torch.Tensor) and src.qtype in GGUF_KINDS
+        if (
+            quantized
+            and kernel_layout(src.data.device)
+            and not kernels.check_shape(src.qtype, shape)
+        ):
+            self.qweight = kernels.pack_gguf(src.data, src.qtype, shape)
+            return
+        self.weight = as_dense(src).to(dtype).contiguous()
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.weight[ids]
+        if self.qweight is None:
+            return self.weight[ids]
+        rows = map_tensors(self.qweight, lambda t: t[ids])
+        rows.out_features = ids.shape[0]
+        return naive_dequantize(rows).to(self.dtype)
+
+    def _apply(self, fn, recurse=True):  # type: ignore[no-untyped-def]
+        if self.weight is not None:
+            self.weight = fn(self.weight)
+        if self.qweight is not None:
+            self.qweight = map_tensors(self.qweight, fn)
+        return super()._apply(fn, recurse)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -228,6 +254,7 @@ class LlamaForCausalLM(nn.Module):
             if embed_src is None:
                 raise ValueError("tied embeddings but no model.embed_tokens.weight")
             self.lm_head.load_weight(embed_src, dtype=dtype, quant=quant, dense_copy=dense_copies)
+            _share_tied(self.embed_tokens, self.lm_head)
             loaded.add("lm_head.weight")
         missing = sorted(set(self._expected_weights()) - loaded)
         if missing:
@@ -249,6 +276,22 @@ class LlamaForCausalLM(nn.Module):
             elif hasattr(mod, "PARAMS"):  # a layer that loads its own tensors (load_param)
                 names.extend(f"{path}.{p}" for p in mod.PARAMS)
         return names
+
+
+def _share_tied(embed: Embedding, lm_head: Linear) -> None:
+    """A tied lm_head and the embeddings read one copy of the table when both hold it the
+    same way (quantized blocks of one kind, or floats of one dtype)."""
+    if embed.qweight is not None and lm_head.qweight is not None:
+        if embed.qweight.kind == lm_head.qweight.kind:
+            lm_head.qweight = embed.qweight
+        return
+    w = lm_head.weight
+    if embed.weight is not None and lm_head.format == "float" and _alike(w, embed.weight):
+        embed.weight = w
+
+
+def _alike(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and a.device == b.device and a.shape == b.shape
 
 
 def _fuse(module: nn.Module) -> None:
