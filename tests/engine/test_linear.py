@@ -135,10 +135,12 @@ def test_shapes_the_kernels_reject_fall_back_to_float():
     torch.testing.assert_close(loaded(src)(x), F.linear(x, ref), rtol=F32_RTOL, atol=1e-5)
 
 
-def test_weights_off_the_cpu_are_kept_float():
+def test_weights_off_the_cpu_are_quantized_for_the_kernels_not_kept_float():
     lin = loaded(torch.empty(64, 576, device="meta"), quant="int4")
-    assert lin.format == "float"
-    assert lin.weight.device.type == "meta"
+    assert lin.format == "quant" and lin.weight is None
+    assert lin.qweight.kind == "int4" and lin.qweight.device.type == "meta"
+    plain = loaded(torch.empty(64, 576, device="meta"))  # no quant asked: float as given
+    assert plain.format == "float" and plain.weight.device.type == "meta"
 
 
 def test_moving_a_packed_layer_off_the_cpu_dequantizes_it():
@@ -204,8 +206,8 @@ def test_fuse_refuses_what_it_cannot_concatenate():
 
 
 def test_unknown_quant_is_rejected():
-    with pytest.raises(ValueError, match="unknown quant 'fp8'"):
-        loaded(weight(64, 576), quant="fp8")
+    with pytest.raises(ValueError, match="unknown quant 'nf4'"):
+        loaded(weight(64, 576), quant="nf4")
 
 
 def add_dense_copy(lin: Linear) -> None:

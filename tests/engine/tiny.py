@@ -8,9 +8,12 @@ from pathlib import Path
 
 import torch
 
-FIXTURE_MODELS = (
-    Path(__file__).resolve().parents[2] / ".." / "shared" / "fixtures" / "models"
-).resolve()
+# `<repo>/../shared` beside a checkout; `<repo>/shared` (git-ignored) where only the checkout
+# travels, as to a GPU host (scripts/gpu-check).
+_REPO = Path(__file__).resolve().parents[2]
+FIXTURE_MODELS = _REPO / "shared" / "fixtures" / "models"
+if not FIXTURE_MODELS.is_dir():
+    FIXTURE_MODELS = (_REPO / ".." / "shared" / "fixtures" / "models").resolve()
 
 # Fixture config → what it exercises.
 FAMILIES = {
