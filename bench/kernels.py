@@ -47,6 +47,7 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 
+from helexa.bench.gpu import copy_bandwidth
 from helexa.kernels.activation import naive_silu_and_mul, triton_silu_and_mul
 from helexa.kernels.causal_conv1d import (
     naive_causal_conv1d,
@@ -199,28 +200,6 @@ def time_fast(case: Case, device: str, seconds: float) -> tuple[float, str]:
             torch.cuda.synchronize()
             return time_eager(case.fast, device, seconds), "*"
     return time_eager(case.fast, device, seconds), ""
-
-
-def copy_bandwidth(device: str, nbytes: int, iters: int = 20) -> float:
-    """Bytes/s a device-to-device copy moves, reads plus writes (CUDA events on CUDA)."""
-    src = torch.ones(nbytes, dtype=torch.uint8, device=device)
-    dst = torch.empty_like(src)
-    dst.copy_(src)
-    if device == "cuda":
-        torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(iters):
-            dst.copy_(src)
-        end.record()
-        end.synchronize()
-        seconds = start.elapsed_time(end) / 1e3
-    else:
-        t = time.perf_counter()
-        for _ in range(iters):
-            dst.copy_(src)
-        seconds = time.perf_counter() - t
-    return 2 * nbytes * iters / seconds
 
 
 def num_copies(rotate: int, nbytes: int) -> int:
@@ -567,7 +546,7 @@ def main(argv: list[str] | None = None) -> int:
     bandwidth = None
     if any(g in NEEDS_BANDWIDTH for g in groups):
         nbytes = COPY_BYTES[device]
-        bandwidth = copy_bandwidth(device, nbytes)
+        bandwidth = copy_bandwidth(torch.device(device), nbytes)
         print(f"copy bandwidth: {bandwidth / 1e9:,.0f} GB/s ({nbytes // MiB} MiB "
               f"device-to-device copy, read + write bytes)", flush=True)  # fmt: skip
     for group in groups:

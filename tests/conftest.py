@@ -11,11 +11,14 @@ from pathlib import Path
 import pytest
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-FIXTURES_DIR = (REPO_ROOT / ".." / "shared" / "fixtures").resolve()
 
 # transformers (the parity reference) must never reach the Hub; huggingface_hub reads this
 # at import time, so it is set before any test module imports it.
 os.environ["HF_HUB_OFFLINE"] = "1"
+
+from tests.engine.tiny import FIXTURE_MODELS  # noqa: E402  (where ../shared is found)
+
+FIXTURES_DIR = FIXTURE_MODELS.parent
 
 
 def _triton_interprets_on_cpu() -> None:
@@ -33,7 +36,8 @@ _triton_interprets_on_cpu()
 
 @pytest.fixture(scope="session")
 def fixtures_dir() -> Path:
-    """`<repo>/../shared/fixtures` (models/ holds real upstream configs and tokenizers)."""
+    """`<repo>/../shared/fixtures` or `<repo>/shared/fixtures` (models/ holds real upstream
+    configs and tokenizers)."""
     if not FIXTURES_DIR.is_dir():
         pytest.skip(f"shared fixtures not found at {FIXTURES_DIR} (expected beside the repo)")
     return FIXTURES_DIR

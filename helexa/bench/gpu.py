@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from helexa.bench.engine import HelexaSide, HFSide, _git_revision, engine_settings
+from helexa.bench.engine import HelexaSide, HFSide, Side, _git_revision, engine_settings
 from helexa.bench.random_models import (
     FORMATS,
     PRESETS,
@@ -283,12 +283,7 @@ def measure_helexa(
     out = engine.generate([prompts.warmup], greedy)[0]
     if out.finish_reason == "error":
         raise RuntimeError(f"non-finite logits from the random weights of {run.model}")
-    _progress(run, f"decode, batch 1, {plan.decode_tokens} tokens")
-    run.figures["decode@1"] = side.decode([prompts.decode], plan.decode_tokens).decode_tok_s
-    for n, ps in prompts.ttft.items():
-        _progress(run, f"TTFT, {n}-token prompt")
-        side.ttft(ps[0])
-        run.figures[f"ttft@{n}"] = statistics.median(side.ttft(p) for p in ps[1:])
+    measure_latency(run, side, plan, prompts)
     if throughput:
         _progress(run, f"throughput, {len(prompts.seqs)} sequences")
         run.figures["throughput"] = helexa_throughput(engine, prompts, device)
@@ -384,6 +379,17 @@ def run_hf(run: Run, plan: Plan, prompts: Prompts, args) -> None:
         _free(device)
 
 
+def measure_latency(run: Run, side: Side, plan: Plan, prompts: Prompts) -> None:
+    """Batch-1 decode tok/s and TTFT per prompt length (the first prompt of each a warm-up),
+    the same way for either side."""
+    _progress(run, f"decode, batch 1, {plan.decode_tokens} tokens")
+    run.figures["decode@1"] = side.decode([prompts.decode], plan.decode_tokens).decode_tok_s
+    for n, ps in prompts.ttft.items():
+        _progress(run, f"TTFT, {n}-token prompt")
+        side.ttft(ps[0])
+        run.figures[f"ttft@{n}"] = statistics.median(side.ttft(p) for p in ps[1:])
+
+
 def measure_hf(
     run: Run,
     model: torch.nn.Module,
@@ -400,12 +406,7 @@ def measure_hf(
         run.settings["experts_implementation"] = experts
     side = HFRandomSide(model, device, model_cfg["eos_token_id"])
     side.decode([prompts.warmup], 8)
-    _progress(run, f"decode, batch 1, {plan.decode_tokens} tokens")
-    run.figures["decode@1"] = side.decode([prompts.decode], plan.decode_tokens).decode_tok_s
-    for n, ps in prompts.ttft.items():
-        _progress(run, f"TTFT, {n}-token prompt")
-        side.ttft(ps[0])
-        run.figures[f"ttft@{n}"] = statistics.median(side.ttft(p) for p in ps[1:])
+    measure_latency(run, side, plan, prompts)
     if run.model in THROUGHPUT_MODELS:
         batch = batch or hf_batch_size(model_cfg, plan, device)
         run.settings["batch"] = batch

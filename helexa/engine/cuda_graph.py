@@ -24,6 +24,7 @@ from helexa.engine.layers.attention import AttentionContext
 
 if TYPE_CHECKING:
     from helexa.engine.scheduler import ScheduledBatch
+    from helexa.engine.sequence import Sequence
 
 log = logging.getLogger(__name__)
 MAX_GRAPH_BATCH = 512
@@ -48,6 +49,10 @@ class ModelRunner(Protocol):
     recurrent_layers: list
 
     def rotary_tables(self, positions: torch.Tensor) -> tuple[torch.Tensor | None, ...]: ...
+
+    def slots(self, seq: Sequence, start: int, end: int) -> list[int]: ...
+
+    def block_tables(self, seqs: list[Sequence], width: int) -> list[list[int]]: ...
 
 
 class DecodeGraphs:
@@ -120,19 +125,16 @@ class DecodeGraphs:
         n = len(batch.seqs)
         bs = next(b for b in self.buckets if b >= n)
         pad = bs - n
-        block = runner.block_size
-        ids, positions, slots, lengths, states, tables = [], [], [], [], [], []
+        ids, positions, slots, lengths, states = [], [], [], [], []
         for seq in batch.seqs:
             p = seq.num_computed_tokens
             ids.append(seq.token_ids[p])
             positions.append(p)
-            slots.append(seq.block_table[p // block] * block + p % block)
+            slots.extend(runner.slots(seq, p, p + 1))
             lengths.append(p + 1)
             states.append(seq.state_slot)
-        cols = -(-max(lengths) // block)
-        for seq in batch.seqs:
-            t = seq.block_table[:cols]
-            tables.append(t + [0] * (cols - len(t)))
+        cols = -(-max(lengths) // runner.block_size)
+        tables = runner.block_tables(batch.seqs, cols)
         host = torch.tensor(
             [
                 ids + [0] * pad,
@@ -159,9 +161,7 @@ class DecodeGraphs:
 def capture_decode_graphs(
     runner: ModelRunner, max_num_seqs: int, max_model_len: int
 ) -> tuple[DecodeGraphs | None, str | None]:
-    """Graphs for `runner`, or None and the reason they cannot be used (logged)."""
-    if runner.device.type != "cuda":
-        return None, "CUDA graphs need a CUDA device"
+    """Graphs for `runner` on a CUDA device, or None and the reason they cannot be used."""
     if not runner.use_triton:
         return None, "CUDA graphs need the Triton kernels (kernels = 'naive' is set)"
     graphs = DecodeGraphs(runner, max_num_seqs, max_model_len)

@@ -71,7 +71,8 @@ class ModelRunner:
         self.graphs_off_reason: str | None = "not captured"
 
     def capture_graphs(self, max_num_seqs: int, max_model_len: int) -> None:
-        """Capture the decode CUDA graphs (or record why not, in graphs_off_reason)."""
+        """Capture the decode CUDA graphs on a CUDA device (or record why not, in
+        graphs_off_reason)."""
         self.graphs, self.graphs_off_reason = capture_decode_graphs(
             self, max_num_seqs, max_model_len
         )
@@ -108,10 +109,15 @@ class ModelRunner:
                 attn.k_cache.index_copy_(0, bdst, attn.k_cache[bsrc])
                 attn.v_cache.index_copy_(0, bdst, attn.v_cache[bsrc])
 
-    def _slots(self, seq: Sequence, start: int, end: int) -> list[int]:
+    def slots(self, seq: Sequence, start: int, end: int) -> list[int]:
         """Cache slots of positions [start, end) of `seq`."""
         bs, table = self.block_size, seq.block_table
         return [table[p // bs] * bs + p % bs for p in range(start, end)]
+
+    @staticmethod
+    def block_tables(seqs: list[Sequence], width: int) -> list[list[int]]:
+        """Each sequence's first `width` blocks, padded with block 0 (read by no one)."""
+        return [t + [0] * (width - len(t)) for t in (s.block_table[:width] for s in seqs)]
 
     def tensor(self, values: list, dtype: torch.dtype = torch.long) -> torch.Tensor:
         """A host list on the device. On CUDA through pinned memory and a non-blocking copy:
@@ -140,14 +146,14 @@ class ModelRunner:
             start = seq.num_computed_tokens
             ids.extend(seq.token_ids[start : start + n])
             positions.extend(range(start, start + n))
-            slots.extend(self._slots(seq, start, start + n))
+            slots.extend(self.slots(seq, start, start + n))
             if n == 1 and start > 0:
                 decode_rows.append(row)
                 decode_seqs.append(seq)
             else:
                 seg = PrefillSegment(row, row + n, None, state_slot=seq.state_slot, cached=start)
                 if start and not self.use_triton:
-                    context = self._slots(seq, 0, start + n)
+                    context = self.slots(seq, 0, start + n)
                     seg.context_slots = self.tensor(context)
                     span = start + n
                     seg.mask = torch.ones(n, span, dtype=torch.bool).tril(span - n)
@@ -186,12 +192,8 @@ class ModelRunner:
         news = batch.num_new_tokens
         lengths = [s.num_computed_tokens + n for s, n in zip(batch.seqs, news, strict=True)]
         width = max(-(-n // self.block_size) for n in lengths)
-        tables = []
-        for seq in batch.seqs:
-            t = seq.block_table[:width]
-            tables.append(t + [0] * (width - len(t)))
         ctx.context_lens = self.tensor(lengths, torch.int32)
-        ctx.block_tables = self.tensor(tables, torch.int32)
+        ctx.block_tables = self.tensor(self.block_tables(batch.seqs, width), torch.int32)
         if not decode_only:
             cu = [0]
             for n in news:
@@ -211,8 +213,7 @@ class ModelRunner:
         bs = self.block_size
         lengths = [s.num_computed_tokens + 1 for s in seqs]
         max_blocks = -(-max(lengths) // bs)
-        table = [s.block_table[:max_blocks] for s in seqs]
-        ctx.decode_blocks = self.tensor([t + [0] * (max_blocks - len(t)) for t in table])
+        ctx.decode_blocks = self.tensor(self.block_tables(seqs, max_blocks))
         span = max_blocks * bs
         if any(n != span for n in lengths):
             pos = torch.arange(span)
@@ -259,7 +260,10 @@ class ModelRunner:
                 if s.params.debug_fault == "nonfinite":
                     logits[j] = torch.nan
         finite_rows = logits.isfinite().all(-1)
-        tokens = self._sample_fast(logits, sampling, finite_rows)
+        # seeded rows' generators as they were, for a retry row by row after a failed attempt
+        states = [q.generator.get_state() if q.generator is not None else None for q in sampling]
+        wants_logprobs = any(q.params.logprobs is not None for q in sampling)
+        tokens = None if wants_logprobs else self._sample_fast(logits, sampling, finite_rows)
         finite = tokens[1] if tokens is not None else finite_rows.tolist()
         if not any(finite):  # a lone sequence, or all of them: the device, not a request
             bad = [s.request_id for s in sampling]
@@ -281,7 +285,9 @@ class ModelRunner:
             logits = logits[keep]
             sampling = [sampling[j] for j in keep]
             sample_seqs = [sample_seqs[j] for j in keep]
-        tokens, lps, failed = self._sample(logits, sampling)
+            states = [states[j] for j in keep]
+        # the whole batch at once, unless the fast path just failed at that
+        tokens, lps, failed = self._sample(logits, sampling, states, whole_batch=wants_logprobs)
         out_lps: list[TokenLogprob | None] = [None] * len(batch.seqs)
         for j, i in enumerate(sample_seqs):
             if failed[j] is not None:
@@ -295,35 +301,35 @@ class ModelRunner:
     def _sample_fast(
         self, logits: torch.Tensor, seqs: list[Sequence], finite: torch.Tensor
     ) -> tuple[list[int], list[bool]] | None:
-        """Tokens and row finiteness in one device-to-host copy, when no row wants logprobs
-        and sampling the whole batch at once succeeds; else None (the careful path runs)."""
-        if any(s.params.logprobs is not None for s in seqs):
-            return None
-        states = [s.generator.get_state() if s.generator is not None else None for s in seqs]
+        """Tokens and row finiteness in one device-to-host copy, when sampling the whole batch
+        at once succeeds; else None (the careful path runs, row by row)."""
         try:
             tokens = self.sampler.sample(logits, seqs)
             host = torch.stack((tokens, finite.to(tokens.dtype))).tolist()
         except Exception:
-            for seq, state in zip(seqs, states, strict=True):
-                if state is not None:
-                    seq.generator.set_state(state)
             return None
         return host[0], [bool(f) for f in host[1]]
 
     def _sample(
-        self, logits: torch.Tensor, seqs: list[Sequence]
+        self,
+        logits: torch.Tensor,
+        seqs: list[Sequence],
+        states: list[torch.Tensor | None],
+        *,
+        whole_batch: bool,
     ) -> tuple[list[int | None], list[TokenLogprob | None] | None, list[Exception | None]]:
-        """The sampler over the batch; when that raises, again row by row, so that one
-        sequence's error fails it alone and the others get the tokens they would have got
-        (seeded rows from their generators as they were before the failed attempt)."""
+        """The sampler over the batch (when `whole_batch`); when that raises, or was already
+        tried, row by row, so that one sequence's error fails it alone and the others get the
+        tokens they would have got (seeded rows from their generators' `states` before any
+        attempt)."""
         # logits: [num_seqs, vocab]
         num = len(seqs)
-        states = [s.generator.get_state() if s.generator is not None else None for s in seqs]
-        try:
-            tokens, lps = self.sampler(logits, seqs)
-            return tokens, lps, [None] * num
-        except Exception:
-            pass  # found again below, row by row
+        if whole_batch:
+            try:
+                tokens, lps = self.sampler(logits, seqs)
+                return tokens, lps, [None] * num
+            except Exception:
+                pass  # found again below, row by row
         out: list[int | None] = [None] * num
         out_lps: list[TokenLogprob | None] = [None] * num
         errors: list[Exception | None] = [None] * num

@@ -33,7 +33,7 @@ dequantization bit for bit.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields, replace
 
 import torch
@@ -80,13 +80,21 @@ class QuantWeight:
     def device(self) -> torch.device:
         return self.qs.device
 
-    def to(self, device: torch.device | str) -> QuantWeight:
-        moved = {
-            f.name: t.to(device)
+    def map(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> QuantWeight:
+        """The weight with `fn` applied to every tensor it holds (a move, a dtype pass)."""
+        mapped = {
+            f.name: fn(t)
             for f in fields(self)
             if isinstance(t := getattr(self, f.name), torch.Tensor)
         }
-        return replace(self, **moved)
+        return replace(self, **mapped)
+
+    def to(self, device: torch.device | str) -> QuantWeight:
+        return self.map(lambda t: t.to(device))
+
+    def rows(self, ids: torch.Tensor) -> QuantWeight:
+        """Output channels `ids` [n] as an [n, in_features] weight (every tensor is per row)."""
+        return replace(self.map(lambda t: t[ids]), out_features=ids.shape[0])
 
 
 def cat_rows(weights: Sequence[QuantWeight]) -> QuantWeight:

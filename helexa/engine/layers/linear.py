@@ -25,7 +25,6 @@ dequantized to `dtype` and runs through F.linear.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Sequence
 from contextvars import ContextVar
 from typing import TYPE_CHECKING
@@ -267,7 +266,7 @@ class Linear(nn.Module):
 
     def _apply(self, fn, recurse=True):  # type: ignore[no-untyped-def]
         if self.qweight is not None:
-            self.qweight = map_tensors(self.qweight, fn)
+            self.qweight = self.qweight.map(fn)
         # model.to(device) lands here; CPU-packed weights cannot follow onto an accelerator
         elif self.format != "float" and fn(torch.empty(0)).device.type != "cpu":
             self._set_float(self.dequantize(), self.dtype)
@@ -317,16 +316,6 @@ def fuse(linears: Sequence[Linear]) -> Linear:
         )
     fused.bias = _cat_biases(linears)
     return fused
-
-
-def map_tensors(qw: QuantWeight, fn) -> QuantWeight:  # type: ignore[no-untyped-def]
-    """The QuantWeight with `fn` applied to each tensor it holds (a move, a row gather)."""
-    moved = {
-        f.name: fn(t)
-        for f in dataclasses.fields(qw)
-        if isinstance(t := getattr(qw, f.name), torch.Tensor)
-    }
-    return dataclasses.replace(qw, **moved)
 
 
 def _held_as(m: Linear) -> str:

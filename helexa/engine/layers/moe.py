@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from helexa import kernels
-from helexa.engine.layers.linear import Linear, map_tensors
+from helexa.engine.layers.linear import Linear
 from helexa.kernels.quant_pack import QuantWeight, cat_rows
 
 if TYPE_CHECKING:
@@ -64,12 +64,14 @@ class Experts(nn.ModuleList):
     def fuse_projections(self) -> None:
         for expert in self:
             expert.fuse_projections()
-        self._stack_if_float()
+        self._stack()
 
-    def _stack_if_float(self) -> None:
-        linears = [lin for e in self for lin in _linears(e)]
+    def _stack(self) -> None:
+        """Every expert's weights as one tensor per projection for the fused kernels: floats
+        into w13/w2, GPU-quantized ones into qw13/qw2; CPU-packed experts stay per expert."""
         if self.w13 is not None or self.qw13 is not None:
             return
+        linears = [lin for e in self for lin in _linears(e)]
         if all(lin.format == "quant" for lin in linears):
             self._stack_quantized()
             return
@@ -97,12 +99,12 @@ class Experts(nn.ModuleList):
     def _apply(self, fn, recurse=True):  # type: ignore[no-untyped-def]
         for name in ("qw13", "qw2"):
             if (w := getattr(self, name)) is not None:
-                setattr(self, name, map_tensors(w, fn))
+                setattr(self, name, w.map(fn))
         for name in ("w13", "w2"):
             if (t := getattr(self, name)) is not None:
                 setattr(self, name, fn(t))
         out = super()._apply(fn, recurse)
-        self._stack_if_float()  # packed CPU weights become float on an accelerator
+        self._stack()  # packed CPU weights become float on an accelerator
         return out
 
     # -- running -------------------------------------------------------------------

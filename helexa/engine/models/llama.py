@@ -11,7 +11,7 @@ from torch import nn
 
 from helexa import kernels
 from helexa.engine.layers.attention import AttentionContext, PagedAttention
-from helexa.engine.layers.linear import Linear, as_dense, fuse, kernel_layout, map_tensors
+from helexa.engine.layers.linear import Linear, as_dense, fuse, kernel_layout
 from helexa.engine.layers.norm import RMSNorm
 from helexa.engine.layers.rotary import RotaryEmbedding
 from helexa.engine.models.config import ModelConfig
@@ -145,15 +145,13 @@ class Embedding(nn.Module):
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.qweight is None:
             return self.weight[ids]
-        rows = map_tensors(self.qweight, lambda t: t[ids])
-        rows.out_features = ids.shape[0]
-        return naive_dequantize(rows).to(self.dtype)
+        return naive_dequantize(self.qweight.rows(ids)).to(self.dtype)
 
     def _apply(self, fn, recurse=True):  # type: ignore[no-untyped-def]
         if self.weight is not None:
             self.weight = fn(self.weight)
         if self.qweight is not None:
-            self.qweight = map_tensors(self.qweight, fn)
+            self.qweight = self.qweight.map(fn)
         return super()._apply(fn, recurse)
 
 
