@@ -174,6 +174,9 @@ class EngineConfig:
     # Hybrid (Gated DeltaNet) models: recurrent-state snapshots kept for the prefix cache.
     max_prefix_snapshots: NonNegativeInt = 8
     cpu_dense_copy: bool = True
+    # A model's worker that answers nothing for this long while it has work (a hung step, a
+    # hung collective across tensor-parallel ranks) is killed and its model reloaded.
+    step_timeout_s: PositiveFloat = 120.0
 
 
 @dataclass(slots=True)

@@ -76,6 +76,8 @@ class EngineArgs(EngineConfig):
     cache_dir: str | None = None  # hub download cache; None → HF_HUB_CACHE / HF_HOME
     gguf_quant: str | None = None  # which file of a `-GGUF` hub repo, e.g. "Q4_K_M"
     revision: str | None = None  # hub branch, tag or commit; None → main
+    tensor_parallel: int = 1  # ranks (one process each) the model is split across
+    devices: list[int] | None = None  # CUDA device of each rank; None → 0..tensor_parallel-1
 
     @classmethod
     def from_config(cls, engine: EngineConfig, model: str | None = None, **kw) -> EngineArgs:
