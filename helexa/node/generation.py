@@ -18,8 +18,8 @@ from typing import Any
 
 from helexa.engine.async_engine import EngineDeadError
 from helexa.engine.chat_template import TemplateRenderError, render_chat
-from helexa.engine.model_runner import NonFiniteLogitsError
 from helexa.engine.sequence import RequestOutput, TokenLogprob
+from helexa.engine.worker_client import WorkerFaultError
 from helexa.errors import (
     HelexaError,
     context_length_exceeded,
@@ -68,7 +68,7 @@ def prepare_prompt(served: ServedModel, req: ChatCompletionRequest | CompletionR
 
 def render_prompt(served: ServedModel, req: ChatCompletionRequest | CompletionRequest) -> Prompt:
     """Prompt token ids: the chat template rendered, or the raw prompt encoded."""
-    tok = served.engine.tokenizer
+    tok = served.tokenizer
     opens = False
     call_prefix = None
     if isinstance(req, ChatCompletionRequest):
@@ -95,7 +95,7 @@ def render_prompt(served: ServedModel, req: ChatCompletionRequest | CompletionRe
     else:
         ids = list(req.prompt)
     # The embedding table is the bound: a tokenizer may know more ids than the model has.
-    vocab = min(tok.vocab_size, served.engine.loaded.config.vocab_size or tok.vocab_size)
+    vocab = served.vocab_size
     bad = next((t for t in ids if t >= vocab), None)
     if bad is not None:
         raise HelexaError(
@@ -187,9 +187,7 @@ class Generation:
         self.echo_text = ""
         if isinstance(req, CompletionRequest) and req.echo:
             prompt = req.prompt
-            self.echo_text = (
-                prompt if isinstance(prompt, str) else served.engine.tokenizer.decode(prompt)
-            )
+            self.echo_text = prompt if isinstance(prompt, str) else served.tokenizer.decode(prompt)
         self.num_cached_tokens = 0
         self._params = choice_params(req)
         if self.is_chat and served.markers_are_special:
@@ -224,8 +222,6 @@ class Generation:
 
     async def _deltas(self) -> AsyncIterator[tuple[int, RequestOutput]]:
         try:
-            if self.registry.take_debug_poison(self.served.id):
-                raise NonFiniteLogitsError("fault injected by HELEXA_DEBUG_POISON")
             if self.req.n == 1:
                 async for out in self.served.llm.generate(
                     self.prompt_ids, self._params[0], f"{self.id}-0"
@@ -236,8 +232,7 @@ class Generation:
                 async for i, out in self._merged():
                     self._account(i, out)
                     yield i, out
-        except NonFiniteLogitsError as e:
-            self.registry.report_fault(self.served.id, e)
+        except WorkerFaultError:  # the registry heard it too, and reloads the model
             raise service_unavailable(
                 f"model {self.served.id!r} hit a device fault and is reloading; retry shortly",
                 RECOVERY_RETRY_AFTER_S,

@@ -109,7 +109,7 @@ class _EngineCollector(Collector):
             for name, kind, text, value in _ENGINE_METRICS
         ]
         for served in list(self._get().models.values()):
-            stats = served.engine.stats()
+            stats = served.stats
             for family, value in families:
                 family.add_metric([served.id], value(served, stats))
         yield from (family for family, _ in families)

@@ -60,7 +60,7 @@ def completion_logprobs(
 
 def full_response(gen: Generation) -> dict[str, Any]:
     """The non-streaming body once every choice has finished."""
-    tok = gen.served.engine.tokenizer
+    tok = gen.served.tokenizer
     choices = []
     for i, c in enumerate(gen.choices):
         text = "".join(c.text)
@@ -148,7 +148,7 @@ def opening_chunks(gen: Generation) -> list[dict[str, Any]]:
 def delta_chunks(gen: Generation, i: int, out: RequestOutput) -> list[dict[str, Any]]:
     """The chunks for one engine delta of choice `i`: its text (with logprobs), then, when it
     finished, a chunk with finish_reason; the last choice to finish carries the usage."""
-    tok = gen.served.engine.tokenizer
+    tok = gen.served.tokenizer
     chunks = []
     lps = out.logprobs or []
     if gen.is_chat:

@@ -1,24 +1,20 @@
-"""The node's loaded models: load, unload, look up, recover from device faults.
+"""The node's loaded models: load, unload, look up, recover from faults.
 
-Each model owns an `AsyncLLM` (its own engine thread) and an `Admission`, so loading,
-unloading or overloading one model never touches requests to another.
+Each model owns a `WorkerClient` (its engine in worker processes, one per tensor-parallel
+rank) and an `Admission`, so loading, unloading, overloading or crashing one model never
+touches requests to another, and never the node process itself.
 """
 
 from __future__ import annotations
 
 import asyncio
-import gc
 import logging
 import time
 from typing import Any
 
-import torch
-
 from helexa.config import Config
-from helexa.engine import AsyncLLM, EngineArgs, LLMEngine
-from helexa.engine.layers.linear import UnsupportedQuantError
-from helexa.engine.loader.load import ModelNotFoundError
-from helexa.engine.models import UnsupportedModelError
+from helexa.engine import EngineArgs
+from helexa.engine.worker_client import WorkerClient, WorkerLoadError
 from helexa.errors import model_not_found, service_unavailable
 from helexa.node.admission import Admission, AdmissionLimits
 from helexa.node.loading import LoadError, LoadOptions, engine_args, not_found_hint
@@ -37,6 +33,7 @@ class ModelRegistry:
         self.models: dict[str, ServedModel] = {}
         self._loading: dict[str, tuple[LoadOptions, asyncio.Task[ServedModel]]] = {}
         self._recovering: dict[str, asyncio.Task[None]] = {}
+        self.num_recoveries = 0
         self._poison_pending = {cfg.node.debug_poison} if cfg.node.debug_poison else set()
         self._limits = AdmissionLimits(
             max_running=cfg.node.max_running_requests,
@@ -78,7 +75,8 @@ class ModelRegistry:
         return out
 
     def take_debug_poison(self, model_id: str) -> bool:
-        """True once for the model named by HELEXA_DEBUG_POISON: inject one fault."""
+        """True once for the model named by HELEXA_DEBUG_POISON: its first worker injects
+        one device fault at its first step."""
         if model_id in self._poison_pending:
             self._poison_pending.discard(model_id)
             return True
@@ -102,22 +100,15 @@ class ModelRegistry:
         t0 = time.monotonic()
         log.info("loading model %s", model_id)
         try:
-            llm = await AsyncLLM.build(lambda: LLMEngine(args))
-        except (ModelNotFoundError, FileNotFoundError) as e:
-            raise LoadError("model_not_found", model_id, str(e), not_found_hint(model_id)) from e
-        except UnsupportedModelError as e:
-            raise LoadError("unsupported_architecture", model_id, str(e)) from e
-        except UnsupportedQuantError as e:
-            raise LoadError("unsupported_quant", model_id, str(e), e.suggestion) from e
-        except (MemoryError, torch.OutOfMemoryError) as e:
-            raise LoadError(
-                "insufficient_vram",
+            llm = await WorkerClient.start(
                 model_id,
-                f"not enough memory to load {model_id!r}: {e}",
-                "unload another model or pick a smaller quant",
-                status=503,
-                retry_after=30,
-            ) from e
+                args,
+                log_cfg=self.cfg.log,
+                debug_poison=self.take_debug_poison(model_id),
+                on_fault=lambda why: self.report_fault(model_id, why),
+            )
+        except WorkerLoadError as e:
+            raise _load_error(model_id, e) from e
         except Exception as e:
             log.exception("loading %s failed", model_id)
             raise LoadError("load_failed", model_id, f"{type(e).__name__}: {e}") from e
@@ -128,7 +119,7 @@ class ModelRegistry:
         cap = self.cfg.node.max_model_memory_mb
         held = sum(m.memory_mb for m in self.models.values())
         if cap is not None and held + served.memory_mb > cap:
-            await asyncio.to_thread(llm.shutdown)
+            await llm.shutdown()
             raise LoadError(
                 "insufficient_vram",
                 model_id,
@@ -152,28 +143,29 @@ class ModelRegistry:
         served = self.models.pop(model_id, None)
         if served is None:
             return False
-        await asyncio.to_thread(served.llm.shutdown)
-        del served
-        gc.collect()
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
+        await served.llm.shutdown()  # the worker's exit frees its memory, all of it
         log.info("unloaded model %s", model_id)
         return True
 
     # -- faults ----------------------------------------------------------------------
-    def report_fault(self, model_id: str, error: BaseException) -> None:
-        """A device fault (NaN/Inf logits): mark the model and reload it in the background."""
+    def report_fault(self, model_id: str, why: str) -> None:
+        """A worker faulted (device fault, died, stopped answering): its requests have
+        failed and its processes are killed; mark the model poisoned and reload it."""
         served = self.models.get(model_id)
-        if served is None or model_id in self._recovering:
+        if served is None or model_id in self._recovering or served.llm.state == "stopped":
             return
-        log.error("model %s poisoned (%s); reloading it", model_id, error)
-        served.status = "recovering"
+        log.error("model %s poisoned (%s); reloading it in a fresh worker", model_id, why)
+        served.status = "poisoned"
         self._recovering[model_id] = asyncio.create_task(self._recover(served))
 
     async def _recover(self, served: ServedModel) -> None:
         try:
-            await self.unload(served.id)
+            await served.llm.shutdown(timeout=0)  # killed already: reap it
+            served.status = "recovering"
+            if self.models.get(served.id) is served:
+                del self.models[served.id]
             await self.load(served.options)
+            self.num_recoveries += 1
             log.info("model %s recovered", served.id)
         except Exception:
             log.exception("model %s could not be reloaded; it stays unloaded", served.id)
@@ -185,3 +177,19 @@ class ModelRegistry:
             task.cancel()
         for model_id in list(self.models):
             await self.unload(model_id)
+
+
+def _load_error(model_id: str, e: WorkerLoadError) -> LoadError:
+    """What the worker said about a failed load, as the node's 422 (503 when short of memory)."""
+    if e.kind == "model_not_found":
+        return LoadError(e.kind, model_id, e.message, not_found_hint(model_id))
+    if e.kind == "insufficient_vram":
+        return LoadError(
+            e.kind,
+            model_id,
+            f"not enough memory to load {model_id!r}: {e.message}",
+            "unload another model or pick a smaller quant",
+            status=503,
+            retry_after=30,
+        )
+    return LoadError(e.kind, model_id, e.message, e.suggestion)

@@ -1,16 +1,17 @@
-"""One loaded model as the node serves it: its engine, its admission, what its vocabulary
-and template teach (reasoning and tool-call markers), its limits and its `/models` entry."""
+"""One loaded model as the node serves it: its worker process (the engine runs there), its
+admission, what its vocabulary and template teach (reasoning and tool-call markers), its
+limits and its `/models` entry."""
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
-import torch
-
-from helexa.engine import AsyncLLM, LLMEngine
-from helexa.kernels import QuantWeight
+from helexa.engine.llm_engine import EngineStats
+from helexa.engine.tokenizer import Tokenizer
+from helexa.engine.worker_client import WorkerClient
 from helexa.node.admission import Admission
 from helexa.node.loading import GGUF_QUANTS, LoadOptions
 from helexa.protocol.reasoning import ReasoningMarkers
@@ -26,9 +27,9 @@ class ServedModel:
 
     id: str
     options: LoadOptions
-    llm: AsyncLLM
+    llm: WorkerClient
     admission: Admission
-    status: str = "loaded"  # loaded | recovering (after a device fault)
+    status: str = "loaded"  # loaded | poisoned (a device fault) | recovering (reloading)
     loaded_at: float = field(default_factory=time.time)
     load_seconds: float = 0.0
     memory_mb: int = field(init=False)  # fixed once loaded: weights and KV pool
@@ -40,8 +41,8 @@ class ServedModel:
     teaches_xml_calls: bool = field(init=False)
 
     def __post_init__(self) -> None:
-        self.memory_mb = model_memory_mb(self.llm.engine.runner.model)
-        tok = self.llm.engine.tokenizer
+        self.memory_mb = self.llm.facts.memory_mb
+        tok = self.llm.tokenizer
         self.reasoning_markers = ReasoningMarkers.from_vocab(tok)
         self.tool_call_markers = ToolCallMarkers.from_vocab(tok)
         markers = [m for m in (self.reasoning_markers, self.tool_call_markers) if m is not None]
@@ -53,12 +54,23 @@ class ServedModel:
         self.teaches_xml_calls = any("<function=" in t for t in sources)
 
     @property
-    def engine(self) -> LLMEngine:
-        return self.llm.engine
+    def tokenizer(self) -> Tokenizer:
+        return self.llm.tokenizer
+
+    @property
+    def vocab_size(self) -> int:
+        """The bound on token ids: the embedding table, or the tokenizer when smaller."""
+        tok = self.llm.tokenizer.vocab_size
+        return min(tok, self.llm.facts.vocab_size or tok)
+
+    @property
+    def stats(self) -> EngineStats:
+        """The engine's latest figures, as its worker sent them with its last step."""
+        return self.llm.stats
 
     @property
     def max_model_len(self) -> int:
-        return self.engine.max_model_len
+        return self.llm.facts.max_model_len
 
     @property
     def limit(self) -> dict[str, int]:
@@ -80,16 +92,17 @@ class ServedModel:
 
     def describe(self) -> dict[str, Any]:
         """One `/models` entry."""
-        engine = self.engine
-        device = engine.runner.device
+        facts = self.llm.facts
         return {
             "id": self.id,
             "status": self.status,
-            "devices": [device.index or 0] if device.type == "cuda" else [],
-            "device": str(device),
-            "dtype": str(engine.dtype).removeprefix("torch."),
-            "quant": self.options.quant or _gguf_quant_of(engine),
-            "format": engine.loaded.source_format,
+            "devices": [_cuda_index(d) for d in facts.devices if d.startswith("cuda")],
+            "device": facts.device,
+            "tensor_parallel": len(facts.pids),
+            "workers": self.llm.describe_workers(),
+            "dtype": facts.dtype,
+            "quant": self.options.quant or _gguf_quant_of(facts.source_format, facts.path),
+            "format": facts.source_format,
             "capabilities": self.capabilities,
             "tool_call": self.tool_call_markers is not None,
             "reasoning": self.reasoning_markers is not None,
@@ -102,23 +115,13 @@ class ServedModel:
         }
 
 
-def model_memory_mb(model: torch.nn.Module) -> int:
-    """Weights (packed, dense copies, quantized on a GPU), KV pool and buffers: every tensor
-    the model's modules hold, as parameters or as plain attributes, each storage counted once."""
-    storages: dict[int, int] = {}
-    for module in model.modules():
-        attrs = [v for v in vars(module).values() if isinstance(v, torch.Tensor)]
-        for v in vars(module).values():
-            if isinstance(v, QuantWeight):
-                attrs.extend(v.tensors)
-        for t in (*module.parameters(recurse=False), *module.buffers(recurse=False), *attrs):
-            storage = t.untyped_storage()
-            storages[storage.data_ptr()] = storage.nbytes()
-    return sum(storages.values()) // MiB
+def _cuda_index(device: str) -> int:
+    _, _, index = device.partition(":")
+    return int(index or 0)
 
 
-def _gguf_quant_of(engine: LLMEngine) -> str | None:
-    if engine.loaded.source_format != "gguf":
+def _gguf_quant_of(source_format: str, path: str) -> str | None:
+    if source_format != "gguf":
         return None
-    stem = engine.loaded.path.stem.upper().replace("-", ".")
+    stem = Path(path).stem.upper().replace("-", ".")
     return next((q for q in GGUF_QUANTS if q in stem.split(".")), "gguf")

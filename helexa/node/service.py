@@ -83,9 +83,11 @@ class Node:
                     "status": m.status,
                     "in_flight": m.admission.num_running,
                     "queue_depth": m.admission.queue_depth,
+                    "workers": m.llm.describe_workers(),
                 }
                 for m in self.registry.models.values()
             ],
+            "recoveries": self.registry.num_recoveries,
         }
 
     async def discovery(self) -> dict[str, Any]:

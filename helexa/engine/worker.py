@@ -1,0 +1,446 @@
+"""A loaded model's engine in a process of its own: the node sends requests, it sends deltas.
+
+Why a process: a device fault (an illegal memory access, an ECC error, a hung collective)
+leaves the CUDA context unusable for the whole process that holds it. With the engine here,
+the node kills this process and starts a fresh one; it never has to exit itself.
+
+The node (`helexa.engine.worker_client.WorkerClient`) starts `python -m helexa.engine.worker
+<fd> <spec json>` in a session of its own, `fd` being its end of a Unix socket pair. Both ways,
+a frame is a 4-byte big-endian length and a msgpack body (msgspec):
+
+- node → worker: `Add` (a request: prompt ids and sampling parameters), `Abort`, `Stop`;
+- worker → node: `Ready` (the model's facts and its tokenizer) or `LoadFailed` once, then a
+  `Step` per engine step (every sequence's delta, the requests that failed alone, the engine's
+  stats), or one `Fault` (a device fault: the worker exits right after; the node reloads).
+
+The engine runs on this process's main thread, the thread that loaded it (on CPU a model
+stepped from another thread decodes at half the speed); a reader thread turns frames into
+commands, as `AsyncLLM`'s event loop does in process.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import logging
+import os
+import pickle
+import queue
+import signal
+import socket
+import struct
+import sys
+import threading
+
+import msgspec
+import torch
+
+from helexa.config import LogConfig
+from helexa.engine.llm_engine import EngineArgs, EngineStats, LLMEngine
+from helexa.engine.sampling_params import SamplingParams
+from helexa.engine.sequence import Sequence, TokenLogprob
+
+log = logging.getLogger("helexa.worker")
+HEADER = struct.Struct("!I")
+MiB = 1 << 20
+
+
+# -- node → worker -------------------------------------------------------------------------
+class Add(msgspec.Struct, tag="add", array_like=True):
+    request_id: str
+    prompt: list[int]
+    params: SamplingParams
+
+
+class Abort(msgspec.Struct, tag="abort", array_like=True):
+    request_id: str
+
+
+class Stop(msgspec.Struct, tag="stop", array_like=True):
+    pass
+
+
+Command = Add | Abort | Stop
+
+
+# -- worker → node -------------------------------------------------------------------------
+class ModelFacts(msgspec.Struct):
+    """What the node tells about a loaded model without holding it."""
+
+    max_model_len: int
+    vocab_size: int  # the embedding table's rows (0: unknown)
+    device: str  # rank 0's
+    devices: list[str]  # every rank's, rank order
+    dtype: str
+    source_format: str
+    path: str
+    memory_mb: int  # weights and KV pools, every rank
+    pids: list[int]  # every rank's worker process, rank order
+    graphs_off_reason: str | None = None
+
+
+class Ready(msgspec.Struct, tag="ready", array_like=True):
+    facts: ModelFacts
+    tokenizer: bytes  # pickled `Tokenizer`: the node renders and tokenizes prompts itself
+
+
+class LoadFailed(msgspec.Struct, tag="load_failed", array_like=True):
+    kind: str  # model_not_found | unsupported_architecture | unsupported_quant | ...
+    message: str
+    suggestion: str | None = None
+
+
+class Delta(msgspec.Struct, array_like=True):
+    request_id: str
+    token_ids: list[int]
+    text: str
+    finished: bool
+    finish_reason: str | None
+    stop_reason: str | int | None
+    logprobs: list[TokenLogprob] | None
+    num_cached_tokens: int
+
+
+class Failed(msgspec.Struct, array_like=True):
+    """One request failed alone (its sampling, its row of logits, its arguments)."""
+
+    request_id: str
+    kind: str  # invalid | nonfinite_row | error | step
+    message: str
+
+
+class Step(msgspec.Struct, tag="step", array_like=True):
+    deltas: list[Delta]
+    failed: list[Failed]
+    stats: EngineStats
+
+
+class Fault(msgspec.Struct, tag="fault", array_like=True):
+    message: str
+
+
+Event = Ready | LoadFailed | Step | Fault
+
+
+class WorkerSpec(msgspec.Struct):
+    """How to start a worker (argv, JSON)."""
+
+    model_id: str
+    args: EngineArgs
+    log: LogConfig = msgspec.field(default_factory=LogConfig)
+    debug_poison: bool = False  # HELEXA_DEBUG_POISON: one injected device fault
+
+
+# -- what counts as a device fault ---------------------------------------------------------
+# Messages of torch/CUDA/NCCL errors that leave the device (or the collective group) unusable.
+_DEVICE_FAULT_MARKERS = (
+    "CUDA error",
+    "illegal memory access",
+    "illegal address",
+    "uncorrectable ECC",
+    "device-side assert",
+    "unspecified launch failure",
+    "misaligned address",
+    "CUBLAS_STATUS_EXECUTION_FAILED",
+    "NCCL",
+    "Connection closed by peer",  # gloo: a rank went away mid-collective
+)
+
+
+def is_device_fault(error: BaseException) -> bool:
+    """Whether `error` leaves this process's device or rank group unusable (reload the
+    model), rather than failing only the requests of one step."""
+    from helexa.engine.model_runner import NonFiniteLogitsError
+
+    faults: tuple[type[BaseException], ...] = (NonFiniteLogitsError,)
+    for name in ("AcceleratorError",):  # torch's CUDA error type (2.8+)
+        if hasattr(torch, name):
+            faults += (getattr(torch, name),)
+    if torch.distributed.is_available():
+        faults += (torch.distributed.DistError,)
+    lost = _rank_lost_error()
+    if lost is not None:
+        faults += (lost,)
+    if isinstance(error, faults):
+        return True
+    return isinstance(error, RuntimeError) and any(m in str(error) for m in _DEVICE_FAULT_MARKERS)
+
+
+def _rank_lost_error() -> type[BaseException] | None:
+    import helexa.engine as engine
+
+    return getattr(engine, "RankLostError", None)
+
+
+def inject_device_fault(device: torch.device) -> None:
+    """HELEXA_DEBUG_POISON: a real illegal-address fault on CUDA; on CPU, where no kernel can
+    fault the device, the NaN logits a broken device gives."""
+    from helexa.engine.model_runner import NonFiniteLogitsError
+
+    if device.type == "cuda":
+        from helexa.kernels.fault import triton_illegal_address
+
+        triton_illegal_address(device)
+        torch.cuda.synchronize(device)  # raises the sticky fault here
+    raise NonFiniteLogitsError("fault injected by HELEXA_DEBUG_POISON")
+
+
+# -- facts ---------------------------------------------------------------------------------
+def model_memory_mb(model: torch.nn.Module) -> int:
+    """Weights (packed, dense copies, quantized on a GPU), KV pool and buffers: every tensor
+    the model's modules hold, as parameters or as plain attributes, each storage counted once."""
+    from helexa.kernels import QuantWeight
+
+    storages: dict[int, int] = {}
+    for module in model.modules():
+        attrs = [v for v in vars(module).values() if isinstance(v, torch.Tensor)]
+        for v in vars(module).values():
+            if isinstance(v, QuantWeight):
+                attrs.extend(v.tensors)
+        for t in (*module.parameters(recurse=False), *module.buffers(recurse=False), *attrs):
+            storage = t.untyped_storage()
+            storages[storage.data_ptr()] = storage.nbytes()
+    return sum(storages.values()) // MiB
+
+
+def model_facts(engine: LLMEngine) -> ModelFacts:
+    device = engine.runner.device
+    memory = model_memory_mb(engine.runner.model)
+    memory += sum(getattr(engine, "follower_memory_mb", ()))
+    return ModelFacts(
+        max_model_len=engine.max_model_len,
+        vocab_size=engine.loaded.config.vocab_size or 0,
+        device=str(device),
+        devices=list(getattr(engine, "devices", [str(device)])),
+        dtype=str(engine.dtype).removeprefix("torch."),
+        source_format=engine.loaded.source_format,
+        path=str(engine.loaded.path),
+        memory_mb=memory,
+        pids=list(getattr(engine, "rank_pids", [os.getpid()])),
+        graphs_off_reason=engine.runner.graphs_off_reason if device.type == "cuda" else None,
+    )
+
+
+def load_failure(error: BaseException) -> LoadFailed:
+    """A failed load as the kind the node's 422/503 names."""
+    from helexa.engine.layers.linear import UnsupportedQuantError
+    from helexa.engine.loader.load import ModelNotFoundError
+    from helexa.engine.models import UnsupportedModelError
+    from helexa.engine.parallel import PlacementError
+
+    if isinstance(error, (ModelNotFoundError, FileNotFoundError)):
+        return LoadFailed("model_not_found", str(error))
+    if isinstance(error, UnsupportedModelError):
+        return LoadFailed("unsupported_architecture", str(error))
+    if isinstance(error, UnsupportedQuantError):
+        return LoadFailed("unsupported_quant", str(error), error.suggestion)
+    if isinstance(error, PlacementError):
+        return LoadFailed("invalid_placement", str(error), error.suggestion)
+    if isinstance(error, (MemoryError, torch.OutOfMemoryError)):
+        return LoadFailed("insufficient_vram", str(error))
+    return LoadFailed("load_failed", f"{type(error).__name__}: {error}")
+
+
+# -- the process ---------------------------------------------------------------------------
+class _Channel:
+    """Frames over the socket: the reader thread decodes, the engine thread encodes."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self._encoder = msgspec.msgpack.Encoder()
+        self._decoder = msgspec.msgpack.Decoder(Command)
+        self._send_lock = threading.Lock()
+
+    def send(self, event: Ready | LoadFailed | Step | Fault) -> None:
+        body = self._encoder.encode(event)
+        with self._send_lock:
+            self.sock.sendall(HEADER.pack(len(body)) + body)
+
+    def recv(self) -> Command | None:
+        head = self._read(HEADER.size)
+        if head is None:
+            return None
+        body = self._read(HEADER.unpack(head)[0])
+        return None if body is None else self._decoder.decode(body)
+
+    def _read(self, n: int) -> bytes | None:
+        buf = bytearray()
+        while len(buf) < n:
+            chunk = self.sock.recv(n - len(buf))
+            if not chunk:
+                return None
+            buf += chunk
+        return bytes(buf)
+
+
+class Worker:
+    """The engine loop: drain commands, step, send what changed."""
+
+    def __init__(self, engine: LLMEngine, channel: _Channel, *, debug_poison: bool) -> None:
+        self.engine = engine
+        self.channel = channel
+        self.debug_poison = debug_poison
+        self._cmds: queue.SimpleQueue[Command] = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._live: set[str] = set()  # request ids the node still waits on
+        self._failed: list[Failed] = []
+        self._deltas: list[Delta] = []
+        self._changed = False
+
+    def run(self) -> None:
+        threading.Thread(target=self._read, name="helexa-worker-reader", daemon=True).start()
+        engine = self.engine
+        while True:
+            if not engine.has_unfinished():
+                self._wake.wait()
+            self._wake.clear()
+            if not self._drain():
+                break
+            if engine.has_unfinished():
+                self._step()
+            if self._changed:
+                self._flush()
+        for request_id in list(self._live):
+            engine.abort(request_id)
+
+    def _read(self) -> None:
+        while True:
+            try:
+                cmd = self.channel.recv()
+            except (OSError, msgspec.DecodeError) as e:
+                log.error("worker: the node's channel failed (%s); stopping", e)
+                cmd = None
+            self._cmds.put(cmd if cmd is not None else Stop())
+            self._wake.set()
+            if cmd is None or isinstance(cmd, Stop):
+                return
+
+    def _drain(self) -> bool:
+        while True:
+            try:
+                cmd = self._cmds.get_nowait()
+            except queue.Empty:
+                return True
+            self._changed = True
+            if isinstance(cmd, Add):
+                try:
+                    seq = self.engine.make_sequence(cmd.prompt, cmd.params, cmd.request_id)
+                    self.engine.add_request(seq)
+                except Exception as e:
+                    self._failed.append(Failed(cmd.request_id, "invalid", str(e)))
+                else:
+                    self._live.add(cmd.request_id)
+            elif isinstance(cmd, Abort):
+                self._live.discard(cmd.request_id)
+                self.engine.abort(cmd.request_id)
+            else:
+                return False
+
+    def _step(self) -> None:
+        try:
+            if self.debug_poison:
+                self.debug_poison = False
+                inject_device_fault(self.engine.runner.device)
+            updated = self.engine.step()
+        except Exception as e:
+            if is_device_fault(e):
+                log.error("worker: device fault: %s", e)
+                self._fault(f"{type(e).__name__}: {e}")
+            log.exception("engine step failed")  # fails its requests, not the engine
+            message = f"the engine step failed: {type(e).__name__}: {e}"
+            for request_id in self._live:
+                self.engine.abort(request_id)
+                self._failed.append(Failed(request_id, "step", message))
+            self._live.clear()
+            self._changed = True
+            return
+        self._changed = True
+        for seq in updated:
+            self._collect(seq)
+
+    def _collect(self, seq: Sequence) -> None:
+        request_id = seq.request_id
+        if request_id not in self._live:
+            return
+        error = seq.error
+        if error is None:
+            try:
+                out = seq.take_delta()
+            except Exception as e:  # this request's own state: it fails alone
+                log.warning("request %s failed alone: %r", request_id, e)
+                self.engine.abort(request_id)
+                error = e
+        if error is not None:
+            self._live.discard(request_id)
+            kind = "nonfinite_row" if type(error).__name__ == "NonFiniteRowError" else "error"
+            self._failed.append(Failed(request_id, kind, f"{type(error).__name__}: {error}"))
+            return
+        if out.finished:
+            self._live.discard(request_id)
+        if out.token_ids or out.text or out.finished:
+            self._deltas.append(
+                Delta(
+                    request_id,
+                    out.token_ids,
+                    out.text,
+                    out.finished,
+                    out.finish_reason,
+                    out.stop_reason,
+                    out.logprobs,
+                    out.num_cached_tokens,
+                )
+            )
+
+    def _flush(self) -> None:
+        step = Step(self._deltas, self._failed, self.engine.stats())
+        self._deltas, self._failed, self._changed = [], [], False
+        self.channel.send(step)
+
+    def _fault(self, message: str) -> None:
+        """Tell the node, then go: this process's device is not to be trusted again."""
+        with contextlib.suppress(OSError):
+            self.channel.send(Fault(message))
+        logging.shutdown()
+        os._exit(3)
+
+
+def die_with_parent() -> None:
+    """SIGKILL this process when its parent goes (Linux): a worker must never outlive the
+    node and keep a GPU's memory."""
+    parent = os.getppid()
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(OSError, AttributeError):
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    if os.getppid() != parent:  # the parent went before prctl took hold
+        os._exit(1)
+
+
+def main(argv: list[str]) -> int:
+    die_with_parent()
+    fd, spec_json = int(argv[0]), argv[1]
+    spec = msgspec.json.decode(spec_json, type=WorkerSpec)
+    from helexa.logs import configure
+
+    configure(spec.log)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the node's Ctrl-C is the node's to handle
+    channel = _Channel(socket.socket(fileno=fd))
+    try:
+        engine = LLMEngine(spec.args)
+    except Exception as e:
+        if not isinstance(e, (FileNotFoundError, ValueError)):
+            log.exception("worker: loading %s failed", spec.model_id)
+        channel.send(load_failure(e))
+        return 0
+    channel.send(Ready(model_facts(engine), pickle.dumps(engine.tokenizer)))
+    try:
+        Worker(engine, channel, debug_poison=spec.debug_poison).run()
+    finally:
+        shutdown = getattr(engine, "shutdown", None)
+        if shutdown is not None:
+            shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,153 @@
+"""Each model's engine runs in a worker process: a worker that dies, segfaults or hangs is
+replaced and its model reloaded, while the node process serves on (issue 17)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import httpx
+import pytest
+
+from tests.web.node_proc import start_node
+
+LONG = {"max_tokens": 4000, "ignore_eos": True, "stream": True}
+
+
+def _chat(model: str, **kw) -> dict:
+    return {"model": model, "messages": [{"role": "user", "content": "Hi"}], **kw}
+
+
+def _entry(node, model_id: str) -> dict | None:
+    return next((m for m in node.get("/models").json() if m["id"] == model_id), None)
+
+
+def _worker_pid(node, model_id: str) -> int:
+    entry = _entry(node, model_id)
+    assert entry is not None and entry["status"] == "loaded", entry
+    (worker,) = entry["workers"]
+    return worker["pid"]
+
+
+def _statuses_until_loaded(node, model_id: str, old_pid: int, timeout: float = 90) -> list[str]:
+    """Every status /models shows until the model is loaded again in a new worker."""
+    seen: list[str] = []
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        entry = _entry(node, model_id)
+        status = entry["status"] if entry else "absent"
+        if not seen or seen[-1] != status:
+            seen.append(status)
+        if status == "loaded" and entry["workers"][0]["pid"] != old_pid:
+            return seen
+        time.sleep(0.02)
+    raise AssertionError(f"not reloaded in {timeout}s; statuses seen: {seen}")
+
+
+def _stream_until_content(client: httpx.Client, body: dict):
+    """Open a stream and read it up to its first content chunk; the rest is the caller's."""
+    ctx = client.stream("POST", "/v1/chat/completions", json=body)
+    r = ctx.__enter__()
+    assert r.status_code == 200
+    lines = r.iter_lines()
+    for line in lines:
+        if line.startswith("data: {") and '"content":' in line:
+            return ctx, lines
+    raise AssertionError("the stream ended before any content")
+
+
+@pytest.fixture(scope="module")
+def node(tmp_path_factory, model_dirs):
+    node = start_node(
+        tmp_path_factory.mktemp("workers"),
+        [model_dirs["long"], model_dirs["scripted"]],
+        engine={"step_timeout_s": 3.0},
+    )
+    yield node
+    node.stop()
+
+
+def test_models_and_health_show_each_models_worker(node, model_dirs):
+    long_id = str(model_dirs["long"])
+    entry = _entry(node, long_id)
+    (worker,) = entry["workers"]
+    assert worker["rank"] == 0 and worker["state"] == "running" and worker["device"] == "cpu"
+    assert entry["tensor_parallel"] == 1 and entry["devices"] == []  # CPU: no CUDA indices
+    pids = {w["pid"] for m in node.get("/models").json() for w in m["workers"]}
+    assert len(pids) == 2 and node.proc.pid not in pids  # one process per model, not the node
+    for pid in pids:
+        assert os.getppid() != pid and os.path.exists(f"/proc/{pid}")
+    health = node.get("/health").json()
+    assert {m["id"]: m["workers"][0]["state"] for m in health["models"]} == {
+        long_id: "running",
+        str(model_dirs["scripted"]): "running",
+    }
+
+
+def test_a_worker_killed_mid_stream_ends_the_stream_with_an_error_and_comes_back(
+    node, model_dirs
+):
+    long_id, other = str(model_dirs["long"]), str(model_dirs["scripted"])
+    node_pid = node.proc.pid
+    old_pid = _worker_pid(node, long_id)
+    other_pid = _worker_pid(node, other)
+    with httpx.Client(base_url=node.base_url, timeout=60) as client:
+        ctx, lines = _stream_until_content(client, _chat(long_id, **LONG))
+        os.kill(old_pid, signal.SIGKILL)
+        rest = list(lines)
+        ctx.__exit__(None, None, None)
+    errors = [ln for ln in rest if ln.startswith("data: {") and '"error"' in ln]
+    assert errors, rest[-5:]
+    assert "model_recovering" in errors[-1] or "device fault" in errors[-1]
+    assert "data: [DONE]" not in rest or rest.index("data: [DONE]") > rest.index(errors[-1])
+
+    seen = _statuses_until_loaded(node, long_id, old_pid)
+    assert "recovering" in seen, seen
+    r = node.post("/v1/chat/completions", _chat(long_id, max_tokens=8))
+    assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"]
+    assert node.proc.poll() is None and node.proc.pid == node_pid
+    assert _worker_pid(node, other) == other_pid  # the other model never noticed
+    assert "poisoned" in node.log() and "SIGKILL" in node.log()
+
+
+def test_a_segfaulting_idle_worker_is_replaced_before_anyone_asks(node, model_dirs):
+    scripted = str(model_dirs["scripted"])
+    old_pid = _worker_pid(node, scripted)
+    os.kill(old_pid, signal.SIGSEGV)
+    _statuses_until_loaded(node, scripted, old_pid)
+    r = node.post("/v1/chat/completions", _chat(scripted))
+    assert r.status_code == 200
+    assert "SIGSEGV" in node.log()
+
+
+def test_a_hung_worker_is_killed_after_step_timeout_and_its_requests_get_a_clean_error(
+    node, model_dirs
+):
+    long_id = str(model_dirs["long"])
+    old_pid = _worker_pid(node, long_id)
+    body = _chat(long_id, max_tokens=4000, ignore_eos=True)
+    with httpx.Client(base_url=node.base_url, timeout=60) as client:
+        ctx, lines = _stream_until_content(client, {**body, "stream": True})
+        os.kill(old_pid, signal.SIGSTOP)  # alive, silent: a hung step or collective
+        t0 = time.monotonic()
+        rest = list(lines)
+        waited = time.monotonic() - t0
+        ctx.__exit__(None, None, None)
+    assert any('"error"' in ln for ln in rest), rest[-3:]
+    assert 2.5 < waited < 30, waited  # step_timeout_s = 3
+    # meanwhile new requests are told to come back, not queued behind a dead worker
+    r = node.post("/v1/chat/completions", body | {"max_tokens": 4})
+    assert r.status_code == 503, r.text
+    assert r.headers["Retry-After"] and r.json()["error"]["code"] == "model_recovering"
+    _statuses_until_loaded(node, long_id, old_pid)
+    assert not os.path.exists(f"/proc/{old_pid}") or _is_zombie(old_pid)
+    assert "said nothing" in node.log()
+
+
+def _is_zombie(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True
