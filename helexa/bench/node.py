@@ -1,8 +1,9 @@
 """`helexa bench node`: what the HTTP layer costs.
 
 C clients send streaming chat requests back to back to a real node process (or to
-`--endpoint`); then the same workload runs on the engine in-process through `AsyncLLM`,
-after the node has stopped, so the two never compete for the CPUs. Same prompt, greedy,
+`--endpoint`), whose engine runs in a model worker process; then the same workload runs on
+the engine in-process through `AsyncLLM`, after the node has stopped, so the two never
+compete for the CPUs. The difference is what the HTTP layer and the worker hop cost. Same prompt, greedy,
 `ignore_eos`, so every request does the same work on both sides.
 """
 
@@ -213,9 +214,21 @@ async def bench_http(
 
         print(f"  [http] warm-up: {(await one()).num_prompt_tokens} prompt tokens", flush=True)
         pids = [os.getpid(), *([server_pid] if server_pid else [])]
+        if server_pid:  # the node's model workers are the server too
+            pids += await worker_pids(client, base_url)
         return [
             await run_level("http", one, c, _num_requests(args, c), pids) for c in args.concurrency
         ]
+
+
+async def worker_pids(client: httpx.AsyncClient, base_url: str) -> list[int]:
+    """Every model worker's pid, from the node's `GET /models` (none when it will not say)."""
+    root = base_url.rstrip("/").removesuffix("/v1")
+    try:
+        entries = (await client.get(root + "/models")).json()
+        return [w["pid"] for m in entries for w in m.get("workers", [])]
+    except (httpx.HTTPError, ValueError, KeyError, TypeError):
+        return []
 
 
 async def bench_engine(cfg: Config, model: str, args: argparse.Namespace) -> list[Level]:

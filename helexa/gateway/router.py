@@ -116,8 +116,8 @@ class Router:
         return await asyncio.shield(task)
 
     def feasible(self, entry: ModelEntry, node: NodeView) -> bool:
-        """Whether `node` has the devices `entry` asks for. A CPU-only node can take models
-        that ask for one device and no minimum of VRAM."""
+        """Whether `node` has the devices `entry` asks for. A CPU-only node can take any
+        model that asks for no minimum of VRAM: it runs `tensor_parallel` N as N processes."""
         gpus = [d for d in node.devices if d.get("kind", "cuda") == "cuda"]
         if not gpus:
             gpus = [
@@ -125,7 +125,7 @@ class Router:
                 for d in (node.discovery or {}).get("devices", [])
             ]
         if not gpus:
-            return entry.required_devices == 1 and entry.min_device_vram_mb is None
+            return entry.min_device_vram_mb is None
         big = [
             d
             for d in gpus

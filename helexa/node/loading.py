@@ -122,14 +122,40 @@ def engine_args(cfg: Config, options: LoadOptions) -> EngineArgs:
                 _nearest(options.dtype, list(DTYPES)),
             )
         kw["dtype"] = options.dtype
-    if options.tensor_parallel != 1:
+    kw |= _placement(cfg, options)
+    ref = options.ref or model_id
+    if options.tensor_parallel > 1 and (kw.get("gguf_quant") or ref.lower().endswith(".gguf")):
         raise LoadError(
-            "tensor_parallel_unsupported",
+            "invalid_placement",
             model_id,
-            f"tensor_parallel={options.tensor_parallel}: this node serves each model on one device",
-            "load with tensor_parallel = 1",
+            f"tensor_parallel={options.tensor_parallel}: a GGUF file cannot be split across ranks",
+            "load the safetensors checkpoint (with quant = 'int8', 'int4' or 'fp8' for a "
+            "smaller one), or tensor_parallel = 1",
         )
+    _check_heads(model_id, ref, options.tensor_parallel)
+    scheme, sep, rest = ref.partition(":")
+    source = cfg.sources.get(scheme if sep and "/" in rest else cfg.node.default_source)
+    if source is not None and source.cache_dir is not None:
+        kw["cache_dir"] = str(source.cache_dir)
+    return EngineArgs.from_config(cfg.engine, ref, **kw)
+
+
+def _placement(cfg: Config, options: LoadOptions) -> dict[str, Any]:
+    """Devices for the load's ranks, or the 422 when they do not exist. A CUDA node puts
+    rank r on `devices[r]` (0..N-1 when not named); a CPU node runs N ranks as N processes."""
+    model_id, tp = options.model_id, options.tensor_parallel
+    on_cpu = cfg.engine.device == "cpu" or (
+        cfg.engine.device == "auto" and not torch.cuda.is_available()
+    )
+    kw: dict[str, Any] = {"tensor_parallel": tp}
     if options.devices:
+        if on_cpu:
+            raise LoadError(
+                "device_unavailable",
+                model_id,
+                f"devices {list(options.devices)}: this node runs models on the CPU",
+                "leave devices out",
+            )
         count = torch.cuda.device_count()
         bad = [d for d in options.devices if not 0 <= d < count]
         if bad:
@@ -139,13 +165,59 @@ def engine_args(cfg: Config, options: LoadOptions) -> EngineArgs:
                 f"devices {bad} do not exist on this node ({count} CUDA devices)",
                 "see GET /discovery for the devices",
             )
+        if len(set(options.devices)) != len(options.devices) or len(options.devices) < tp:
+            raise LoadError(
+                "invalid_placement",
+                model_id,
+                f"tensor_parallel={tp} needs {tp} distinct devices, got {list(options.devices)}",
+                f"name {tp} devices, or leave devices out",
+            )
+        kw["devices"] = list(options.devices[:tp])
         kw["device"] = f"cuda:{options.devices[0]}"
-    ref = options.ref or model_id
-    scheme, sep, rest = ref.partition(":")
-    source = cfg.sources.get(scheme if sep and "/" in rest else cfg.node.default_source)
-    if source is not None and source.cache_dir is not None:
-        kw["cache_dir"] = str(source.cache_dir)
-    return EngineArgs.from_config(cfg.engine, ref, **kw)
+    elif tp > 1 and not on_cpu:
+        count = torch.cuda.device_count()
+        if tp > count:
+            raise LoadError(
+                "invalid_placement",
+                model_id,
+                f"tensor_parallel={tp} needs {tp} GPUs; this node has {count}",
+                f"load with tensor_parallel <= {count}",
+            )
+    return kw
+
+
+def _check_heads(model_id: str, ref: str, tp: int) -> None:
+    """The 422 when a local checkpoint's heads cannot be split `tp` ways (a hub model's
+    config is read by the worker, which refuses the same way)."""
+    if tp == 1:
+        return
+    try:
+        with open(f"{ref}/config.json") as f:
+            hf = json.load(f)
+    except (OSError, ValueError):
+        return
+    hf = hf.get("text_config", hf)
+    problems = []
+    heads = hf.get("num_attention_heads")
+    if heads and heads % tp:
+        problems.append(f"{heads} attention heads do not divide across {tp} ranks")
+    kv = hf.get("num_key_value_heads")
+    if kv and (kv % tp if kv >= tp else tp % kv):
+        problems.append(f"{kv} KV heads can be neither split nor replicated across {tp} ranks")
+    for key, what in (
+        ("linear_num_key_heads", "linear-attention key heads"),
+        ("linear_num_value_heads", "linear-attention value heads"),
+    ):
+        n = hf.get(key)
+        if n and n % tp:
+            problems.append(f"{n} {what} do not divide across {tp} ranks")
+    if problems:
+        raise LoadError(
+            "invalid_placement",
+            model_id,
+            f"tensor_parallel={tp}: " + "; ".join(problems),
+            "pick a tensor_parallel that divides the model's heads",
+        )
 
 
 def not_found_hint(model_id: str) -> str:

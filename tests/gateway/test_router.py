@@ -136,14 +136,14 @@ def test_a_load_that_fails_everywhere_is_a_503_naming_each_node():
     assert "b: unsupported" in e.value.message
 
 
-def test_cpu_nodes_are_feasible_only_for_one_device_without_a_vram_minimum():
+def test_cpu_nodes_are_feasible_only_without_a_vram_minimum():
     fleet = fleet_with(cpu={})
     fleet.nodes["cpu"].devices = [{"kind": "cpu", "memory_total_mb": 24000}]
     r = router(fleet)
     node = fleet.nodes["cpu"]
     assert r.feasible(ModelEntry(id="m"), node)
     assert not r.feasible(ModelEntry(id="m", min_device_vram_mb=8000), node)
-    assert not r.feasible(ModelEntry(id="m", tensor_parallel=2), node)
+    assert r.feasible(ModelEntry(id="m", tensor_parallel=2), node)  # two CPU ranks
     node.devices = [{"kind": "cuda", "memory_total_mb": 24000}] * 2
     assert r.feasible(ModelEntry(id="m", tensor_parallel=2, min_device_vram_mb=20000), node)
     assert not r.feasible(ModelEntry(id="m", min_device_vram_mb=30000), node)

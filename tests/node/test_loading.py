@@ -4,6 +4,8 @@ the body's shape first (400 naming the field), then the options a node cannot ho
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from helexa.config import Config
@@ -54,7 +56,8 @@ def test_a_malformed_body_is_a_400_naming_its_field(body, param, says):
     [
         (LoadOptions("a/b", quant="Q4_K_X"), "invalid_quant", "did you mean 'Q4_K_S'?"),
         (LoadOptions("a/b", dtype="float61"), "invalid_dtype", "did you mean 'float16'?"),
-        (LoadOptions("a/b", tensor_parallel=2), "tensor_parallel_unsupported", None),
+        (LoadOptions("a/b", tensor_parallel=2, quant="Q4_K_M"), "invalid_placement", None),
+        (LoadOptions("a/b", tensor_parallel=2, ref="/m/x.gguf"), "invalid_placement", None),
         (LoadOptions("a/b", devices=(99,)), "device_unavailable", None),
     ],
 )
@@ -71,3 +74,41 @@ def test_an_option_the_node_cannot_honour_is_a_422_before_any_allocation(options
 def test_a_gguf_quant_is_named_canonically_and_an_in_situ_one_passes_through():
     assert engine_args(Config(), LoadOptions("a/b-GGUF", quant="q4-k-m")).gguf_quant == "Q4_K_M"
     assert engine_args(Config(), LoadOptions("a/b", quant="INT8")).quant == "int8"
+
+
+def test_a_cpu_node_runs_tensor_parallel_n_as_n_ranks_on_the_cpu():
+    args = engine_args(Config(), LoadOptions("a/b", tensor_parallel=3))
+    assert args.tensor_parallel == 3 and args.devices is None
+
+
+def test_more_ranks_than_gpus_or_too_few_devices_is_a_422(monkeypatch):
+    monkeypatch.setattr("torch.cuda.is_available", lambda: True)
+    monkeypatch.setattr("torch.cuda.device_count", lambda: 2)
+    cfg = Config()
+    args = engine_args(cfg, LoadOptions("a/b", tensor_parallel=2, devices=(1, 0)))
+    assert (args.devices, args.device) == ([1, 0], "cuda:1")
+    for options, words in [
+        (LoadOptions("a/b", tensor_parallel=4), "needs 4 GPUs; this node has 2"),
+        (LoadOptions("a/b", tensor_parallel=2, devices=(1,)), "needs 2 distinct devices"),
+        (LoadOptions("a/b", tensor_parallel=2, devices=(1, 1)), "needs 2 distinct devices"),
+    ]:
+        with pytest.raises(LoadError) as err:
+            engine_args(cfg, options)
+        assert err.value.code == "invalid_placement" and words in err.value.message
+
+
+def test_heads_that_cannot_be_split_are_a_422_before_the_worker_starts(tmp_path):
+    cfg = {"num_attention_heads": 14, "num_key_value_heads": 2, "linear_num_value_heads": 6}
+    (tmp_path / "config.json").write_text(json.dumps({"text_config": cfg}))
+    ok = engine_args(Config(), LoadOptions("m", tensor_parallel=2, ref=str(tmp_path)))
+    assert ok.tensor_parallel == 2
+    with pytest.raises(LoadError) as err:
+        engine_args(Config(), LoadOptions("m", tensor_parallel=4, ref=str(tmp_path)))
+    message = err.value.message
+    assert "14 attention heads do not divide across 4 ranks" in message
+    assert "linear-attention value heads" in message
+    # 2 KV heads across 4 ranks: replicated, so not a problem of its own
+    assert "KV heads" not in message
+    with pytest.raises(LoadError) as err:
+        engine_args(Config(), LoadOptions("m", tensor_parallel=3, ref=str(tmp_path)))
+    assert "2 KV heads can be neither split nor replicated across 3 ranks" in err.value.message
