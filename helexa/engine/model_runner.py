@@ -6,6 +6,8 @@ The runner owns the KV cache tensors and the model; it never decides who runs.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -30,6 +32,33 @@ class NonFiniteLogitsError(RuntimeError):
 
 class NonFiniteRowError(RuntimeError):
     """One sequence's logits were NaN/Inf while its batch-mates' were finite: it fails alone."""
+
+
+@dataclass(slots=True)
+class StepPlan:
+    """One step's inputs as host values, no Sequence and no tensor: rank 0 plans the step
+    from the scheduled batch and, under tensor parallel, sends the plan to every other rank,
+    so that all of them build the same tensors from it (`ModelRunner.build`)."""
+
+    ids: list[int]  # [num_tokens] the flat batch's token ids
+    positions: list[int]  # [num_tokens]
+    slots: list[int]  # [num_tokens] the cache slot of each new token
+    # one per prefill chunk: start row, end row, state slot, tokens cached before it, and on
+    # the torch path for a later chunk the slots of its whole context (else None)
+    prefills: list[tuple[int, int, int, int, list[int] | None]]
+    decode_rows: list[int]  # rows of one-token chunks that continue a sequence
+    sample_rows: list[int]  # rows whose logits are computed this step
+    sample_seqs: list[int]  # their sequences' batch indices
+    restores: list[StateCopy]  # state copies before the forward
+    snapshots: list[StateCopy]  # and after it
+    has_prompt: bool  # PREFILL_STEP: some sequence is still reading its prompt
+    decode_state_slots: list[int] | None = None  # hybrid models: the decode rows' state rows
+    decode_lens: list[int] | None = None  # torch path: each decode row's context length
+    decode_tables: list[list[int]] | None = None  # torch path: their padded block tables
+    context_lens: list[int] | None = None  # Triton path: every sequence's length after the step
+    block_tables: list[list[int]] | None = None  # Triton path: every sequence's, padded
+    cu_seqlens_q: list[int] | None = None  # Triton path, with prefills: new-token offsets
+    max_seqlen_q: int = 1
 
 
 class ModelRunner:
@@ -69,6 +98,8 @@ class ModelRunner:
             # the delta-rule state accumulates over the whole context: kept in float32
             layer.ssm_state = torch.zeros(rows, *ssm, dtype=torch.float32, device=device)
         self.graphs_off_reason: str | None = "not captured"
+        # tensor parallel, on rank 0: sends each step's plan to the other ranks
+        self.broadcast: Callable[[StepPlan], None] | None = None
 
     def capture_graphs(self, max_num_seqs: int, max_model_len: int) -> None:
         """Capture the decode CUDA graphs on a CUDA device (or record why not, in
@@ -127,19 +158,17 @@ class ModelRunner:
         host = torch.tensor(values, dtype=dtype, pin_memory=True)
         return host.to(self.device, non_blocking=True)
 
-    def prepare(
-        self, batch: ScheduledBatch
-    ) -> tuple[torch.Tensor, torch.Tensor, AttentionContext, list[int], list[int]]:
-        """Flat inputs for the step: ids, positions, attention context, and for the
-        sequences that sample this step their last rows and their batch indices."""
+    def plan(self, batch: ScheduledBatch) -> StepPlan:
+        """The step's inputs as host values (see StepPlan)."""
         ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
-        prefills: list[PrefillSegment] = []
+        prefills: list[tuple[int, int, int, int, list[int] | None]] = []
         decode_rows: list[int] = []
         decode_seqs: list[Sequence] = []
         sample_rows: list[int] = []
         sample_seqs: list[int] = []
+        triton = self.use_triton
         row = 0
         for i, seq in enumerate(batch.seqs):
             n = batch.num_new_tokens[i]
@@ -151,24 +180,61 @@ class ModelRunner:
                 decode_rows.append(row)
                 decode_seqs.append(seq)
             else:
-                seg = PrefillSegment(row, row + n, None, state_slot=seq.state_slot, cached=start)
-                if start and not self.use_triton:
-                    context = self.slots(seq, 0, start + n)
-                    seg.context_slots = self.tensor(context)
-                    span = start + n
-                    seg.mask = torch.ones(n, span, dtype=torch.bool).tril(span - n)
-                    seg.mask = seg.mask.to(self.device, non_blocking=True)
-                prefills.append(seg)
+                context = self.slots(seq, 0, start + n) if start and not triton else None
+                prefills.append((row, row + n, seq.state_slot, start, context))
             row += n
             if batch.samples(i):
                 sample_rows.append(row - 1)
                 sample_seqs.append(i)
+        plan = StepPlan(
+            ids,
+            positions,
+            slots,
+            prefills,
+            decode_rows,
+            sample_rows,
+            sample_seqs,
+            batch.restores,
+            batch.snapshots,
+            has_prompt=any(s.num_computed_tokens < s.num_prompt_tokens for s in batch.seqs),
+        )
+        bs = self.block_size
+        if triton:  # block tables and lengths of every sequence, for the kernels
+            news = batch.num_new_tokens
+            lengths = [s.num_computed_tokens + n for s, n in zip(batch.seqs, news, strict=True)]
+            plan.context_lens = lengths
+            plan.block_tables = self.block_tables(batch.seqs, max(-(-n // bs) for n in lengths))
+            if prefills:
+                cu = [0]
+                for n in news:
+                    cu.append(cu[-1] + n)
+                plan.cu_seqlens_q = cu
+                plan.max_seqlen_q = max(news)
+        if decode_seqs:
+            if self.recurrent_layers:
+                plan.decode_state_slots = [s.state_slot for s in decode_seqs]
+            if not triton:  # the torch path gathers whole blocks of each decode row
+                lengths = [s.num_computed_tokens + 1 for s in decode_seqs]
+                plan.decode_lens = lengths
+                plan.decode_tables = self.block_tables(decode_seqs, -(-max(lengths) // bs))
+        return plan
 
-        input_ids = self.tensor(ids)
-        pos = self.tensor(positions)
+    def build(self, plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor, AttentionContext]:
+        """The step's device inputs from its plan: token ids, positions, attention context."""
+        input_ids = self.tensor(plan.ids)
+        pos = self.tensor(plan.positions)
         cos, sin = self.rotary_tables(pos)
+        prefills: list[PrefillSegment] = []
+        for start, end, state_slot, cached, context in plan.prefills:
+            seg = PrefillSegment(start, end, None, state_slot=state_slot, cached=cached)
+            if context is not None:  # a later chunk on the torch path
+                seg.context_slots = self.tensor(context)
+                n, span = end - start, len(context)
+                seg.mask = torch.ones(n, span, dtype=torch.bool).tril(span - n)
+                seg.mask = seg.mask.to(self.device, non_blocking=True)
+            prefills.append(seg)
         ctx = AttentionContext(
-            slot_mapping=self.tensor(slots),
+            slot_mapping=self.tensor(plan.slots),
             cos=cos,
             sin=sin,
             prefills=prefills,
@@ -176,51 +242,58 @@ class ModelRunner:
             decode_blocks=None,
             decode_mask=None,
         )
-        if self.use_triton:
-            self._prepare_paged(ctx, batch, decode_only=not prefills)
-        if decode_seqs:
-            self._prepare_decode(ctx, decode_rows, decode_seqs, all_decode=not prefills)
-        return input_ids, pos, ctx, sample_rows, sample_seqs
+        if plan.context_lens is not None:
+            ctx.context_lens = self.tensor(plan.context_lens, torch.int32)
+            ctx.block_tables = self.tensor(plan.block_tables, torch.int32)
+            if plan.cu_seqlens_q is not None:
+                ctx.cu_seqlens_q = self.tensor(plan.cu_seqlens_q, torch.int32)
+                ctx.max_seqlen_q = plan.max_seqlen_q
+        if plan.decode_rows:
+            ctx.decode_rows = self.tensor(plan.decode_rows)
+            ctx.all_decode = not prefills
+            if plan.decode_state_slots is not None:
+                ctx.decode_state_slots = self.tensor(plan.decode_state_slots)
+            if plan.decode_tables is not None:
+                self._decode_blocks(ctx, plan.decode_tables, plan.decode_lens)
+        return input_ids, pos, ctx
 
     def rotary_tables(self, positions: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         """cos, sin [num_tokens, 1, rotary_dim] for the positions (None without rotary)."""
         rotary = getattr(self.model, "rotary", None)
         return rotary.lookup(positions, self.dtype) if rotary is not None else (None, None)
 
-    def _prepare_paged(self, ctx: AttentionContext, batch: ScheduledBatch, decode_only: bool):
-        """Block tables and lengths of every sequence of the step, for the Triton kernels."""
-        news = batch.num_new_tokens
-        lengths = [s.num_computed_tokens + n for s, n in zip(batch.seqs, news, strict=True)]
-        width = max(-(-n // self.block_size) for n in lengths)
-        ctx.context_lens = self.tensor(lengths, torch.int32)
-        ctx.block_tables = self.tensor(self.block_tables(batch.seqs, width), torch.int32)
-        if not decode_only:
-            cu = [0]
-            for n in news:
-                cu.append(cu[-1] + n)
-            ctx.cu_seqlens_q = self.tensor(cu, torch.int32)
-            ctx.max_seqlen_q = max(news)
-
-    def _prepare_decode(
-        self, ctx: AttentionContext, rows: list[int], seqs: list[Sequence], all_decode: bool
+    def _decode_blocks(
+        self, ctx: AttentionContext, tables: list[list[int]], lengths: list[int]
     ) -> None:
-        ctx.decode_rows = self.tensor(rows)
-        ctx.all_decode = all_decode
-        if self.recurrent_layers:
-            ctx.decode_state_slots = self.tensor([s.state_slot for s in seqs])
-        if self.use_triton:
-            return  # attention reads ctx.block_tables / context_lens
-        bs = self.block_size
-        lengths = [s.num_computed_tokens + 1 for s in seqs]
-        max_blocks = -(-max(lengths) // bs)
-        ctx.decode_blocks = self.tensor(self.block_tables(seqs, max_blocks))
-        span = max_blocks * bs
+        """Torch path: the decode rows' whole blocks, and a mask past each row's length."""
+        ctx.decode_blocks = self.tensor(tables)
+        span = len(tables[0]) * self.block_size
         if any(n != span for n in lengths):
             pos = torch.arange(span)
             visible = pos.unsqueeze(0) < torch.tensor(lengths).unsqueeze(1)
             # additive float mask: SDPA would convert a bool one again in every layer
             mask = torch.zeros(visible.shape, dtype=self.dtype).masked_fill_(~visible, -torch.inf)
             ctx.decode_mask = mask[:, None, None, :].to(self.device, non_blocking=True)
+
+    def forward(self, plan: StepPlan) -> torch.Tensor:
+        """The model over the plan's inputs: hidden [num_tokens, hidden_size]."""
+        input_ids, positions, ctx = self.build(plan)
+        token = PREFILL_STEP.set(plan.has_prompt)
+        try:
+            return self.model(input_ids, positions, ctx)
+        finally:
+            PREFILL_STEP.reset(token)
+
+    @torch.inference_mode()
+    def run_plan(self, plan: StepPlan) -> None:
+        """A follower rank's step: rank 0's copies, forward and logits (whose collectives
+        it takes part in), without sampling."""
+        self.copy_states(plan.restores)
+        hidden = self.forward(plan)
+        self.copy_states(plan.snapshots)
+        if plan.sample_rows:
+            # seqs are only read by the scripted test model, never sharded
+            self.model.compute_logits(hidden[plan.sample_rows], None)
 
     @torch.inference_mode()
     def run(
@@ -234,16 +307,14 @@ class ModelRunner:
 
         A decode step on CUDA reads nothing back from the device but its sampled tokens
         (with each row's finiteness, in the same copy)."""
-        has_prompt = any(s.num_computed_tokens < s.num_prompt_tokens for s in batch.seqs)
         self.copy_states(batch.restores)
         hidden = self.graphs.run(self, batch) if self.graphs is not None else None
         if hidden is None:
-            input_ids, positions, ctx, sample_rows, sample_seqs = self.prepare(batch)
-            token = PREFILL_STEP.set(has_prompt)
-            try:
-                hidden = self.model(input_ids, positions, ctx)
-            finally:
-                PREFILL_STEP.reset(token)
+            plan = self.plan(batch)
+            if self.broadcast is not None:  # tensor parallel: the followers run it too
+                self.broadcast(plan)
+            hidden = self.forward(plan)
+            sample_rows, sample_seqs = plan.sample_rows, plan.sample_seqs
         else:  # a replayed graph: every sequence decodes and samples, in order
             sample_seqs = list(range(len(batch.seqs)))
             sample_rows = sample_seqs
