@@ -4,11 +4,14 @@ One process per rank (`helexa.engine.rank_worker` spawns them). World size 1, th
 is the unsharded model: every helper below is then the identity and costs nothing. The
 device collectives run on `group` (NCCL on CUDA, gloo on CPU) with the deadline the engine
 gives (`[engine] step_timeout_s`), so a hung all-reduce raises instead of waiting forever.
+Which part of a weight a rank holds is worked out here too (`shard_range`, `head_shard`,
+`vocab_range`, `Shard`), at build time: a forward at world size 1 never asks.
 """
 
 from __future__ import annotations
 
 import datetime
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -88,6 +91,77 @@ def shard_range(total: int, what: str) -> tuple[int, int]:
         )
     size = total // t.world_size
     return t.rank * size, (t.rank + 1) * size
+
+
+def vocab_range(vocab_size: int) -> tuple[int, int]:
+    """This rank's [start, end) of the vocabulary padded up to a multiple of the world size
+    (rows past `vocab_size` are zeros): the vocab-parallel embedding's and lm_head's."""
+    t = _TP
+    per = -(-vocab_size // t.world_size)
+    return t.rank * per, (t.rank + 1) * per
+
+
+@dataclass(frozen=True, slots=True)
+class HeadShard:
+    """This rank's attention heads: query heads [q_start, q_end), KV heads [kv_start, kv_end)."""
+
+    q_start: int
+    q_end: int
+    kv_start: int
+    kv_end: int
+
+
+def head_shard(num_heads: int, num_kv_heads: int) -> HeadShard:
+    """Split the query heads evenly; the KV heads too when there are at least as many as
+    ranks, else each rank keeps the one KV head its query heads read (replicated across
+    world_size / num_kv_heads ranks)."""
+    n, r = _TP.world_size, _TP.rank
+    q0, q1 = shard_range(num_heads, "num_attention_heads")
+    if num_kv_heads >= n:
+        kv0, kv1 = shard_range(num_kv_heads, "num_key_value_heads")
+        return HeadShard(q0, q1, kv0, kv1)
+    if n % num_kv_heads:
+        raise PlacementError(
+            f"num_key_value_heads ({num_kv_heads}) is below tensor_parallel={n} and does not "
+            f"divide it, so the ranks cannot share KV heads evenly",
+            f"pick a tensor_parallel that is a multiple of {num_kv_heads} or divides it",
+        )
+    kv = r * num_kv_heads // n
+    return HeadShard(q0, q1, kv, kv + 1)
+
+
+@dataclass(frozen=True, slots=True)
+class Shard:
+    """Which parts of a checkpoint tensor this rank holds: `ranges` [start, end) along `dim`
+    of a tensor `total` long there, concatenated; a range past `total` reads zeros (padding)."""
+
+    dim: int
+    total: int
+    ranges: tuple[tuple[int, int], ...]
+
+    @property
+    def size(self) -> int:
+        return sum(b - a for a, b in self.ranges)
+
+    def full_shape(self, local: Sequence[int]) -> tuple[int, ...]:
+        """The checkpoint's shape of a tensor held as `local`."""
+        shape = list(local)
+        shape[self.dim] = self.total
+        return tuple(shape)
+
+    def take(self, w: torch.Tensor) -> torch.Tensor:
+        """This rank's part of the whole tensor `w`."""
+        assert w.shape[self.dim] == self.total, (tuple(w.shape), self.dim, self.total)
+        parts = []
+        for a, b in self.ranges:
+            lo, hi = min(a, self.total), min(b, self.total)
+            part = w.narrow(self.dim, lo, hi - lo)
+            if b > self.total:  # padding rows past the end
+                pad = list(w.shape)
+                pad[self.dim] = b - max(a, self.total)
+                part = torch.cat([part, w.new_zeros(pad)], dim=self.dim)
+            parts.append(part)
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=self.dim)
 
 
 def all_reduce(x: torch.Tensor) -> torch.Tensor:
