@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from helexa import kernels
+from helexa.engine.parallel import Shard, all_gather_last, all_reduce, shard_range, tp, vocab_range
 from helexa.kernels.quant_pack import GGUF_KINDS, QuantWeight, cat_rows, naive_dequantize
 
 if TYPE_CHECKING:
@@ -102,6 +103,9 @@ class Linear(nn.Module):
         # decode batches), where a dense GEMM beats the int4 kernel (2x at 128 rows).
         self.dense: torch.Tensor | None = None
         self.qweight: QuantWeight | None = None  # format "quant"
+        # Tensor parallel: the rows (column-parallel) or columns (row-parallel) of the
+        # checkpoint's weight this rank holds; in/out_features are then the local sizes.
+        self.shard: Shard | None = None
 
     # -- loading -------------------------------------------------------------------
     def load_weight(
@@ -120,6 +124,10 @@ class Linear(nn.Module):
         if quant not in QUANTS:
             raise ValueError(f"unknown quant {quant!r}; supported: {list(QUANTS)}")
         shape = (self.out_features, self.in_features)
+        if self.shard is not None:  # this rank's part, then held (quantized) as any weight
+            full = self.shard.full_shape(shape)
+            assert tuple(src.shape) == full, f"weight shape {tuple(src.shape)} != {full}"
+            src = self.shard.take(as_dense(src))  # GGUF is refused with TP: floats here
         assert tuple(src.shape) == shape, f"weight shape {tuple(src.shape)} != {shape}"
         self.dtype = dtype
         raw = src if isinstance(src, torch.Tensor) else src.data
@@ -181,8 +189,22 @@ class Linear(nn.Module):
         self.weight, self.scales, self.dense, self.qweight = None, None, None, qw
 
     def load_bias(self, b: torch.Tensor, *, dtype: torch.dtype) -> None:
+        if self.shard is not None and self.shard.dim == 0:
+            b = self.shard.take(b)
+        elif self.shard is not None and tp().rank != 0:
+            return  # row-parallel: the ranks' outputs are summed, so rank 0 alone adds it
         assert tuple(b.shape) == (self.out_features,), f"bias shape {tuple(b.shape)}"
         self.bias = b.to(dtype).contiguous()
+
+    def sharded(self, shard: Shard) -> Linear:
+        """Hold only `shard` of the checkpoint's weight: rows (dim 0) or columns (dim 1)."""
+        self.shard = shard
+        if shard.dim == 0:
+            self.out_features = shard.size
+            self.split_sizes = [shard.size]
+        else:
+            self.in_features = shard.size
+        return self
 
     def _can_pack(self, kernel: str) -> bool:
         # int8pack_mm crashes or miscomputes when in_features is not a multiple of 16
@@ -222,8 +244,8 @@ class Linear(nn.Module):
                 h = h.to(self.dtype)
             y = kernels.quant_matmul(h, self.qweight, self.bias)
             return y.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
-        if x.dim() != 2:
-            y = self.forward(x.reshape(-1, self.in_features))
+        if x.dim() != 2:  # Linear's own forward: a subclass's collective runs once, outside
+            y = Linear.forward(self, x.reshape(-1, self.in_features))
             return y.reshape(*x.shape[:-1], self.out_features)
         # decode calls this ~200 times a token: every skipped no-op counts
         if self.dense is not None and (x.shape[0] >= DENSE_MIN_ROWS or PREFILL_STEP.get()):
@@ -281,6 +303,72 @@ class Linear(nn.Module):
             f"in_features={self.in_features}, out_features={self.out_features}, "
             f"format={self.format}, bias={self.bias is not None}"
         )
+
+
+class RowParallelLinear(Linear):
+    """This rank's columns of W times its slice of the input; forward sums the ranks'
+    partial outputs (all_reduce). Only built when tensor parallel is on."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return all_reduce(Linear.forward(self, x))
+
+
+class VocabParallelHead(Linear):
+    """lm_head split by vocabulary: this rank's rows of the table padded to a multiple of
+    the ranks (`vocab_range`); forward gathers every rank's logits and drops the padding,
+    so each rank returns the full [..., vocab_size]. Only built when tensor parallel is on."""
+
+    def __init__(self, hidden_size: int, vocab_size: int) -> None:
+        super().__init__(hidden_size, vocab_size, False)
+        self.vocab_size = vocab_size
+        self.sharded(Shard(0, vocab_size, (vocab_range(vocab_size),)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        logits = all_gather_last(Linear.forward(self, x))
+        return logits if logits.shape[-1] == self.vocab_size else logits[..., : self.vocab_size]
+
+
+def column_parallel(
+    in_features: int,
+    out_features: int,
+    bias: bool = False,
+    *,
+    rows: Sequence[tuple[int, int]] | None = None,
+    what: str = "out_features",
+) -> Linear:
+    """A Linear whose rank holds `rows` ([start, end) ranges of out_features; by default an
+    even split of them, `what` naming them in a PlacementError) and their bias: its output
+    is this rank's part. At world size 1, a plain Linear."""
+    if not tp().enabled:
+        return Linear(in_features, out_features, bias)
+    ranges = tuple(rows) if rows is not None else (shard_range(out_features, what),)
+    return Linear(in_features, out_features, bias).sharded(Shard(0, out_features, ranges))
+
+
+def row_parallel(
+    in_features: int,
+    out_features: int,
+    bias: bool = False,
+    *,
+    reduce: bool = True,
+    what: str = "in_features",
+) -> Linear:
+    """A Linear whose rank holds an even split of the in_features columns (its input is the
+    matching slice of a column-parallel output). `reduce`: forward all-reduces, so every
+    rank gets the whole output; else the caller sums the ranks' partial outputs once (MoE,
+    after the experts are combined). At world size 1, a plain Linear."""
+    if not tp().enabled:
+        return Linear(in_features, out_features, bias)
+    cls = RowParallelLinear if reduce else Linear
+    shard = Shard(1, in_features, (shard_range(in_features, what),))
+    return cls(in_features, out_features, bias).sharded(shard)
+
+
+def lm_head(hidden_size: int, vocab_size: int) -> Linear:
+    """The output projection: vocab-parallel under tensor parallel, else a plain Linear."""
+    if not tp().enabled:
+        return Linear(hidden_size, vocab_size, False)
+    return VocabParallelHead(hidden_size, vocab_size)
 
 
 def fuse(linears: Sequence[Linear]) -> Linear:
