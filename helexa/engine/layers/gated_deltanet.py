@@ -10,6 +10,13 @@ sequence's state is two tensors in pools the model runner allocates (rows = stat
 Prefill segments run the whole-prompt conv and the chunked delta rule from their slot's
 state (zeros for a fresh sequence) and write the final state back; decode rows update
 their slots in place with the one-step kernels. Kernels come from `helexa.kernels`.
+
+Tensor parallel splits the heads: each rank holds Hk/N key heads and the Hv/N value heads
+that read them (value head j reads key head j // (Hv/Hk), so both split evenly). The packed
+in_proj_qkv rows and conv channels are [q of all key heads | k of all key heads | v of all
+value heads], so a rank holds three slices of them; z, a, b, A_log and dt_bias are per
+value head; out_proj is row-parallel and all-reduces; the gated norm's weight (per head dim)
+is replicated. States are per rank.
 """
 
 from __future__ import annotations
@@ -21,7 +28,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from helexa import kernels
-from helexa.engine.layers.linear import Linear, as_dense
+from helexa.engine.layers.linear import as_dense, column_parallel, row_parallel
+from helexa.engine.parallel import Shard, shard_range
 
 if TYPE_CHECKING:
     from helexa.engine.layers.attention import AttentionContext
@@ -66,14 +74,29 @@ class GatedDeltaNet(nn.Module):
                 f"linear_num_value_heads {self.num_v_heads} is not a multiple of "
                 f"linear_num_key_heads {self.num_k_heads}"
             )
-        self.key_dim = self.num_k_heads * self.head_k_dim
-        self.value_dim = self.num_v_heads * self.head_v_dim
+        hk, hv, dk, dv = self.num_k_heads, self.num_v_heads, self.head_k_dim, self.head_v_dim
+        key_dim, value_dim = hk * dk, hv * dv
+        conv_dim = 2 * key_dim + value_dim
+        # This rank's key and value heads (all of them at world size 1).
+        k0, k1 = shard_range(hk, "linear_num_key_heads")
+        v0, v1 = shard_range(hv, "linear_num_value_heads")
+        qkv_rows = (
+            (k0 * dk, k1 * dk),
+            (key_dim + k0 * dk, key_dim + k1 * dk),
+            (2 * key_dim + v0 * dv, 2 * key_dim + v1 * dv),
+        )
+        self.in_proj_qkv = column_parallel(hidden_size, conv_dim, rows=qkv_rows)
+        self.in_proj_z = column_parallel(hidden_size, value_dim, rows=[(v0 * dv, v1 * dv)])
+        self.in_proj_b = column_parallel(hidden_size, hv, rows=[(v0, v1)])
+        self.in_proj_a = column_parallel(hidden_size, hv, rows=[(v0, v1)])
+        self.out_proj = row_parallel(value_dim, hidden_size, what="linear attention value channels")
+        # The checkpoint's conv channels and per-value-head tensors this rank holds.
+        self.conv_shard = Shard(0, conv_dim, qkv_rows)
+        self.head_shard = Shard(0, hv, ((v0, v1),))
+        self.num_k_heads, self.num_v_heads = k1 - k0, v1 - v0  # local from here on
+        self.key_dim = self.num_k_heads * dk
+        self.value_dim = self.num_v_heads * dv
         self.conv_dim = 2 * self.key_dim + self.value_dim
-        self.in_proj_qkv = Linear(hidden_size, self.conv_dim)
-        self.in_proj_z = Linear(hidden_size, self.value_dim)
-        self.in_proj_b = Linear(hidden_size, self.num_v_heads)
-        self.in_proj_a = Linear(hidden_size, self.num_v_heads)
-        self.out_proj = Linear(self.value_dim, hidden_size)
         self.norm = RMSNormGated(self.head_v_dim, eps)
         # Loaded as checkpoint tensors (load_param); kept in float32, as the gating runs in it.
         self.conv_weight: torch.Tensor | None = None  # [conv_dim, kernel] (HF conv1d.weight)
@@ -94,14 +117,15 @@ class GatedDeltaNet(nn.Module):
     PARAMS = ("conv1d.weight", "A_log", "dt_bias")
 
     def load_param(self, name: str, src: WeightSource, dtype: torch.dtype) -> None:
-        """A checkpoint tensor that is not a Linear's: `conv1d.weight`, `A_log`, `dt_bias`."""
+        """A checkpoint tensor that is not a Linear's: `conv1d.weight`, `A_log`, `dt_bias`
+        (this rank's channels and value heads of them)."""
         w = as_dense(src)
         if name == "conv1d.weight":  # [conv_dim, 1, kernel]
-            w = w.reshape(self.conv_dim, self.conv_kernel)
+            w = self.conv_shard.take(w.reshape(self.conv_shard.total, self.conv_kernel))
             self.conv_weight = w.to(dtype).contiguous()
         elif name in ("A_log", "dt_bias"):
-            assert tuple(w.shape) == (self.num_v_heads,), (name, tuple(w.shape))
-            setattr(self, name, w.float().contiguous())
+            assert tuple(w.shape) == (self.head_shard.total,), (name, tuple(w.shape))
+            setattr(self, name, self.head_shard.take(w).float().contiguous())
         else:
             raise ValueError(f"unexpected GatedDeltaNet weight {name!r}")
 

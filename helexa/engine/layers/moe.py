@@ -8,6 +8,14 @@ they are stacked once into `w13` [E, 2I, H] and `w2` [E, H, I] and run through
 expert and makes one matmul pair per expert that has any). Quantized experts (CPU int4/int8
 from GGUF or an in-situ quant) stay per-expert `Linear`s and take the same sorted path, so a
 quantization is never silently widened.
+
+Tensor parallel splits every expert's intermediate size (not the experts across ranks):
+each rank holds all E experts with I/N of their gate/up rows (column-parallel) and down
+columns (row-parallel), so the router, the top-k and the fused kernels run unchanged on
+every rank; the combined output (shared expert included) is this rank's partial sum, and
+one all-reduce per layer completes it. The router and the shared expert's gate are
+replicated. Expert parallelism would need a token all-to-all per layer and balanced
+routing; this needs neither.
 """
 
 from __future__ import annotations
@@ -20,6 +28,7 @@ from torch import nn
 
 from helexa import kernels
 from helexa.engine.layers.linear import Linear
+from helexa.engine.parallel import all_reduce, tp
 from helexa.kernels.quant_pack import QuantWeight, cat_rows
 
 if TYPE_CHECKING:
@@ -157,6 +166,33 @@ class SparseMoE(nn.Module):
             shared = self.shared_expert.forward(x)
             out = out + torch.sigmoid(self.shared_expert_gate.forward(x)) * shared
         return out
+
+
+class TensorParallelMoE(SparseMoE):
+    """SparseMoE over experts that each hold a slice of their intermediate size (built with
+    `MLP(partial=True)`): the ranks' partial outputs are summed once, after the combine."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return all_reduce(SparseMoE.forward(self, x))
+
+
+def sparse_moe(
+    hidden_size: int,
+    experts: list[MLP],
+    *,
+    top_k: int,
+    norm_topk_prob: bool,
+    shared_expert: MLP | None = None,
+) -> SparseMoE:
+    """A SparseMoE; under tensor parallel the one that all-reduces its partial output."""
+    cls = TensorParallelMoE if tp().enabled else SparseMoE
+    return cls(
+        hidden_size,
+        experts,
+        top_k=top_k,
+        norm_topk_prob=norm_topk_prob,
+        shared_expert=shared_expert,
+    )
 
 
 def _linears(expert: MLP) -> list[Linear]:

@@ -11,10 +11,19 @@ from torch import nn
 
 from helexa import kernels
 from helexa.engine.layers.attention import AttentionContext, PagedAttention
-from helexa.engine.layers.linear import Linear, as_dense, fuse, kernel_layout
+from helexa.engine.layers.linear import (
+    Linear,
+    as_dense,
+    column_parallel,
+    fuse,
+    kernel_layout,
+    lm_head,
+    row_parallel,
+)
 from helexa.engine.layers.norm import RMSNorm
 from helexa.engine.layers.rotary import RotaryEmbedding
 from helexa.engine.models.config import ModelConfig
+from helexa.engine.parallel import Shard, all_reduce, head_shard, tp, vocab_range
 from helexa.kernels.quant_pack import GGUF_KINDS, QuantWeight, naive_dequantize
 
 if TYPE_CHECKING:
@@ -29,14 +38,21 @@ class Attention(nn.Module):
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        h, d = cfg.num_heads, cfg.head_dim
-        kvh = cfg.num_kv_heads
+        h, d, qp = cfg.num_heads, cfg.head_dim, self.q_parts
+        kvh, hidden = cfg.num_kv_heads, cfg.hidden_size
         bias = cfg.attention_bias if self.qkv_bias is None else self.qkv_bias
+        # Tensor parallel: this rank's query heads and the KV heads they read (see
+        # parallel.head_shard); q/k/v column-parallel by head, o_proj row-parallel.
+        s = head_shard(h, kvh)
+        q_rows, kv_rows = [(s.q_start * d * qp, s.q_end * d * qp)], [(s.kv_start * d, s.kv_end * d)]
+        self.q_proj = column_parallel(hidden, h * d * qp, bias, rows=q_rows)
+        self.k_proj = column_parallel(hidden, kvh * d, bias, rows=kv_rows)
+        self.v_proj = column_parallel(hidden, kvh * d, bias, rows=kv_rows)
+        self.o_proj = row_parallel(
+            h * d, hidden, cfg.attention_bias and self.qkv_bias is None, what="attention heads"
+        )
+        h, kvh = s.q_end - s.q_start, s.kv_end - s.kv_start
         self.num_heads, self.num_kv_heads, self.head_dim = h, kvh, d
-        self.q_proj = Linear(cfg.hidden_size, h * d * self.q_parts, bias)
-        self.k_proj = Linear(cfg.hidden_size, kvh * d, bias)
-        self.v_proj = Linear(cfg.hidden_size, kvh * d, bias)
-        self.o_proj = Linear(h * d, cfg.hidden_size, cfg.attention_bias and self.qkv_bias is None)
         if self.qk_norm:
             self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
@@ -68,12 +84,21 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, intermediate_size: int | None = None) -> None:
+    """SwiGLU. Tensor parallel splits the intermediate size: gate/up column-parallel, down
+    row-parallel. `partial`: down_proj's output is left as this rank's partial sum, for an
+    owner that adds several up before one all-reduce (MoE experts, the shared expert)."""
+
+    def __init__(
+        self, cfg: ModelConfig, intermediate_size: int | None = None, *, partial: bool = False
+    ) -> None:
         super().__init__()
         inter = intermediate_size or cfg.intermediate_size
-        self.gate_proj = Linear(cfg.hidden_size, inter, cfg.mlp_bias)
-        self.up_proj = Linear(cfg.hidden_size, inter, cfg.mlp_bias)
-        self.down_proj = Linear(inter, cfg.hidden_size, cfg.mlp_bias)
+        hidden, bias = cfg.hidden_size, cfg.mlp_bias
+        self.gate_proj = column_parallel(hidden, inter, bias, what="intermediate_size")
+        self.up_proj = column_parallel(hidden, inter, bias, what="intermediate_size")
+        self.down_proj = row_parallel(
+            inter, hidden, bias, reduce=not partial, what="intermediate_size"
+        )
 
     def fuse_projections(self) -> None:
         try:
@@ -155,6 +180,34 @@ class Embedding(nn.Module):
         return super()._apply(fn, recurse)
 
 
+class VocabParallelEmbedding(Embedding):
+    """Tensor parallel: this rank's rows of the table (`vocab_range`, zero rows past the
+    vocabulary); ids outside them look up zeros, and the ranks' lookups are summed."""
+
+    def __init__(self, vocab_size: int, hidden_size: int) -> None:
+        super().__init__(vocab_size, hidden_size)
+        self.shard = Shard(0, vocab_size, (vocab_range(vocab_size),))
+        self.start = self.shard.ranges[0][0]
+
+    def load_weight(self, src: WeightSource, *, dtype: torch.dtype, quant: str | None = None):
+        assert tuple(src.shape) == (self.vocab_size, self.hidden_size), tuple(src.shape)
+        self.dtype = dtype
+        self.weight = self.shard.take(as_dense(src)).to(dtype).contiguous()
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        local = ids - self.start
+        outside = (local < 0) | (local >= self.shard.size)
+        x = self.weight[local.masked_fill(outside, 0)]  # [num_tokens, hidden]
+        return all_reduce(x.masked_fill_(outside.unsqueeze(-1), 0))
+
+
+def embedding(vocab_size: int, hidden_size: int) -> Embedding:
+    """The token embeddings: vocab-parallel under tensor parallel, else the whole table."""
+    if not tp().enabled:
+        return Embedding(vocab_size, hidden_size)
+    return VocabParallelEmbedding(vocab_size, hidden_size)
+
+
 class LlamaForCausalLM(nn.Module):
     """Decoder-only transformer; HF checkpoint names map onto module paths one to one."""
 
@@ -174,10 +227,10 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig, max_position: int | None = None) -> None:
         super().__init__()
         self.config = cfg
-        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList([self.layer_cls(cfg, i) for i in range(cfg.num_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, False)
+        self.lm_head = lm_head(cfg.hidden_size, cfg.vocab_size)
         self.max_position = max_position or cfg.max_position_embeddings
         self.rotary = RotaryEmbedding(
             cfg.head_dim, self.max_position, cfg.rope_theta, cfg.rope_scaling

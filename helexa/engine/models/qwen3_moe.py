@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from helexa.engine.layers.moe import SparseMoE
+from helexa.engine.layers.moe import SparseMoE, sparse_moe
 from helexa.engine.models.config import ModelConfig
 from helexa.engine.models.llama import MLP, LlamaForCausalLM
 from helexa.engine.models.qwen3 import Qwen3DecoderLayer
@@ -17,15 +17,18 @@ def num_experts(hf: dict) -> int:
 
 def moe_block(cfg: ModelConfig, *, norm_topk_prob: bool, shared: bool = False) -> SparseMoE:
     """The sparse MLP of a layer as the config describes it (router top-k, normalisation,
-    Qwen3.5's gated shared expert)."""
+    Qwen3.5's gated shared expert). Experts are `partial`: under tensor parallel the block
+    sums the ranks' outputs once, after combining them."""
     hf = cfg.hf
     inter = hf["moe_intermediate_size"]
-    return SparseMoE(
+    return sparse_moe(
         cfg.hidden_size,
-        [MLP(cfg, inter) for _ in range(num_experts(hf))],
+        [MLP(cfg, inter, partial=True) for _ in range(num_experts(hf))],
         top_k=hf["num_experts_per_tok"],
         norm_topk_prob=norm_topk_prob,
-        shared_expert=MLP(cfg, hf["shared_expert_intermediate_size"]) if shared else None,
+        shared_expert=(
+            MLP(cfg, hf["shared_expert_intermediate_size"], partial=True) if shared else None
+        ),
     )
 
 
