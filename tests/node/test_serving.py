@@ -2,7 +2,7 @@
 engine serving the scripted test architecture.
 
 Each test builds its own node and runs its own loop with `asyncio.run`; assertions are on
-the answer, the admission counters and the engine's own statistics.
+the answer, the admission counters and the engine's own statistics (as its worker process last reported them).
 """
 
 from __future__ import annotations
@@ -119,12 +119,12 @@ def test_a_stream_closed_early_releases_its_slot_and_aborts_its_sequence(scripte
             events = aiter(run.stream())
             first = [await anext(events) for _ in range(3)]  # the opening and two words
             assert all(e.startswith(b"data: ") for e in first)
-            assert served.engine.stats().num_running == 1
+            assert served.stats.num_running == 1
             await events.aclose()  # the client left
             assert served.admission.num_running == 0
             assert notes["finish_reason"] == "abort"
-            await settle_until(lambda: served.engine.stats().num_running == 0)
-            await settle_until(lambda: served.engine.stats().kv_usage == 0)
+            await settle_until(lambda: served.stats.num_running == 0)
+            await settle_until(lambda: served.stats.kv_usage == 0)
 
     asyncio.run(scenario())
 
@@ -161,11 +161,11 @@ def test_cancelling_a_whole_answer_releases_its_slot_and_aborts_its_sequence(scr
             work = asyncio.create_task(
                 serving.complete(node, completion(None), principal=None, notes={})
             )
-            await settle_until(lambda: served.engine.stats().num_running == 1)
+            await settle_until(lambda: served.stats.num_running == 1)
             work.cancel()
             await asyncio.gather(work, return_exceptions=True)
             assert served.admission.num_running == 0
-            await settle_until(lambda: served.engine.stats().num_running == 0)
+            await settle_until(lambda: served.stats.num_running == 0)
 
     asyncio.run(scenario())
 
@@ -206,7 +206,7 @@ def test_an_unknown_model_is_a_404_and_tokenize_counts_the_prompt(scripted_dir):
                 await serving.admit(node, req, principal=None, notes={})
             assert err.value.status == 404
             counted = await serving.tokenize(node, completion(), {})
-            assert counted["tokens"] == served.engine.tokenizer.encode(
+            assert counted["tokens"] == served.tokenizer.encode(
                 "say words", add_special_tokens=True
             )
             assert counted["count"] == len(counted["tokens"])

@@ -151,3 +151,37 @@ def _is_zombie(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] == "Z"
     except OSError:
         return True
+
+
+def test_tensor_parallel_2_runs_two_ranks_that_recover_together_and_answer_as_one(
+    node, model_dirs
+):
+    """POST /models/load {"tensor_parallel": 2} on a CPU node: two rank processes (gloo).
+    Killing rank 1 fails rank 0's collective: the model is reloaded, both ranks anew. Its
+    greedy answer is the one-rank answer."""
+    model = str(model_dirs["tiny2"])
+    body = _chat(model, max_tokens=24, temperature=0, ignore_eos=True)
+    r = node.post("/models/load", {"model_id": model, "tensor_parallel": 2})
+    assert r.status_code == 200, r.text
+    entry = _entry(node, model)
+    assert entry["tensor_parallel"] == 2
+    ranks = entry["workers"]
+    assert [w["rank"] for w in ranks] == [0, 1] and len({w["pid"] for w in ranks}) == 2
+    sharded = node.post("/v1/chat/completions", body).json()["choices"][0]["message"]
+    assert sharded["content"]
+
+    os.kill(ranks[1]["pid"], signal.SIGKILL)
+    r = node.post("/v1/chat/completions", body)  # rank 0 finds rank 1 gone mid-step
+    assert r.status_code == 503 and r.json()["error"]["code"] == "model_recovering", r.text
+    _statuses_until_loaded(node, model, ranks[0]["pid"])
+    again = _entry(node, model)["workers"]
+    assert len(again) == 2 and not {w["pid"] for w in again} & {w["pid"] for w in ranks}
+    assert node.post("/v1/chat/completions", body).json()["choices"][0]["message"] == sharded
+
+    assert node.post("/models/unload", {"model_id": model}).status_code == 200
+    for w in again:  # every rank went with the unload
+        assert not os.path.exists(f"/proc/{w['pid']}") or _is_zombie(w["pid"])
+    assert node.post("/models/load", {"model_id": model}).status_code == 200
+    whole = node.post("/v1/chat/completions", body).json()["choices"][0]["message"]
+    assert whole == sharded
+    node.post("/models/unload", {"model_id": model})
