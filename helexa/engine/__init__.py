@@ -8,6 +8,7 @@ from helexa.engine.llm_engine import (
     EngineStats,
     LLMEngine,
 )
+from helexa.engine.rank_worker import RankLostError
 from helexa.engine.sampling_params import SamplingParams
 from helexa.engine.sequence import RequestOutput
 
@@ -18,6 +19,7 @@ __all__ = [
     "EngineArgs",
     "EngineStats",
     "LLMEngine",
+    "RankLostError",
     "RequestOutput",
     "SamplingParams",
 ]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import fields
 from typing import Any
 
@@ -21,6 +22,18 @@ class LLM:
     def __init__(self, model: str | None = None, dtype: str | None = None, **kwargs: Any) -> None:
         self.engine = LLMEngine(EngineArgs(model=model, dtype=dtype, **kwargs))
         self.tokenizer = self.engine.tokenizer
+        # at garbage collection or interpreter exit, whichever comes first
+        self._close = weakref.finalize(self, self.engine.shutdown)
+
+    def close(self) -> None:
+        """Stop the engine's other tensor-parallel ranks (if any); idempotent."""
+        self._close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     @classmethod
     def from_args(cls, args: EngineArgs) -> LLM:

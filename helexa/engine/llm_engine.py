@@ -2,12 +2,19 @@
 
 `step()` is three calls: scheduler.schedule() → model_runner.run(batch) →
 scheduler.postprocess(batch, tokens, logprobs, errors).
+
+With `tensor_parallel = N > 1` this process is rank 0 of N: it spawns the other ranks
+(helexa.engine.rank_worker), sizes the KV pool for all of them, and sends each step's plan to
+them before its own forward; only rank 0 schedules and samples. A process holds at most one
+tensor-parallel engine and no other engine beside it (the ranks' collectives are global).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
+import weakref
 from dataclasses import dataclass, fields
 
 import torch
@@ -21,7 +28,9 @@ from helexa.engine.loader.load import (
     default_dtype,
     load_model,
 )
-from helexa.engine.model_runner import ModelRunner
+from helexa.engine.model_runner import ModelRunner, NonFiniteLogitsError
+from helexa.engine.parallel import destroy_tensor_parallel, init_tensor_parallel, tp
+from helexa.engine.rank_worker import Followers, PoolSize, RankLostError, cpu_threads, placement
 from helexa.engine.sampling_params import SamplingParams
 from helexa.engine.scheduler import Scheduler, SchedulerConfig
 from helexa.engine.sequence import RequestOutput, Sequence
@@ -103,7 +112,7 @@ class EngineArgs(EngineConfig):
             ) from None
 
 
-def _available_memory_bytes(device: torch.device) -> int:
+def available_memory_bytes(device: torch.device) -> int:
     if device.type == "cuda":
         free, _total = torch.cuda.mem_get_info(device)
         return free
@@ -122,11 +131,47 @@ class LLMEngine:
 
     def __init__(self, args: EngineArgs, loaded: LoadedModel | None = None) -> None:
         self.args = args
-        device = args.torch_device()
-        if args.num_threads and device.type == "cpu":
-            torch.set_num_threads(args.num_threads)
+        self.ranks: Followers | None = None  # tensor parallel: ranks 1..N-1
+        self._release: weakref.finalize | None = None
+        if tp().enabled:
+            raise RuntimeError(
+                "this process already holds a tensor-parallel engine: one per process"
+            )
+        devices = placement(args)  # PlacementError before anything loads
+        device = devices[0]
+        world = len(devices)
+        self.devices = [str(d) for d in devices]
+        self.rank_pids = [os.getpid()]
+        self.follower_memory_mb: list[int] = []
+        if world > 1 and loaded is not None:
+            raise ValueError("a tensor-parallel engine loads its own shards: pass no model")
+        if device.type == "cpu" and (args.num_threads or world > 1):
+            threads = torch.get_num_threads()
+            torch.set_num_threads(cpu_threads(args))
+        else:
+            threads = None
         torch.manual_seed(args.seed)
         kernels.set_backend(args.kernels)  # process-wide, like the torch thread count
+        if world == 1:
+            self._build(args, device, loaded)
+            return
+        try:
+            if device.type == "cuda":
+                torch.cuda.set_device(device)
+            ref = args.model or _bundled_or_fail()
+            self.ranks = Followers(dataclasses.replace(args, model=ref), devices)
+            self._release = weakref.finalize(self, _release_ranks, self.ranks, threads)
+            self.rank_pids += self.ranks.pids
+            self.ranks.wait_joining()
+            init_tensor_parallel(0, world, self.ranks.init_method, device, args.step_timeout_s)
+            self._build(args, device, None)
+        except BaseException:
+            self.shutdown(kill=True)
+            raise
+        self.follower_memory_mb = [f.memory_mb for f in self.ranks.followers]
+        self.runner.broadcast = self.ranks.send
+
+    def _build(self, args: EngineArgs, device: torch.device, loaded: LoadedModel | None) -> None:
         if loaded is None:
             ref = args.model or _bundled_or_fail()
             loaded = load_model(
@@ -144,14 +189,68 @@ class LLMEngine:
         model = loaded.model
         dtype = args.torch_dtype(device) or default_dtype(device)
         self.dtype = dtype
+        available = available_memory_bytes(device)
+        if self.ranks is not None:
+            # every rank's runner takes rank 0's sizing, from the least memory any rank has;
+            # ranks on the CPU share one host's memory
+            available = min([available, *self.ranks.wait_loaded()])
+            if device.type == "cpu":
+                available //= self.ranks.world_size
+        size, num_snapshots = self._size_pool(model, dtype, device, available)
+        num_blocks, max_num_seqs = size.num_blocks, size.max_num_seqs
+        self.max_model_len = min(
+            loaded.config.max_position_embeddings,
+            num_blocks * args.block_size,
+            args.max_model_len or 1 << 62,
+        )
+        self.block_manager = BlockManager(num_blocks, args.block_size, args.enable_prefix_caching)
+        self.state_manager = (
+            StateManager(
+                max_num_seqs, num_snapshots, self.block_manager, self.tokenizer.special_ids()
+            )
+            if size.num_state_slots
+            else None
+        )
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                max_num_seqs=max_num_seqs,
+                max_num_batched_tokens=args.max_num_batched_tokens,
+                max_prefill_chunk=args.max_prefill_chunk,
+            ),
+            self.block_manager,
+            self.state_manager,
+        )
+        self.runner = ModelRunner(
+            model,
+            device=device,
+            dtype=dtype,
+            num_blocks=num_blocks,
+            block_size=args.block_size,
+            num_state_slots=size.num_state_slots,
+        )
+        if self.ranks is not None:
+            self.ranks.start_runners(size)
+            if device.type == "cuda":  # a graph would replay without the followers' steps
+                self.runner.graphs_off_reason = "tensor parallel"
+        elif args.cuda_graphs and device.type == "cuda":
+            self.runner.capture_graphs(max_num_seqs, self.max_model_len)
+        elif device.type == "cuda":
+            self.runner.graphs_off_reason = "[engine] cuda_graphs = false"
+        self._seqs: dict[str, Sequence] = {}
 
+    def _size_pool(
+        self, model: torch.nn.Module, dtype: torch.dtype, device: torch.device, available: int
+    ) -> tuple[PoolSize, int]:
+        """KV blocks, recurrent-state rows and concurrent sequences from the memory budget;
+        and the number of prefix snapshots."""
+        args = self.args
         # Hybrid models: one recurrent-state row per running sequence and per snapshot,
         # taken from the same memory budget as the KV cache.
         state_bytes = ModelRunner.state_bytes_per_slot(model, dtype)
         num_snapshots = args.max_prefix_snapshots if args.enable_prefix_caching else 0
         max_num_seqs = args.max_num_seqs
         per_token = ModelRunner.kv_bytes_per_token(model, dtype)
-        budget = self._kv_budget_bytes(device)
+        budget = self._kv_budget_bytes(device, available)
         if state_bytes:
             # States take at most half the budget: fewer concurrent sequences (and snapshots)
             # when a row is large (Qwen3.6-27B: ~150 MiB), so the KV cache keeps room.
@@ -175,50 +274,26 @@ class LLMEngine:
                 "give the cache more memory (kv_cache_memory_mb)"
             )
         num_blocks = args.num_kv_blocks or max(1, budget // (per_token * args.block_size))
-        self.max_model_len = min(
-            loaded.config.max_position_embeddings,
-            num_blocks * args.block_size,
-            args.max_model_len or 1 << 62,
-        )
-        self.block_manager = BlockManager(num_blocks, args.block_size, args.enable_prefix_caching)
-        self.state_manager = (
-            StateManager(
-                max_num_seqs, num_snapshots, self.block_manager, self.tokenizer.special_ids()
-            )
-            if num_state_slots
-            else None
-        )
-        self.scheduler = Scheduler(
-            SchedulerConfig(
-                max_num_seqs=max_num_seqs,
-                max_num_batched_tokens=args.max_num_batched_tokens,
-                max_prefill_chunk=args.max_prefill_chunk,
-            ),
-            self.block_manager,
-            self.state_manager,
-        )
-        self.runner = ModelRunner(
-            model,
-            device=device,
-            dtype=dtype,
-            num_blocks=num_blocks,
-            block_size=args.block_size,
-            num_state_slots=num_state_slots,
-        )
-        if args.cuda_graphs and device.type == "cuda":
-            self.runner.capture_graphs(max_num_seqs, self.max_model_len)
-        elif device.type == "cuda":
-            self.runner.graphs_off_reason = "[engine] cuda_graphs = false"
-        self._seqs: dict[str, Sequence] = {}
+        return PoolSize(num_blocks, num_state_slots, max_num_seqs), num_snapshots
 
-    def _kv_budget_bytes(self, device: torch.device) -> int:
+    def _kv_budget_bytes(self, device: torch.device, available: int) -> int:
+        """KV and state bytes of each rank: kv_cache_memory_mb, else a fraction of what is
+        available (capped on the CPU)."""
         args = self.args
         if args.kv_cache_memory_mb:
             return args.kv_cache_memory_mb * MiB
-        budget = int(_available_memory_bytes(device) * args.kv_cache_memory_fraction)
+        budget = int(available * args.kv_cache_memory_fraction)
         if device.type == "cpu":
             budget = min(budget, args.kv_cache_cpu_max_mb * MiB)
         return budget
+
+    def shutdown(self, *, kill: bool = False) -> None:
+        """Stop the other ranks and leave the process group; idempotent, nothing to do at
+        tensor_parallel 1. `kill`: do not wait for them (a failed start)."""
+        if self.ranks is not None and kill:
+            self.ranks.close(kill=True)
+        if self._release is not None:
+            self._release()
 
     # -- requests ------------------------------------------------------------------
     def make_sequence(
@@ -282,14 +357,26 @@ class LLMEngine:
     def step(self) -> list[Sequence]:
         """Run one batch; return the sequences that got new tokens or finished. One that
         failed alone (its sampling, its row of logits, its detokenizer) is finished with
-        finish_reason "error" and `error` set; an error of the whole step raises."""
+        finish_reason "error" and `error` set; an error of the whole step raises. Under
+        tensor parallel, a rank that died or failed midway raises RankLostError, now and at
+        every later step: the group is out of step for good."""
+        ranks = self.ranks
+        if ranks is not None:
+            ranks.check()  # a lost group never runs another step
         batch = self.scheduler.schedule()
         if batch is None:
             return []
         try:
             tokens, logprobs, errors = self.runner.run(batch)
-        except BaseException:
+            if ranks is not None:
+                ranks.check()  # a follower that went during the step
+        except BaseException as e:
             self.scheduler.discard(batch)
+            if ranks is None or isinstance(e, (RankLostError, NonFiniteLogitsError)):
+                raise  # non-finite logits come after every rank's last collective
+            if isinstance(e, Exception):
+                raise ranks.failed(e) from e
+            ranks.failed(e)  # Ctrl-C midway leaves the followers out of step too
             raise
         finished = self.scheduler.postprocess(batch, tokens, logprobs, errors)
         for seq in finished:
@@ -316,6 +403,17 @@ class LLMEngine:
                 self.abort(s.request_id)
             raise
         return [s.to_output() for s in seqs]
+
+
+def _release_ranks(ranks: Followers, threads: int | None) -> None:
+    """The finalizer of a tensor-parallel engine: followers stopped, group left."""
+    ranks.close()
+    try:
+        destroy_tensor_parallel()
+    except Exception as e:  # a group broken by a lost rank may not tear down cleanly
+        log.warning("leaving the tensor-parallel group: %r", e)
+    if threads is not None:
+        torch.set_num_threads(threads)
 
 
 def _bundled_or_fail() -> str:
