@@ -157,7 +157,8 @@ class Followers:
 
     def __init__(self, args: EngineArgs, devices: list[torch.device]) -> None:
         self.world_size = len(devices)
-        self._dir = tempfile.mkdtemp(prefix="helexa-tp-")
+        _sweep_rendezvous()
+        self._dir = tempfile.mkdtemp(prefix=f"helexa-tp-{os.getpid()}-")
         self.init_method = f"file://{self._dir}/rendezvous"
         self.followers: list[_Follower] = []
         self.error: RankLostError | None = None  # set once the group is unusable
@@ -318,6 +319,20 @@ class Followers:
         for f in self.followers:
             f.conn.close()
         shutil.rmtree(self._dir, ignore_errors=True)
+
+
+def _sweep_rendezvous() -> None:
+    """Remove the rendezvous dirs of rank-0 processes that are gone (killed, not closed)."""
+    for path in Path(tempfile.gettempdir()).glob("helexa-tp-*-*"):
+        pid = path.name.split("-")[2]
+        if not pid.isdigit():
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            shutil.rmtree(path, ignore_errors=True)
+        except OSError:
+            pass  # alive, another user's
 
 
 def _startup_error(rank: int, payload: dict) -> BaseException:
