@@ -19,6 +19,9 @@ from helexa.engine.layers.sampler import Sampler
 from helexa.engine.scheduler import ScheduledBatch
 from helexa.engine.sequence import Sequence, TokenLogprob
 from helexa.engine.state_manager import StateCopy
+from helexa.kernels import QuantWeight
+
+MiB = 1 << 20
 
 
 def recurrent_layers(model: torch.nn.Module) -> list:
@@ -417,3 +420,18 @@ class ModelRunner:
                 out_lps[j] = row_lps[0]
         wants_logprobs = any(s.params.logprobs is not None for s in seqs)
         return out, (out_lps if wants_logprobs else None), errors
+
+
+def model_memory_mb(model: torch.nn.Module) -> int:
+    """Weights (packed, dense copies, quantized on a GPU), KV pool and buffers: every tensor
+    the model's modules hold, as parameters or as plain attributes, each storage counted once."""
+    storages: dict[int, int] = {}
+    for module in model.modules():
+        attrs = [v for v in vars(module).values() if isinstance(v, torch.Tensor)]
+        for v in vars(module).values():
+            if isinstance(v, QuantWeight):
+                attrs.extend(v.tensors)
+        for t in (*module.parameters(recurse=False), *module.buffers(recurse=False), *attrs):
+            storage = t.untyped_storage()
+            storages[storage.data_ptr()] = storage.nbytes()
+    return sum(storages.values()) // MiB

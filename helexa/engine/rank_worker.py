@@ -417,9 +417,8 @@ def _start(conn: Connection, start: Start):
     from helexa import kernels
     from helexa.engine.llm_engine import available_memory_bytes
     from helexa.engine.loader.load import default_dtype, load_model
-    from helexa.engine.model_runner import ModelRunner
+    from helexa.engine.model_runner import ModelRunner, model_memory_mb
     from helexa.engine.parallel import init_tensor_parallel
-    from helexa.engine.worker import model_memory_mb
 
     args = start.args
     device = torch.device(start.device)

@@ -37,6 +37,8 @@ import torch
 
 from helexa.config import LogConfig
 from helexa.engine.llm_engine import EngineArgs, EngineStats, LLMEngine
+from helexa.engine.model_runner import model_memory_mb
+from helexa.engine.rank_worker import RankLostError
 from helexa.engine.sampling_params import SamplingParams
 from helexa.engine.sequence import Sequence, TokenLogprob
 
@@ -152,24 +154,15 @@ def is_device_fault(error: BaseException) -> bool:
     model), rather than failing only the requests of one step."""
     from helexa.engine.model_runner import NonFiniteLogitsError
 
-    faults: tuple[type[BaseException], ...] = (NonFiniteLogitsError,)
+    faults: tuple[type[BaseException], ...] = (NonFiniteLogitsError, RankLostError)
     for name in ("AcceleratorError",):  # torch's CUDA error type (2.8+)
         if hasattr(torch, name):
             faults += (getattr(torch, name),)
     if torch.distributed.is_available():
         faults += (torch.distributed.DistError,)
-    lost = _rank_lost_error()
-    if lost is not None:
-        faults += (lost,)
     if isinstance(error, faults):
         return True
     return isinstance(error, RuntimeError) and any(m in str(error) for m in _DEVICE_FAULT_MARKERS)
-
-
-def _rank_lost_error() -> type[BaseException] | None:
-    import helexa.engine as engine
-
-    return getattr(engine, "RankLostError", None)
 
 
 def inject_device_fault(device: torch.device) -> None:
@@ -186,23 +179,6 @@ def inject_device_fault(device: torch.device) -> None:
 
 
 # -- facts ---------------------------------------------------------------------------------
-def model_memory_mb(model: torch.nn.Module) -> int:
-    """Weights (packed, dense copies, quantized on a GPU), KV pool and buffers: every tensor
-    the model's modules hold, as parameters or as plain attributes, each storage counted once."""
-    from helexa.kernels import QuantWeight
-
-    storages: dict[int, int] = {}
-    for module in model.modules():
-        attrs = [v for v in vars(module).values() if isinstance(v, torch.Tensor)]
-        for v in vars(module).values():
-            if isinstance(v, QuantWeight):
-                attrs.extend(v.tensors)
-        for t in (*module.parameters(recurse=False), *module.buffers(recurse=False), *attrs):
-            storage = t.untyped_storage()
-            storages[storage.data_ptr()] = storage.nbytes()
-    return sum(storages.values()) // MiB
-
-
 def model_facts(engine: LLMEngine) -> ModelFacts:
     device = engine.runner.device
     memory = model_memory_mb(engine.runner.model)
