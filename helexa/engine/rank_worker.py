@@ -40,7 +40,7 @@ import torch
 from helexa.engine.parallel import PlacementError
 
 if TYPE_CHECKING:
-    from helexa.engine.llm_engine import EngineArgs
+    from helexa.engine.engine_args import EngineArgs
     from helexa.engine.model_runner import StepPlan
 
 log = logging.getLogger(__name__)
@@ -415,7 +415,7 @@ def main(argv: list[str] | None = None) -> None:
 def _start(conn: Connection, start: Start):
     """Join the group, load this rank's shard, build the runner at rank 0's pool size."""
     from helexa import kernels
-    from helexa.engine.llm_engine import available_memory_bytes
+    from helexa.engine.engine_args import available_memory_bytes
     from helexa.engine.loader.load import default_dtype, load_model
     from helexa.engine.model_runner import ModelRunner, model_memory_mb
     from helexa.engine.parallel import init_tensor_parallel

@@ -1,0 +1,73 @@
+"""How to build an engine: `EngineArgs` (`[engine]` of helexa.toml plus what only a caller
+knows), and the memory a device has left for it. Apart from `llm_engine.py` so that the
+tensor-parallel followers (rank_worker.py) read them without importing the engine."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, fields
+
+import torch
+
+from helexa.config import EngineConfig
+
+_DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+}
+
+
+@dataclass(slots=True)
+class EngineArgs(EngineConfig):
+    """How to build an engine: `[engine]` of helexa.toml (defaults and meanings live
+    there) plus what only a caller knows."""
+
+    model: str | None = None  # local dir, .gguf file or hub id; None → the bundled SmolLM2
+    num_kv_blocks: int | None = None  # fixes the pool size in blocks (tests, tuning)
+    cache_dir: str | None = None  # hub download cache; None → HF_HUB_CACHE / HF_HOME
+    gguf_quant: str | None = None  # which file of a `-GGUF` hub repo, e.g. "Q4_K_M"
+    revision: str | None = None  # hub branch, tag or commit; None → main
+    tensor_parallel: int = 1  # ranks (one process each) the model is split across
+    devices: list[int] | None = None  # CUDA device of each rank; None → 0..tensor_parallel-1
+
+    @classmethod
+    def from_config(cls, engine: EngineConfig, model: str | None = None, **kw) -> EngineArgs:
+        """`[engine]` of helexa.toml as engine arguments; keyword arguments override it."""
+        values = {f.name: getattr(engine, f.name) for f in fields(engine)}
+        return cls(**{**values, "model": model, **kw})
+
+    def torch_device(self) -> torch.device:
+        if self.device in ("auto", "", None):
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)
+
+    def torch_dtype(self, device: torch.device) -> torch.dtype | None:
+        if self.dtype is None or self.dtype == "auto":
+            return None
+        if isinstance(self.dtype, torch.dtype):
+            return self.dtype
+        try:
+            return _DTYPES[self.dtype.lower()]
+        except KeyError:
+            raise ValueError(
+                f"unknown dtype {self.dtype!r}; supported: {sorted(_DTYPES)}"
+            ) from None
+
+
+def available_memory_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(device)
+        return free
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
