@@ -250,6 +250,12 @@ class Followers:
         if self.error is not None:
             raise self.error
 
+    def wait_lost(self, timeout: float | None = None) -> RankLostError | None:
+        """Block until the group is lost (or `timeout` passes): its error, else None. Lets
+        an idle engine's owner notice a dead rank before the next step runs into it."""
+        self._lost.wait(timeout)
+        return self.error
+
     def failed(self, cause: BaseException) -> RankLostError:
         """Rank 0's step raised midway: the group is out of step and unusable. The error to
         raise: the lost follower's, when one goes within LOST_GRACE_S, else rank 0's."""

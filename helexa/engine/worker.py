@@ -265,6 +265,8 @@ class Worker:
 
     def run(self) -> None:
         threading.Thread(target=self._read, name="helexa-worker-reader", daemon=True).start()
+        if self.engine.ranks is not None:
+            threading.Thread(target=self._watch_ranks, name="helexa-rank-loss", daemon=True).start()
         engine = self.engine
         while True:
             if not engine.has_unfinished():
@@ -290,6 +292,16 @@ class Worker:
             self._wake.set()
             if cmd is None or isinstance(cmd, Stop):
                 return
+
+    def _watch_ranks(self) -> None:
+        """A tensor-parallel rank that dies while the model idles: fault now, not at the
+        next request (the group can never run another step)."""
+        ranks = self.engine.ranks
+        assert ranks is not None
+        error = ranks.wait_lost()
+        if error is not None:
+            log.error("worker: %s", error)
+            self._fault(f"{type(error).__name__}: {error}")
 
     def _drain(self) -> bool:
         while True:
