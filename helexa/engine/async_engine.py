@@ -177,17 +177,10 @@ class AsyncLLM:
         stream = self._streams.get(seq.request_id)
         if stream is None:
             return
-        error = seq.error
-        if error is None:
-            try:
-                delta = seq.take_delta()
-            except Exception as e:  # this request's own state: it fails alone
-                log.warning("request %s failed alone: %r", seq.request_id, e)
-                self.engine.abort(seq.request_id)
-                error = e
-        if error is not None:  # the request's stream alone gets the error
+        delta = self.engine.take_delta(seq)
+        if isinstance(delta, Exception):  # the request's stream alone gets the error
             del self._streams[seq.request_id]
-            stream.put(error)
+            stream.put(delta)
             return
         if delta.finished:
             del self._streams[seq.request_id]

@@ -6,10 +6,14 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING
 
 import torch
 
 from helexa.config import EngineConfig
+
+if TYPE_CHECKING:
+    from helexa.engine.loader.load import LoadedModel
 
 _DTYPES = {
     "float32": torch.float32,
@@ -40,6 +44,22 @@ class EngineArgs(EngineConfig):
         """`[engine]` of helexa.toml as engine arguments; keyword arguments override it."""
         values = {f.name: getattr(engine, f.name) for f in fields(engine)}
         return cls(**{**values, "model": model, **kw})
+
+    def load(self, ref: str, device: torch.device) -> LoadedModel:
+        """The model `ref` names, loaded on `device` as these arguments say (under tensor
+        parallel, this rank's shard)."""
+        from helexa.engine.loader.load import load_model
+
+        return load_model(
+            ref,
+            device=device,
+            dtype=self.torch_dtype(device),
+            quant=self.quant,
+            cache_dir=self.cache_dir,
+            dense_copies=self.cpu_dense_copy,
+            gguf_quant=self.gguf_quant,
+            revision=self.revision,
+        )
 
     def torch_device(self) -> torch.device:
         if self.device in ("auto", "", None):

@@ -26,7 +26,6 @@ from helexa.engine.loader.load import (
     LoadedModel,
     bundled_model_path,
     default_dtype,
-    load_model,
 )
 from helexa.engine.model_runner import ModelRunner, NonFiniteLogitsError
 from helexa.engine.parallel import destroy_tensor_parallel, init_tensor_parallel, tp
@@ -114,16 +113,7 @@ class LLMEngine:
     def _build(self, args: EngineArgs, device: torch.device, loaded: LoadedModel | None) -> None:
         if loaded is None:
             ref = args.model or _bundled_or_fail()
-            loaded = load_model(
-                ref,
-                device=device,
-                dtype=args.torch_dtype(device),
-                quant=args.quant,
-                cache_dir=args.cache_dir,
-                dense_copies=args.cpu_dense_copy,
-                gguf_quant=args.gguf_quant,
-                revision=args.revision,
-            )
+            loaded = args.load(ref, device)
         self.loaded = loaded
         self.tokenizer = loaded.tokenizer
         model = loaded.model
@@ -277,6 +267,19 @@ class LLMEngine:
         """Stop a request now and free its KV blocks."""
         self._seqs.pop(request_id, None)
         return self.scheduler.abort(request_id)
+
+    def take_delta(self, seq: Sequence) -> RequestOutput | Exception:
+        """What is new for `seq` since its last delta, or why it failed alone: its own
+        error, or its delta raising (its detokenizer, its stop strings): then it is aborted
+        here, and its batch-mates go on."""
+        if seq.error is not None:
+            return seq.error
+        try:
+            return seq.take_delta()
+        except Exception as e:  # this request's own state: it fails alone
+            log.warning("request %s failed alone: %r", seq.request_id, e)
+            self.abort(seq.request_id)
+            return e
 
     def stats(self) -> EngineStats:
         bm, sched = self.block_manager, self.scheduler

@@ -422,7 +422,7 @@ def _start(conn: Connection, start: Start):
     """Join the group, load this rank's shard, build the runner at rank 0's pool size."""
     from helexa import kernels
     from helexa.engine.engine_args import available_memory_bytes
-    from helexa.engine.loader.load import default_dtype, load_model
+    from helexa.engine.loader.load import default_dtype
     from helexa.engine.model_runner import ModelRunner, model_memory_mb
     from helexa.engine.parallel import init_tensor_parallel
 
@@ -438,16 +438,7 @@ def _start(conn: Connection, start: Start):
     init_tensor_parallel(
         start.rank, start.world_size, start.init_method, device, args.step_timeout_s
     )
-    loaded = load_model(
-        args.model,
-        device=device,
-        dtype=args.torch_dtype(device),
-        quant=args.quant,
-        cache_dir=args.cache_dir,
-        dense_copies=args.cpu_dense_copy,
-        gguf_quant=args.gguf_quant,
-        revision=args.revision,
-    )
+    loaded = args.load(args.model, device)
     conn.send(("loaded", {"available": available_memory_bytes(device)}))
     size: PoolSize = conn.recv()
     runner = ModelRunner(

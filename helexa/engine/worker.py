@@ -350,18 +350,11 @@ class Worker:
         request_id = seq.request_id
         if request_id not in self._live:
             return
-        error = seq.error
-        if error is None:
-            try:
-                out = seq.take_delta()
-            except Exception as e:  # this request's own state: it fails alone
-                log.warning("request %s failed alone: %r", request_id, e)
-                self.engine.abort(request_id)
-                error = e
-        if error is not None:
+        out = self.engine.take_delta(seq)
+        if isinstance(out, Exception):  # this request alone failed
             self._live.discard(request_id)
-            kind = "nonfinite_row" if type(error).__name__ == "NonFiniteRowError" else "error"
-            self._failed.append(Failed(request_id, kind, f"{type(error).__name__}: {error}"))
+            kind = "nonfinite_row" if type(out).__name__ == "NonFiniteRowError" else "error"
+            self._failed.append(Failed(request_id, kind, f"{type(out).__name__}: {out}"))
             return
         if out.finished:
             self._live.discard(request_id)

@@ -36,7 +36,11 @@ def _hf_greedy(model, prompt: list[int]) -> tuple[list[int], torch.Tensor]:
 
 
 def _record_logits(llm: LLM) -> dict[str, list[torch.Tensor]]:
-    model = llm.engine.runner.model
+    return record_model_logits(llm.engine.runner.model)
+
+
+def record_model_logits(model: torch.nn.Module) -> dict[str, list[torch.Tensor]]:
+    """Every row of logits `model` computes from now on, by request id."""
     seen: dict[str, list[torch.Tensor]] = {}
     inner = model.compute_logits
 

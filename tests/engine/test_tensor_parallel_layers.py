@@ -21,7 +21,7 @@ from helexa.engine.models.llama import LlamaForCausalLM
 from helexa.engine.models.qwen3_5 import Qwen3_5ForCausalLM
 from helexa.engine.parallel import PlacementError, TensorParallel
 from helexa.engine.sampling_params import SamplingParams
-from tests.engine.test_parity import _hf_greedy
+from tests.engine.test_parity import _hf_greedy, record_model_logits
 from tests.engine.tiny import (
     FIXTURE_MODELS,
     HYBRID_TEXT,
@@ -95,17 +95,7 @@ def _run(model_dir: Path | str, quant: str | None) -> tuple[LLMEngine, list, lis
     """Greedy NUM_TOKENS for the prompts, batched: (engine, token lists, logits [n, vocab]
     per prompt)."""
     engine = _engine(model_dir, quant)
-    model = engine.runner.model
-    seen: dict[str, list[torch.Tensor]] = {}
-    inner = model.compute_logits
-
-    def recording(hidden, seqs):
-        logits = inner(hidden, seqs)
-        for row, seq in zip(logits, seqs, strict=True):
-            seen.setdefault(seq.request_id, []).append(row.clone())
-        return logits
-
-    model.compute_logits = recording
+    seen = record_model_logits(engine.runner.model)
     outs = engine.generate(_prompts(), GREEDY)
     return engine, [o.token_ids for o in outs], [torch.stack(seen[o.request_id]) for o in outs]
 
