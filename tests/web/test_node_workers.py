@@ -85,9 +85,7 @@ def test_models_and_health_show_each_models_worker(node, model_dirs):
     }
 
 
-def test_a_worker_killed_mid_stream_ends_the_stream_with_an_error_and_comes_back(
-    node, model_dirs
-):
+def test_a_worker_killed_mid_stream_ends_the_stream_with_an_error_and_comes_back(node, model_dirs):
     long_id, other = str(model_dirs["long"]), str(model_dirs["scripted"])
     node_pid = node.proc.pid
     old_pid = _worker_pid(node, long_id)
@@ -153,9 +151,7 @@ def _is_zombie(pid: int) -> bool:
         return True
 
 
-def test_tensor_parallel_2_runs_two_ranks_that_recover_together_and_answer_as_one(
-    node, model_dirs
-):
+def test_tensor_parallel_2_runs_two_ranks_that_recover_together_and_answer_as_one(node, model_dirs):
     """POST /models/load {"tensor_parallel": 2} on a CPU node: two rank processes (gloo).
     Killing rank 1 fails rank 0's collective: the model is reloaded, both ranks anew. Its
     greedy answer is the one-rank answer."""
