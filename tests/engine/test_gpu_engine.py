@@ -11,7 +11,7 @@ import torch
 
 from helexa.engine import LLM, SamplingParams
 from helexa.engine.loader.load import bundled_model_path
-from helexa.node.served import model_memory_mb
+from helexa.engine.model_runner import model_memory_mb
 from tests.engine.test_parity import _prompts
 from tests.engine.tiny import FIXTURE_MODELS, make_tiny_model
 
