@@ -71,6 +71,11 @@ class SamplingParams:
             bad("min_tokens", "must be >= 0")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             bad("logprobs", "must be in [0, 20]")
+        for stop in self.stop:  # matched against UTF-8 text; also crosses to the worker
+            try:
+                stop.encode("utf-8")
+            except UnicodeEncodeError:
+                bad("stop", "must be valid Unicode (a lone surrogate can never match)")
         if self.debug_fault not in (None, *DEBUG_FAULTS):
             bad("debug_fault", f"must be one of {DEBUG_FAULTS}")
 

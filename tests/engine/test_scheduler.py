@@ -109,6 +109,10 @@ def test_a_cached_block_is_evicted_only_when_its_memory_is_needed():
 
 
 def test_sampling_params_are_validated_with_the_name_and_value():
+    # a lone surrogate (JSON lets "\ud800" through) can never match UTF-8 output, and
+    # could not be sent to a model's worker process: a 400 naming `stop`, not a 500
+    with pytest.raises(ValueError, match="stop must be valid Unicode"):
+        SamplingParams(stop=["ok", "\ud800"])
     with pytest.raises(ValueError, match=r"top_p must be in \(0, 1\], got 1.5"):
         SamplingParams(top_p=1.5)
     with pytest.raises(ValueError, match="temperature must be >= 0"):
