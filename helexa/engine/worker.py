@@ -155,9 +155,8 @@ def is_device_fault(error: BaseException) -> bool:
     from helexa.engine.model_runner import NonFiniteLogitsError
 
     faults: tuple[type[BaseException], ...] = (NonFiniteLogitsError, RankLostError)
-    for name in ("AcceleratorError",):  # torch's CUDA error type (2.8+)
-        if hasattr(torch, name):
-            faults += (getattr(torch, name),)
+    if hasattr(torch, "AcceleratorError"):  # torch's CUDA error type (2.8+)
+        faults += (torch.AcceleratorError,)
     if torch.distributed.is_available():
         faults += (torch.distributed.DistError,)
     if isinstance(error, faults):
@@ -182,17 +181,17 @@ def inject_device_fault(device: torch.device) -> None:
 def model_facts(engine: LLMEngine) -> ModelFacts:
     device = engine.runner.device
     memory = model_memory_mb(engine.runner.model)
-    memory += sum(getattr(engine, "follower_memory_mb", ()))
+    memory += sum(engine.follower_memory_mb)
     return ModelFacts(
         max_model_len=engine.max_model_len,
         vocab_size=engine.loaded.config.vocab_size or 0,
         device=str(device),
-        devices=list(getattr(engine, "devices", [str(device)])),
+        devices=engine.devices,
         dtype=str(engine.dtype).removeprefix("torch."),
         source_format=engine.loaded.source_format,
         path=str(engine.loaded.path),
         memory_mb=memory,
-        pids=list(getattr(engine, "rank_pids", [os.getpid()])),
+        pids=engine.rank_pids,
         graphs_off_reason=engine.runner.graphs_off_reason if device.type == "cuda" else None,
     )
 
@@ -417,9 +416,7 @@ def main(argv: list[str]) -> int:
     try:
         Worker(engine, channel, debug_poison=spec.debug_poison).run()
     finally:
-        shutdown = getattr(engine, "shutdown", None)
-        if shutdown is not None:
-            shutdown()
+        engine.shutdown()
     return 0
 
 

@@ -179,8 +179,8 @@ class WorkerClient:
         if not self._streams:  # the watchdog's clock starts with the first request
             self._last_heard = time.monotonic()
         self._streams[request_id] = stream
-        self._send(Add(request_id, list(prompt), params))
         prompt_ids = list(prompt)
+        self._send(Add(request_id, prompt_ids, params))
         finished = False
         try:
             while True:
@@ -248,12 +248,10 @@ class WorkerClient:
 
     def describe_workers(self) -> list[dict[str, Any]]:
         """Each rank's worker: pid, device and state, for /health and /models."""
-        facts = getattr(self, "facts", None)
-        if facts is None:
-            return []
+        facts = self.facts
         return [
             {"rank": rank, "pid": pid, "device": device, "state": self.state}
-            for rank, (pid, device) in enumerate(zip(facts.pids, facts.devices, strict=False))
+            for rank, (pid, device) in enumerate(zip(facts.pids, facts.devices, strict=True))
         ]
 
     # -- the worker's frames -----------------------------------------------------------

@@ -13,6 +13,8 @@ import torch
 
 from helexa.config import DTYPES, IN_SITU_QUANTS, Config
 from helexa.engine import EngineArgs
+from helexa.engine.parallel import PlacementError
+from helexa.engine.rank_worker import placement
 from helexa.errors import HelexaError, invalid_request
 
 GGUF_QUANTS = (
@@ -124,20 +126,17 @@ def engine_args(cfg: Config, options: LoadOptions) -> EngineArgs:
         kw["dtype"] = options.dtype
     kw |= _placement(cfg, options)
     ref = options.ref or model_id
-    if options.tensor_parallel > 1 and (kw.get("gguf_quant") or ref.lower().endswith(".gguf")):
-        raise LoadError(
-            "invalid_placement",
-            model_id,
-            f"tensor_parallel={options.tensor_parallel}: a GGUF file cannot be split across ranks",
-            "load the safetensors checkpoint (with quant = 'int8', 'int4' or 'fp8' for a "
-            "smaller one), or tensor_parallel = 1",
-        )
     _check_heads(model_id, ref, options.tensor_parallel)
     scheme, sep, rest = ref.partition(":")
     source = cfg.sources.get(scheme if sep and "/" in rest else cfg.node.default_source)
     if source is not None and source.cache_dir is not None:
         kw["cache_dir"] = str(source.cache_dir)
-    return EngineArgs.from_config(cfg.engine, ref, **kw)
+    args = EngineArgs.from_config(cfg.engine, ref, **kw)
+    try:
+        placement(args)  # the engine's own refusals (a GGUF file split across ranks...)
+    except PlacementError as e:
+        raise LoadError("invalid_placement", model_id, str(e), e.suggestion) from e
+    return args
 
 
 def _placement(cfg: Config, options: LoadOptions) -> dict[str, Any]:

@@ -160,7 +160,7 @@ class ModelRegistry:
 
     async def _recover(self, served: ServedModel) -> None:
         try:
-            await served.llm.shutdown(timeout=0)  # killed already: reap it
+            await served.llm.shutdown()  # faulted: killed already, only reaped
             served.status = "recovering"
             if self.models.get(served.id) is served:
                 del self.models[served.id]
