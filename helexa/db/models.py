@@ -8,7 +8,17 @@ from __future__ import annotations
 
 from datetime import UTC, datetime
 
-from sqlalchemy import JSON, DateTime, Float, ForeignKey, Index, Integer, String, func
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    DateTime,
+    Float,
+    ForeignKey,
+    Index,
+    Integer,
+    String,
+    func,
+)
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
 
 
@@ -100,6 +110,59 @@ class SpendRecord(Base):
     finish_reason: Mapped[str | None] = mapped_column(String(32))
     ttft_ms: Mapped[float | None] = mapped_column(Float)
     latency_ms: Mapped[float | None] = mapped_column(Float)
+
+
+class KeySpend(Base):
+    """A key's spend over its whole life, kept beside the ledger in the same transaction as
+    each of its rows: a balance budget reads one row instead of summing the ledger."""
+
+    __tablename__ = "key_spend"
+
+    key_id: Mapped[str] = mapped_column(String(40), primary_key=True)
+    tokens: Mapped[int] = mapped_column(BigInteger, default=0)
+    cost_usd: Mapped[float] = mapped_column(Float, default=0.0)
+
+
+class GatewayInstance(Base):
+    """A running gateway process: its heartbeat is the lease on its reservations."""
+
+    __tablename__ = "gateway_instances"
+
+    id: Mapped[str] = mapped_column(String(40), primary_key=True)
+    host: Mapped[str] = mapped_column(String(200))
+    pid: Mapped[int] = mapped_column(Integer)
+    started_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    heartbeat_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+
+class Reservation(Base):
+    """A request's upper bound, held against its key's cap until it is settled. A
+    reservation whose gateway stopped renewing its lease is booked as spent, whole."""
+
+    __tablename__ = "reservations"
+    __table_args__ = (Index("ix_reservations_key", "key_id"),)
+
+    id: Mapped[str] = mapped_column(String(40), primary_key=True)
+    key_id: Mapped[str] = mapped_column(String(40))
+    account_id: Mapped[str] = mapped_column(String(200))
+    gateway_id: Mapped[str] = mapped_column(String(40), index=True)
+    model: Mapped[str] = mapped_column(String(500))
+    prompt_tokens: Mapped[int] = mapped_column(Integer)
+    output_tokens: Mapped[int] = mapped_column(Integer)  # max_output × n
+    cost_usd: Mapped[float] = mapped_column(Float)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+
+class AdminSessionRow(Base):
+    """A logged-in admin console session: any gateway on the database serves it, and a
+    restart keeps it. Only a hash of the cookie's token is stored."""
+
+    __tablename__ = "admin_sessions"
+
+    token_hash: Mapped[str] = mapped_column(String(64), primary_key=True)
+    csrf: Mapped[str] = mapped_column(String(64))
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    expires_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), index=True)
 
 
 class CatalogueModel(Base):
