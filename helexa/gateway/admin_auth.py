@@ -1,5 +1,6 @@
-"""Who may use /admin: the password check, server-side sessions with their CSRF tokens, and
-a small brake on password guessing. No HTTP here; `helexa.web.admin` wires it to cookies.
+"""Who may use /admin: the password check, server-side sessions with their CSRF tokens (in
+the database, shared by every gateway on it), and a small brake on password guessing (per
+process). No HTTP here; `helexa.web.admin` wires it to cookies.
 
 Password hashes are helexa/passwords.py's `scrypt$N$r$p$salt$hash`. `HELEXA_ADMIN_PASSWORD`
 supplies a plain password instead; either way the comparison is constant-time.
@@ -12,8 +13,13 @@ import hmac
 import secrets
 import time
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
+
+from sqlalchemy import delete, func, select
+from sqlalchemy.orm import Session, sessionmaker
 
 from helexa.config import AdminConfig
+from helexa.db.models import AdminSessionRow
 from helexa.passwords import parse_hash, verify_password
 
 MAX_FAILURES = 5  # per client within FAILURE_WINDOW_S, then it waits
@@ -45,50 +51,87 @@ class PasswordCheck:
         return False
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class AdminSession:
-    token: str  # the cookie's value
+    token: str  # the cookie's value; the database holds only its sha256
     csrf: str  # sent back by every state-changing request
     expires_at: float
 
 
-@dataclass(slots=True)
+def token_hash(token: str) -> str:
+    """What `admin_sessions.token_hash` holds for a cookie's token: a database leak logs no
+    one in."""
+    return hashlib.sha256(token.encode()).hexdigest()
+
+
+@dataclass(frozen=True, slots=True)
 class SessionStore:
-    """Logged-in admin sessions, in memory: a gateway restart logs everyone out."""
+    """Logged-in admin sessions in the gateway's database (`admin_sessions`): a restart keeps
+    them and every gateway on the database serves them. Each call is one short transaction
+    on `db`; the web layer makes it off the event loop. Expired rows go when someone logs in
+    or shows an expired cookie."""
 
     ttl_s: float
-    _sessions: dict[str, AdminSession] = field(default_factory=dict)
 
-    def create(self, now: float | None = None) -> AdminSession:
+    def create(self, db: sessionmaker[Session], now: float | None = None) -> AdminSession:
         now = time.time() if now is None else now
-        self._drop_expired(now)
-        if len(self._sessions) >= MAX_SESSIONS:  # keep the newest; the oldest log in again
-            oldest = min(self._sessions.values(), key=lambda s: s.expires_at)
-            del self._sessions[oldest.token]
+        expires = _utc(now + self.ttl_s)  # to the microsecond, as the database keeps it
         session = AdminSession(
-            secrets.token_urlsafe(32), secrets.token_urlsafe(32), now + self.ttl_s
+            secrets.token_urlsafe(32), secrets.token_urlsafe(32), expires.timestamp()
         )
-        self._sessions[session.token] = session
+        with db.begin() as s:
+            s.execute(delete(AdminSessionRow).where(AdminSessionRow.expires_at <= _utc(now)))
+            live = s.scalar(select(func.count()).select_from(AdminSessionRow)) or 0
+            if live >= MAX_SESSIONS:  # keep the newest; the oldest log in again
+                oldest = s.scalars(
+                    select(AdminSessionRow.token_hash)
+                    .order_by(AdminSessionRow.created_at, AdminSessionRow.token_hash)
+                    .limit(live - MAX_SESSIONS + 1)
+                ).all()
+                s.execute(delete(AdminSessionRow).where(AdminSessionRow.token_hash.in_(oldest)))
+            s.add(
+                AdminSessionRow(
+                    token_hash=token_hash(session.token),
+                    csrf=session.csrf,
+                    created_at=_utc(now),
+                    expires_at=expires,
+                )
+            )
         return session
 
-    def get(self, token: str | None, now: float | None = None) -> AdminSession | None:
+    def get(
+        self, db: sessionmaker[Session], token: str | None, now: float | None = None
+    ) -> AdminSession | None:
         """The live session behind a cookie value; None when unknown or expired."""
         if not token:
             return None
-        session = self._sessions.get(token)
         now = time.time() if now is None else now
-        if session is None or session.expires_at <= now:
-            self._sessions.pop(token, None)
-            return None
-        return session
+        with db() as s:
+            row = s.get(AdminSessionRow, token_hash(token))
+            if row is None:
+                return None
+            expires_at = _timestamp(row.expires_at)
+            if expires_at <= now:
+                s.delete(row)
+                s.commit()
+                return None
+            return AdminSession(token, row.csrf, expires_at)
 
-    def drop(self, token: str | None) -> None:
+    def drop(self, db: sessionmaker[Session], token: str | None) -> None:
         if token:
-            self._sessions.pop(token, None)
+            with db.begin() as s:
+                s.execute(
+                    delete(AdminSessionRow).where(AdminSessionRow.token_hash == token_hash(token))
+                )
 
-    def _drop_expired(self, now: float) -> None:
-        for token in [t for t, s in self._sessions.items() if s.expires_at <= now]:
-            del self._sessions[token]
+
+def _utc(ts: float) -> datetime:
+    return datetime.fromtimestamp(ts, UTC)
+
+
+def _timestamp(dt: datetime) -> float:
+    """SQLite hands back naive datetimes; they were written in UTC."""
+    return (dt if dt.tzinfo else dt.replace(tzinfo=UTC)).timestamp()
 
 
 def csrf_ok(session: AdminSession, sent: str | None) -> bool:
@@ -126,10 +169,11 @@ class LoginThrottle:
 
 @dataclass(slots=True)
 class Console:
-    """The admin console's own state: its password, who is logged in, who guessed wrong."""
+    """The admin console's own state: its password, its logins (rows in the gateway's
+    database, which the web layer passes in), who guessed wrong."""
 
     password: PasswordCheck
-    sessions: SessionStore
+    logins: SessionStore
     throttle: LoginThrottle = field(default_factory=LoginThrottle)
 
     @classmethod

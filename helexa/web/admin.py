@@ -2,9 +2,11 @@
 page passes, and the Fleet page. Models, Keys and Spend live beside it in admin_*.py.
 
 Access: no password configured → every /admin page is a 404 saying the console is off.
-Otherwise a server-side session behind an HttpOnly SameSite=Strict cookie; every request
-that changes something carries the session's CSRF token (htmx sends it as X-CSRF-Token
-from `<body hx-headers>`, plain forms as a hidden `csrf` field) or is refused with 403.
+Otherwise a server-side session behind an HttpOnly SameSite=Strict cookie (a row in the
+gateway's database: a restart keeps it and every gateway on the database serves it); every
+request that changes something carries the session's CSRF token (htmx sends it as
+X-CSRF-Token from `<body hx-headers>`, plain forms as a hidden `csrf` field) or is refused
+with 403.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from litestar.response import Redirect
 from litestar.static_files import create_static_files_router
 from litestar.template import TemplateConfig
 
-from helexa.gateway.admin_auth import csrf_ok
+from helexa.gateway.admin_auth import AdminSession, csrf_ok
 from helexa.gateway.service import Gateway
 from helexa.logs import event
 from helexa.web.admin_common import (
@@ -67,6 +69,13 @@ def _is_secure(request: Request) -> bool:
     return request.url.scheme == "https"
 
 
+async def _session(request: Request) -> AdminSession | None:
+    """The live login behind the request's cookie, from the database (off the loop)."""
+    gateway = gateway_of(request)
+    cookie = request.cookies.get(SESSION_COOKIE)
+    return await asyncio.to_thread(gateway.console.logins.get, gateway.sessions, cookie)
+
+
 async def _gate(request: Request) -> Response | None:
     """Before every /admin handler: console off → 404; no session → the login page;
     a state-changing request without the session's CSRF token → 403."""
@@ -75,7 +84,7 @@ async def _gate(request: Request) -> Response | None:
         return render(request, "disabled", status=404)
     if request.url.path == LOGIN_PATH:
         return None
-    session = admin.sessions.get(request.cookies.get(SESSION_COOKIE))
+    session = await _session(request)
     if session is None:
         if wants_partial(request):  # htmx follows this header with a full navigation
             return Response("", status_code=401, headers={"HX-Redirect": LOGIN_PATH})
@@ -145,7 +154,7 @@ def _login_page(request: Request, status: int = 200, error: str | None = None) -
 
 @get("/login")
 async def login_form(request: Request, gateway: Gateway) -> Response:
-    if gateway.console.sessions.get(request.cookies.get(SESSION_COOKIE)):
+    if await _session(request):
         return Redirect(_safe_next(request.query_params.get("next")), status_code=303)
     return _login_page(request)
 
@@ -168,7 +177,7 @@ async def login(request: Request, gateway: Gateway) -> Response:
         event(log, logging.WARNING, "admin login failed", client=client)
         return _login_page(request, 401, "Wrong password.")
     admin.throttle.succeeded(client)
-    session = admin.sessions.create()
+    session = await asyncio.to_thread(admin.logins.create, gateway.sessions)
     event(log, logging.INFO, "admin logged in", client=client)
     response = Redirect(_safe_next(text(form, "next")), status_code=303)
     response.set_cookie(
@@ -178,7 +187,7 @@ async def login(request: Request, gateway: Gateway) -> Response:
         httponly=True,
         samesite="strict",
         secure=_is_secure(request),
-        max_age=int(admin.sessions.ttl_s),
+        max_age=int(admin.logins.ttl_s),
     )
     response.delete_cookie(LOGIN_COOKIE, path=LOGIN_PATH)
     return response
@@ -186,7 +195,8 @@ async def login(request: Request, gateway: Gateway) -> Response:
 
 @post("/logout")
 async def logout(request: Request, gateway: Gateway) -> Response:
-    gateway.console.sessions.drop(session_of(request).token)
+    token = session_of(request).token
+    await asyncio.to_thread(gateway.console.logins.drop, gateway.sessions, token)
     response = Redirect(LOGIN_PATH, status_code=303)
     response.delete_cookie(SESSION_COOKIE, path=PREFIX)
     return response

@@ -1,13 +1,18 @@
-"""The admin console's password hashes, sessions, CSRF tokens and login brake, without HTTP."""
+"""The admin console's password hashes, sessions (in a real SQLite file), CSRF tokens and login
+brake, without HTTP."""
 
 from __future__ import annotations
 
+import hashlib
 import subprocess
 import sys
 
 import pytest
+from sqlalchemy import func, select
 
 from helexa.config import ConfigError, load_config
+from helexa.db.models import AdminSessionRow
+from helexa.gateway import admin_auth
 from helexa.gateway.admin_auth import LoginThrottle, PasswordCheck, SessionStore, csrf_ok
 from helexa.passwords import hash_password, parse_hash, verify_password
 
@@ -69,21 +74,49 @@ def test_config_refuses_a_broken_hash_and_reads_the_env_password(tmp_path):
     assert cfg.admin.password == "env-pw"
 
 
-def test_sessions_expire_and_logging_out_ends_them():
+def test_sessions_expire_and_logging_out_ends_them(sessions):
     store = SessionStore(ttl_s=10)
-    s = store.create(now=1000)
-    assert store.get(s.token, now=1009) is s
-    assert store.get(s.token, now=1010) is None  # expired, and forgotten
-    assert store.get(s.token, now=1000) is None
-    t = store.create(now=2000)
-    store.drop(t.token)
-    assert store.get(t.token, now=2001) is None
-    assert store.get(None) is None and store.get("") is None
+    s = store.create(sessions, now=1000)
+    assert store.get(sessions, s.token, now=1009) == s
+    assert store.get(sessions, s.token, now=1010) is None  # expired, and forgotten
+    assert store.get(sessions, s.token, now=1000) is None
+    t = store.create(sessions, now=2000)
+    store.drop(sessions, t.token)
+    assert store.get(sessions, t.token, now=2001) is None
+    assert store.get(sessions, None) is None and store.get(sessions, "") is None
 
 
-def test_each_session_has_its_own_csrf_token():
+def test_the_database_holds_a_hash_of_the_token_never_the_token(sessions):
+    s = SessionStore(ttl_s=60).create(sessions)
+    with sessions() as db:
+        [row] = db.scalars(select(AdminSessionRow)).all()
+    assert row.token_hash == hashlib.sha256(s.token.encode()).hexdigest() != s.token
+    assert row.csrf == s.csrf
+
+
+def test_a_session_made_by_one_store_is_served_by_another_on_the_same_database(sessions):
+    s = SessionStore(ttl_s=60).create(sessions)
+    assert SessionStore(ttl_s=60).get(sessions, s.token) == s
+
+
+def test_logging_in_sweeps_expired_sessions_and_keeps_the_newest_under_the_cap(
+    sessions, monkeypatch
+):
+    monkeypatch.setattr(admin_auth, "MAX_SESSIONS", 3)
+    store = SessionStore(ttl_s=10)
+    stale = store.create(sessions, now=0)
+    made = [store.create(sessions, now=100 + i) for i in range(4)]
+    with sessions() as db:
+        left = db.scalar(select(func.count()).select_from(AdminSessionRow))
+    assert left == 3
+    assert store.get(sessions, stale.token, now=103) is None
+    assert store.get(sessions, made[0].token, now=103) is None  # the oldest made room
+    assert all(store.get(sessions, m.token, now=103) == m for m in made[1:])
+
+
+def test_each_session_has_its_own_csrf_token(sessions):
     store = SessionStore(ttl_s=60)
-    a, b = store.create(), store.create()
+    a, b = store.create(sessions), store.create(sessions)
     assert a.csrf != b.csrf and a.token != b.token
     assert csrf_ok(a, a.csrf)
     assert not csrf_ok(a, b.csrf) and not csrf_ok(a, "") and not csrf_ok(a, None)
