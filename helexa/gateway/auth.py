@@ -18,7 +18,10 @@ from helexa.errors import invalid_api_key
 from helexa.gateway.keys import KeyInfo, KeyStore, hash_secret
 from helexa.protocol.wire import bearer_token
 
-CACHE_TTL_S = 2.0  # a revoked key stops working within this long
+# A key's lookup (its models, its budget, whether it is revoked) is reused this long; the
+# poller's DatabaseSync also drops every one each poll interval, so a change made through
+# another gateway or `helexa keys` is seen within the shorter of the two.
+CACHE_TTL_S = 2.0
 CACHE_MAX = 10_000
 
 
@@ -49,6 +52,7 @@ class Authenticator:
         self.store = store
         self.require_auth = require_auth
         self._cache: dict[str, tuple[float, KeyInfo | None]] = {}  # hash -> (expiry, key)
+        self._forgotten = 0  # forget() calls: a lookup that spans one is not cached
 
     async def authenticate(self, headers: Mapping[str, str]) -> Principal:
         secret = bearer_secret(headers)
@@ -65,13 +69,21 @@ class Authenticator:
             return ANONYMOUS
         return Principal(key)
 
+    def forget(self) -> None:
+        """Drop every cached lookup: the next request with each key reads the database."""
+        self._cache.clear()
+        self._forgotten += 1
+
     async def _lookup(self, secret: str) -> KeyInfo | None:
         digest = hash_secret(secret)
         now = time.monotonic()
         hit = self._cache.get(digest)
         if hit is not None and hit[0] > now:
             return hit[1]
+        forgotten = self._forgotten
         key = await asyncio.to_thread(self.store.lookup, secret)
+        if forgotten != self._forgotten:  # it may predate the change that forget() is for
+            return key
         if len(self._cache) >= CACHE_MAX:
             self._cache.clear()
         self._cache[digest] = (now + CACHE_TTL_S, key)

@@ -1,6 +1,7 @@
 """Edits to the catalogue and aliases in the database (what the admin console's Models page
 does). Each function validates, writes one transaction, and raises ValueError with a
-message fit to show a person; the caller reloads the router from `load_catalogue`."""
+message fit to show a person; the caller reloads its router from `catalogue_rows` at once,
+and other gateways on the database do at their next poll (`poller.DatabaseSync`)."""
 
 from __future__ import annotations
 

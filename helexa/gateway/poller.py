@@ -1,18 +1,30 @@
-"""Keeps the fleet picture fresh: `/discovery` once per node (again while its prompt cap is
-unknown), `/models` and `/health` every `poll_interval_s`. A node that stops answering
-leaves routing at once and comes back the moment it answers again."""
+"""Keeps what the gateway knows fresh, every `poll_interval_s`.
+
+The fleet: `/discovery` once per node (again while its prompt cap is unknown), `/models` and
+`/health` every interval. A node that stops answering leaves routing at once and comes back
+the moment it answers again.
+
+The database it shares with other gateways (`DatabaseSync`, run by the poller): the
+catalogue and aliases are re-read and the key cache dropped, so an edit made through
+another gateway or `helexa keys` reaches this one within an interval.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Awaitable, Callable
 from typing import Any
 from urllib.parse import quote
 
 import aiohttp
+from sqlalchemy.orm import Session, sessionmaker
 
+from helexa.gateway.auth import Authenticator
+from helexa.gateway.catalogue_edit import catalogue_rows
 from helexa.gateway.connections import Connections
 from helexa.gateway.fleet import KEY_REFUSED, NOT_ANSWERING, Fleet, NodeView
+from helexa.gateway.router import Router
 
 log = logging.getLogger(__name__)
 POLL_TIMEOUT_S = 5.0
@@ -24,12 +36,20 @@ class Poller:
         self.fleet = fleet
         self.connections = connections
         self.interval_s = interval_s
+        self._also: list[Callable[[], Awaitable[None]]] = []
         self._tasks: list[asyncio.Task[None]] = []
+
+    def also_every_interval(self, work: Callable[[], Awaitable[None]]) -> None:
+        """Run `work` every interval too, from start() to stop(); it handles its own errors."""
+        self._also.append(work)
 
     def start(self) -> None:
         self._tasks = [
             asyncio.create_task(self._run(node), name=f"poll-{node.name}")
             for node in self.fleet.nodes.values()
+        ]
+        self._tasks += [
+            asyncio.create_task(self._every(work), name="poll-db") for work in self._also
         ]
 
     async def stop(self) -> None:
@@ -45,6 +65,11 @@ class Poller:
         while True:
             await self.poll_once(node)
             await asyncio.sleep(self.interval_s)
+
+    async def _every(self, work: Callable[[], Awaitable[None]]) -> None:
+        while True:
+            await asyncio.sleep(self.interval_s)  # the gateway was built from fresh reads
+            await work()
 
     async def poll_once(self, node: NodeView) -> None:
         try:
@@ -86,6 +111,48 @@ class Poller:
 def describe_error(e: BaseException) -> str:
     """An exception in one log-friendly line: its type, and its message if it has one."""
     return f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+
+
+class DatabaseSync:
+    """What this gateway holds in memory from its shared database, brought up to date:
+    `refresh` (every poll interval) re-reads the catalogue and aliases in a thread and drops
+    the key cache. While the database cannot be read the router keeps the catalogue it has,
+    and that is logged once."""
+
+    def __init__(
+        self, sessions: sessionmaker[Session], router: Router, auth: Authenticator
+    ) -> None:
+        self.sessions = sessions
+        self.router = router
+        self.auth = auth
+        self.failing = False
+
+    async def refresh(self) -> None:
+        self.auth.forget()
+        generation = self.router.catalogue_generation
+        try:
+            models, aliases = await asyncio.to_thread(catalogue_rows, self.sessions)
+        except Exception as e:
+            if not self.failing:
+                log.warning(
+                    "could not re-read the catalogue from the database (%s); routing by the "
+                    "one read before until it can",
+                    describe_error(e),
+                )
+            self.failing = True
+            return
+        if self.failing:
+            log.info("the catalogue is read from the database again")
+            self.failing = False
+        if generation != self.router.catalogue_generation:
+            return  # an edit made here replaced it while we read; the next refresh checks
+        if not self.router.routes_by(models, aliases):
+            self.router.replace_catalogue(models, aliases)
+            log.info(
+                "catalogue changed in the database: %d models, %d aliases",
+                len(models),
+                len(aliases),
+            )
 
 
 LOAD_TIMEOUT_S = 3600.0  # a cold load may fetch and place tens of GB

@@ -46,15 +46,22 @@ class Router:
         self.nodes = nodes
         self.catalogue: dict[str, ModelEntry] = {}
         self.aliases: dict[str, str] = {}
+        self.catalogue_generation = 0  # one more on every replace_catalogue
         self.replace_catalogue(cfg.models, cfg.aliases)
         self.in_flight: dict[tuple[str, str], int] = {}  # (node, model) -> proxied by us now
         self.last_used: dict[tuple[str, str], float] = {}
         self._cold: dict[str, asyncio.Task[NodeView]] = {}
 
     def replace_catalogue(self, models: list[ModelEntry], aliases: dict[str, str]) -> None:
-        """The catalogue and aliases to route by (from the database once it is open)."""
+        """The catalogue and aliases to route by (from the database once it is open: at
+        start, after an edit here, and every poll interval for edits made elsewhere)."""
         self.catalogue = {m.id: m for m in models}
         self.aliases = dict(aliases)
+        self.catalogue_generation += 1
+
+    def routes_by(self, models: list[ModelEntry], aliases: dict[str, str]) -> bool:
+        """Whether this catalogue and these aliases are exactly what it routes by now."""
+        return self.catalogue == {m.id: m for m in models} and self.aliases == aliases
 
     # -- naming ----------------------------------------------------------------------
     def concrete(self, model: str) -> str:

@@ -1,8 +1,9 @@
 """The Keys page: create (the secret shown once), revoke, caps and window, allowed models,
 and each key's spend against its cap.
 
-The running gateway sees a change within auth's cache time (2 s): keys and budgets are
-read from the database, and a changed window is recounted from the ledger (budgets.py).
+Every gateway on the database sees a change within auth's cache time (2 s) or its poll
+interval, whichever is shorter: keys and budgets are read from the database, and a changed
+window is recounted from the ledger (budgets.py).
 """
 
 from __future__ import annotations
