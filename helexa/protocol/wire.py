@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,6 +22,20 @@ BUDGET_HEADER = "x-helexa-budget"
 VIA_HEADER = "x-helexa-via"
 SECRET_HEADER = "x-helexa-gateway-secret"  # deprecated: the gateway sends Authorization
 REQUEST_ID_HEADER = "x-request-id"
+# The gateway's name for one proxied request: the node keeps that request's final usage
+# under it (`GET /v1/exchanges/{id}/usage`), tokens a cut stream never delivered included.
+EXCHANGE_HEADER = "x-helexa-exchange"
+_EXCHANGE_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
+
+
+def is_exchange_id(value: str) -> bool:
+    """Whether `value` may name an exchange: 1–64 characters of `[A-Za-z0-9_-]`."""
+    return _EXCHANGE_ID.fullmatch(value) is not None
+
+
+def exchange_usage_path(exchange_id: str) -> str:
+    """The node's route that answers an exchange's final usage."""
+    return f"/v1/exchanges/{exchange_id}/usage"
 
 
 def bearer_token(authorization: str | None) -> str | None:
