@@ -150,7 +150,7 @@ def _utf8(text: str, param: str) -> str:
 class _Choice:
     text: list[str] = field(default_factory=list)  # as decoded
     num_chars: int = 0  # len("".join(text)), kept as it grows
-    num_tokens: int = 0
+    num_tokens: int = 0  # generated, as the engine reported them (read or not)
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     logprobs: list[TokenLogprob] = field(default_factory=list)
@@ -211,70 +211,17 @@ class Generation:
     # -- running -------------------------------------------------------------------
     async def deltas(self) -> AsyncIterator[tuple[int, RequestOutput]]:
         """(choice index, delta) as the engine produces them; an engine fault becomes the
-        HelexaError the client should see."""
+        HelexaError the client should see. Close it (or cancel its reader) to abort.
+
+        Each choice's engine deltas are read by a task of their own as soon as they reach
+        the node, whatever the pace of this iterator's reader: the token count then holds
+        every token the engine reported, those a slow or departed client never got
+        included, and is final the moment the reading stops."""
         self._t0 = time.monotonic()
-        try:
-            async for item in self._deltas():
-                yield item
-        finally:
-            if not self._recorded:  # aborted: the client left or the engine failed
-                self._record_finish()
-
-    async def _deltas(self) -> AsyncIterator[tuple[int, RequestOutput]]:
-        try:
-            if self.req.n == 1:
-                async for out in self.served.llm.generate(
-                    self.prompt_ids, self._params[0], f"{self.id}-0"
-                ):
-                    self._account(0, out)
-                    yield 0, out
-            else:
-                async for i, out in self._merged():
-                    self._account(i, out)
-                    yield i, out
-        except WorkerFaultError:  # the registry heard it too, and reloads the model
-            raise service_unavailable(
-                f"model {self.served.id!r} hit a device fault and is reloading; retry shortly",
-                RECOVERY_RETRY_AFTER_S,
-                code="model_recovering",
-            ) from None
-        except EngineDeadError:
-            raise service_unavailable(
-                f"model {self.served.id!r} was unloaded while this request ran",
-                RECOVERY_RETRY_AFTER_S,
-            ) from None
-        except HelexaError:
-            raise
-        except (asyncio.CancelledError, GeneratorExit):
-            raise
-        except Exception:  # this request alone: the cause stays in the log
-            log.exception("request %s on %s failed", self.id, self.served.id)
-            raise HelexaError(
-                500,
-                "server_error",
-                f"generation failed for this request (request id {self.id}); "
-                "the cause is in the node's log",
-            ) from None
-
-    async def _merged(self) -> AsyncIterator[tuple[int, RequestOutput]]:
         queue: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue()
-
-        async def pump(i: int) -> None:
-            try:
-                async for out in self.served.llm.generate(
-                    self.prompt_ids, self._params[i], f"{self.id}-{i}"
-                ):
-                    queue.put_nowait((i, out))
-            except asyncio.CancelledError:
-                raise
-            except BaseException as e:
-                queue.put_nowait((i, e))
-            else:
-                queue.put_nowait((i, None))
-
-        tasks = [asyncio.create_task(pump(i)) for i in range(self.req.n)]
+        readers = [asyncio.create_task(self._read(i, queue)) for i in range(self.req.n)]
         try:
-            live = len(tasks)
+            live = len(readers)
             while live:
                 i, item = await queue.get()
                 if item is None:
@@ -282,11 +229,58 @@ class Generation:
                 elif isinstance(item, BaseException):
                     raise item
                 else:
+                    self._account(i, item)
                     yield i, item
+        except Exception as e:
+            raise self._client_error(e) from None
         finally:
-            for t in tasks:
+            for t in readers:  # no reader counts another token once cancelled
                 t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+            if not self._recorded:  # aborted: the client left or the engine failed
+                self._record_finish()
+            await asyncio.gather(*readers, return_exceptions=True)
+
+    async def _read(self, i: int, queue: asyncio.Queue) -> None:
+        """Choice `i`'s engine deltas into `queue`, counted as they arrive; then None, or
+        the exception that ended them. Cancelling it aborts the choice in the engine."""
+        c = self.choices[i]
+        try:
+            async for out in self.served.llm.generate(
+                self.prompt_ids, self._params[i], f"{self.id}-{i}"
+            ):
+                c.num_tokens += len(out.token_ids)
+                self.num_cached_tokens = max(self.num_cached_tokens, out.num_cached_tokens)
+                queue.put_nowait((i, out))
+        except asyncio.CancelledError:
+            raise
+        except BaseException as e:
+            queue.put_nowait((i, e))
+        else:
+            queue.put_nowait((i, None))
+
+    def _client_error(self, error: Exception) -> HelexaError:
+        """What the client sees of an error that ended this request."""
+        if isinstance(error, HelexaError):
+            return error
+        if isinstance(error, WorkerFaultError):  # the registry heard it too, and reloads
+            return service_unavailable(
+                f"model {self.served.id!r} hit a device fault and is reloading; retry shortly",
+                RECOVERY_RETRY_AFTER_S,
+                code="model_recovering",
+            )
+        if isinstance(error, EngineDeadError):
+            return service_unavailable(
+                f"model {self.served.id!r} was unloaded while this request ran",
+                RECOVERY_RETRY_AFTER_S,
+            )
+        # this request alone: the cause stays in the log
+        log.error("request %s on %s failed", self.id, self.served.id, exc_info=error)
+        return HelexaError(
+            500,
+            "server_error",
+            f"generation failed for this request (request id {self.id}); "
+            "the cause is in the node's log",
+        )
 
     def _account(self, i: int, out: RequestOutput) -> None:
         now = time.monotonic()
@@ -301,10 +295,8 @@ class Generation:
         c = self.choices[i]
         c.text.append(out.text)
         c.num_chars += len(out.text)
-        c.num_tokens += n
         if out.logprobs:
             c.logprobs.extend(out.logprobs)
-        self.num_cached_tokens = max(self.num_cached_tokens, out.num_cached_tokens)
         finish_reason = out.finish_reason
         if c.output is not None:
             c.last = c.output.feed(out.text, n)
@@ -360,6 +352,13 @@ class Generation:
     @property
     def num_reasoning_tokens(self) -> int:
         return sum(c.output.num_reasoning_tokens for c in self.choices if c.output is not None)
+
+    @property
+    def has_run(self) -> bool:
+        """Whether the engine ran this request: it has reported a token (so its prompt was
+        prefilled). What an answer that failed or was cut after this point cost is worth
+        telling; before it, nothing was spent that the node can vouch for."""
+        return any(c.num_tokens for c in self.choices)
 
 
 def assistant_output(

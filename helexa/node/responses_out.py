@@ -114,6 +114,8 @@ class ResponsesView(OneBlockOpen[dict[str, Any]]):
         self.close()  # what was said stays in the output; its events no longer matter
         body = self.response("failed")
         body["error"] = {"code": error.code or error.type, "message": error.message}
+        if "usage" in error.extra:  # what was spent before it failed (the gateway bills it)
+            body["error"]["usage"] = error.extra["usage"]
         return self.event("response.failed", response=body)
 
     # -- the one open item (OneBlockOpen): reasoning or a message ------------------------

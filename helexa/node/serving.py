@@ -8,6 +8,9 @@ answer ends: complete, failed, cancelled, closed early, or a stream never starte
 
 `notes` is what the request's log line should say (model, token counts, finish reason,
 TTFT, error status); the web layer passes its per-request state and logs it.
+
+Money: an answer that fails after the engine ran carries what it spent as `usage` in its
+error object.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import asyncio
 import logging
 import weakref
 from collections.abc import AsyncIterator, MutableMapping
+from contextlib import aclosing
 from typing import Any
 
 from helexa.errors import HelexaError
@@ -92,13 +96,23 @@ class Run:
 
     async def whole(self) -> dict[str, Any]:
         """Generate to the end and return the whole answer; cancelling it aborts the
-        generation and frees its KV."""
+        generation and frees its KV. An error after the engine ran carries the usage."""
         try:
-            async for _ in self.gen.deltas():
-                pass
+            async with aclosing(self.gen.deltas()) as deltas:
+                async for _ in deltas:
+                    pass
             return openai_out.full_response(self.gen) if self.view is None else self.view.whole()
+        except HelexaError as e:
+            raise self.billed(e) from None
         finally:
             self.end()
+
+    def billed(self, error: HelexaError) -> HelexaError:
+        """`error` with what the engine spent as its `usage`, in this answer's API's shape,
+        once the engine has run the request (the gateway bills errors from it too)."""
+        if self.gen.has_run:
+            error.extra["usage"] = self.gen.usage if self.view is None else self.view.usage
+        return error
 
     def stream(self) -> AnswerStream:
         """The answer as server-sent events, generated as they are read."""
@@ -138,15 +152,17 @@ async def _openai_events(run: Run) -> AsyncIterator[bytes]:
     try:
         for chunk in openai_out.opening_chunks(gen):
             yield sse_data(chunk)
-        async for i, out in gen.deltas():
-            for chunk in openai_out.delta_chunks(gen, i, out):
-                yield sse_data(chunk)
+        # closed here, not whenever it is collected: a cut stream stops the engine now
+        async with aclosing(gen.deltas()) as deltas:
+            async for i, out in deltas:
+                for chunk in openai_out.delta_chunks(gen, i, out):
+                    yield sse_data(chunk)
         if gen.req.include_usage:
             yield sse_data(openai_out.usage_chunk(gen))
     except HelexaError as e:  # headers are gone: the error travels as an SSE event
         log.warning("stream %s failed: %s", gen.id, e.message)
         run.notes["error"] = e.status
-        yield sse_data(e.to_envelope())
+        yield sse_data(run.billed(e).to_envelope())
     finally:
         run.end()
     yield SSE_DONE
@@ -159,15 +175,16 @@ async def _responses_events(run: Run) -> AsyncIterator[bytes]:
     try:
         for e in view.opening():
             yield sse_event(e["type"], e)
-        async for _, _out in gen.deltas():
-            for e in view.delta(gen.choices[0].last):
-                yield sse_event(e["type"], e)
+        async with aclosing(gen.deltas()) as deltas:
+            async for _, _out in deltas:
+                for e in view.delta(gen.choices[0].last):
+                    yield sse_event(e["type"], e)
         for e in view.closing():
             yield sse_event(e["type"], e)
     except HelexaError as e:
         log.warning("stream %s failed: %s", view.id, e.message)
         run.notes["error"] = e.status
-        failed = view.failed(e)
+        failed = view.failed(run.billed(e))
         yield sse_event(failed["type"], failed)
     finally:
         run.end()

@@ -3,6 +3,7 @@ replaced and its model reloaded, while the node process serves on (issue 17)."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
@@ -52,7 +53,9 @@ def _stream_until_content(client: httpx.Client, body: dict):
     assert r.status_code == 200
     lines = r.iter_lines()
     for line in lines:
-        if line.startswith("data: {") and '"content":' in line:
+        if line.startswith("data: {") and json.loads(line[6:])["choices"][0]["delta"].get(
+            "content"
+        ):
             return ctx, lines
     raise AssertionError("the stream ended before any content")
 
@@ -98,6 +101,8 @@ def test_a_worker_killed_mid_stream_ends_the_stream_with_an_error_and_comes_back
     errors = [ln for ln in rest if ln.startswith("data: {") and '"error"' in ln]
     assert errors, rest[-5:]
     assert "model_recovering" in errors[-1] or "device fault" in errors[-1]
+    # what the worker generated before it died is still told, to be billed
+    assert json.loads(errors[-1][6:])["error"]["usage"]["completion_tokens"] >= 1
     assert "data: [DONE]" not in rest or rest.index("data: [DONE]") > rest.index(errors[-1])
 
     seen = _statuses_until_loaded(node, long_id, old_pid)
