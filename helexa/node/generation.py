@@ -28,6 +28,7 @@ from helexa.errors import (
     tool_choice_not_satisfied,
     vision_unsupported,
 )
+from helexa.node.exchanges import NOTHING_RAN, Usage
 from helexa.node.metrics import NodeMetrics
 from helexa.node.registry import RECOVERY_RETRY_AFTER_S, ModelRegistry
 from helexa.node.sampling import choice_params
@@ -359,6 +360,17 @@ class Generation:
         prefilled). What an answer that failed or was cut after this point cost is worth
         telling; before it, nothing was spent that the node can vouch for."""
         return any(c.num_tokens for c in self.choices)
+
+    def spent(self) -> Usage:
+        """What the engine spent on this request so far (final once `deltas` has ended)."""
+        if not self.has_run:
+            return NOTHING_RAN
+        return Usage(
+            prompt_tokens=len(self.prompt_ids),
+            completion_tokens=sum(c.num_tokens for c in self.choices),
+            cached_tokens=self.num_cached_tokens,
+            reasoning_tokens=self.num_reasoning_tokens,
+        )
 
 
 def assistant_output(

@@ -1,6 +1,7 @@
 """The node as one object, built once at start: its config, loaded models, metrics, the
-default models' activation and whether it is draining; plus what its management routes
-answer (health, discovery, a model's entry or endpoint, loads and unloads), without HTTP.
+default models' activation, the gateway's named requests and whether it is draining; plus
+what its management routes answer (health, discovery, a model's entry or endpoint, loads
+and unloads), without HTTP.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from helexa.engine.loader.load import BUNDLED_MODEL_ID
 from helexa.errors import HelexaError, invalid_request, model_not_found, service_unavailable
 from helexa.node.activation import Activation
 from helexa.node.discovery import device_stats, discovery
+from helexa.node.exchanges import Exchanges
 from helexa.node.loading import LoadOptions, parse_load_options
 from helexa.node.metrics import NodeMetrics
 from helexa.node.registry import ModelRegistry
@@ -34,6 +36,7 @@ class Node:
     registry: ModelRegistry
     metrics: NodeMetrics
     activation: Activation = field(default_factory=Activation)
+    exchanges: Exchanges = field(default_factory=Exchanges)  # final usage of named requests
     started_at: float = field(default_factory=time.time)
     draining: bool = False  # set on SIGTERM: new work is refused, in-flight work finishes
 

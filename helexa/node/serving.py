@@ -10,7 +10,8 @@ answer ends: complete, failed, cancelled, closed early, or a stream never starte
 TTFT, error status); the web layer passes its per-request state and logs it.
 
 Money: an answer that fails after the engine ran carries what it spent as `usage` in its
-error object.
+error object, and a request the gateway named (`exchange`) has its final usage recorded
+when its run ends, however it ends.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from typing import Any
 from helexa.errors import HelexaError
 from helexa.node import openai_out
 from helexa.node.admission import Permit
+from helexa.node.exchanges import NOTHING_RAN, Exchange
 from helexa.node.generation import Generation, prepare_prompt, render_prompt
 from helexa.node.responses_out import ResponsesView
 from helexa.node.service import Node
@@ -45,24 +47,31 @@ async def admit(
     budget: SpendBudget | None = None,
     echo: dict[str, Any] | None = None,
     notes: Notes,
+    exchange: Exchange | None = None,
 ) -> Run:
     """Admit `req` and hold a running slot for it. `principal`: who is calling, for the
     per-principal cap (None: the gateway's anonymous traffic); `budget`: the gateway's
     reservation, which may lower the output limit; `echo`: the Responses API fields the
-    answer repeats, when it is to be answered in that API's shapes."""
-    notes["model"] = req.model
-    node.refuse_if_draining("the node is shutting down; retry on another node")
-    check_bounds(req)
-    served = node.registry.get(req.model)
-    served.admission.check(principal)
-    prompt = await asyncio.to_thread(prepare_prompt, served, req)
-    notes["prompt_tokens"] = len(prompt.ids)
-    if budget is not None:
-        budget.apply(req, len(prompt.ids))  # the output the gateway's reservation covers
-    gen = Generation(node.registry, served, req, prompt, node.metrics)
-    view = ResponsesView(gen, echo) if echo is not None else None
-    permit = await served.admission.acquire(principal)
-    return Run(gen, view, permit, notes)
+    answer repeats, when it is to be answered in that API's shapes; `exchange`: the
+    gateway's name for the request, ended with what it spent (nothing, if refused here)."""
+    try:
+        notes["model"] = req.model
+        node.refuse_if_draining("the node is shutting down; retry on another node")
+        check_bounds(req)
+        served = node.registry.get(req.model)
+        served.admission.check(principal)
+        prompt = await asyncio.to_thread(prepare_prompt, served, req)
+        notes["prompt_tokens"] = len(prompt.ids)
+        if budget is not None:
+            budget.apply(req, len(prompt.ids))  # the output the gateway's reservation covers
+        gen = Generation(node.registry, served, req, prompt, node.metrics)
+        view = ResponsesView(gen, echo) if echo is not None else None
+        permit = await served.admission.acquire(principal)
+    except BaseException:
+        if exchange is not None:
+            exchange.end(NOTHING_RAN)
+        raise
+    return Run(gen, view, permit, notes, exchange)
 
 
 async def complete(
@@ -73,10 +82,13 @@ async def complete(
     budget: SpendBudget | None = None,
     echo: dict[str, Any] | None = None,
     notes: Notes,
+    exchange: Exchange | None = None,
 ) -> dict[str, Any]:
     """Admit `req` (as `admit`) and return its whole answer; cancelling it at any point
     leaves the queue or stops the generation, and frees what it held."""
-    run = await admit(node, req, principal=principal, budget=budget, echo=echo, notes=notes)
+    run = await admit(
+        node, req, principal=principal, budget=budget, echo=echo, notes=notes, exchange=exchange
+    )
     return await run.whole()
 
 
@@ -84,15 +96,21 @@ class Run:
     """One admitted request: its generation, the answer's shape, and the permit it holds
     until `end`."""
 
-    __slots__ = ("gen", "notes", "permit", "view")
+    __slots__ = ("exchange", "gen", "notes", "permit", "view")
 
     def __init__(
-        self, gen: Generation, view: ResponsesView | None, permit: Permit, notes: Notes
+        self,
+        gen: Generation,
+        view: ResponsesView | None,
+        permit: Permit,
+        notes: Notes,
+        exchange: Exchange | None = None,
     ) -> None:
         self.gen = gen
         self.view = view
         self.permit = permit
         self.notes = notes
+        self.exchange = exchange
 
     async def whole(self) -> dict[str, Any]:
         """Generate to the end and return the whole answer; cancelling it aborts the
@@ -128,6 +146,8 @@ class Run:
         notes["finish_reason"] = ",".join(sorted(reasons))
         if gen.ttft_s is not None:
             notes["ttft_ms"] = gen.ttft_s * 1000
+        if self.exchange is not None:
+            self.exchange.end(gen.spent())
         self.permit.release()
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -19,6 +19,7 @@ from litestar.di import Provide
 from litestar.response import Response, Stream
 
 from helexa.node import openai_out, serving
+from helexa.node.exchanges import NOTHING_RAN, Exchange, parse_wait_s
 from helexa.node.security import budget_of, principal_of
 from helexa.node.service import Node
 from helexa.node.version import build_info
@@ -29,6 +30,7 @@ from helexa.protocol.openai import (
     parse_completion_request,
 )
 from helexa.protocol.responses import parse_responses_request
+from helexa.protocol.wire import EXCHANGE_HEADER
 from helexa.web.common import METRICS_CONTENT_TYPE, error_response, parse_json_body
 
 log = logging.getLogger(__name__)
@@ -59,6 +61,15 @@ def include_thinking(request: Request) -> bool:
     return request.headers.get(THINKING_HEADER, "").strip().lower() in ("1", "true", "yes")
 
 
+def _exchange(node: Node, request: Request) -> Exchange | None:
+    """The gateway's name for this request (`x-helexa-exchange`, believed like its other
+    headers), begun in the node's book of exchanges; None when there is none to believe."""
+    value = request.headers.get(EXCHANGE_HEADER)
+    if not value or not _trusted(request):
+        return None
+    return node.exchanges.begin(value)
+
+
 async def _until_disconnected(request: Request) -> None:
     while True:
         message = await request.receive()
@@ -86,44 +97,86 @@ async def _unless_disconnected(request: Request, work: Awaitable[dict[str, Any]]
 # -- inference ----------------------------------------------------------------------------
 
 
-async def _answer(
-    node: Node,
-    request: Request,
-    req: ChatCompletionRequest | CompletionRequest,
-    echo: dict[str, Any] | None = None,
-) -> Response:
-    """Serve `req`: a stream of server-sent events, or the whole answer once generated.
-    `echo`: the Responses API's fields to repeat, when answering in that API's shapes."""
-    trusted, notes = _trusted(request), _notes(request)
-    client = request.client.host if request.client else None
-    principal = principal_of(request.headers, trusted, client)
-    budget = budget_of(request.headers, trusted)
-    if req.stream:
-        run = await serving.admit(
-            node, req, principal=principal, budget=budget, echo=echo, notes=notes
+# A body's request, and the Responses API's fields to echo when answering in its shapes.
+Parsed = tuple[ChatCompletionRequest | CompletionRequest, dict[str, Any] | None]
+
+
+async def _answer(node: Node, request: Request, parse: Callable[[Any], Parsed]) -> Response:
+    """Serve the request `parse` reads from the body: a stream of server-sent events, or
+    the whole answer once generated. A request the gateway named (`x-helexa-exchange`)
+    ends its exchange with what it spent, however it ends: its run does that, or this
+    handler when no run ever started."""
+    exchange = _exchange(node, request)
+    streaming = False
+    try:
+        req, echo = parse(await _json_body(request))
+        if isinstance(req, ChatCompletionRequest):
+            req.include_thinking = include_thinking(request)
+        trusted, notes = _trusted(request), _notes(request)
+        client = request.client.host if request.client else None
+        principal = principal_of(request.headers, trusted, client)
+        budget = budget_of(request.headers, trusted)
+        if req.stream:
+            run = await serving.admit(
+                node,
+                req,
+                principal=principal,
+                budget=budget,
+                echo=echo,
+                notes=notes,
+                exchange=exchange,
+            )
+            streaming = True  # the run ends the exchange when its stream ends
+            return Stream(run.stream(), media_type="text/event-stream", headers=SSE_HEADERS)
+        whole = serving.complete(
+            node,
+            req,
+            principal=principal,
+            budget=budget,
+            echo=echo,
+            notes=notes,
+            exchange=exchange,
         )
-        return Stream(run.stream(), media_type="text/event-stream", headers=SSE_HEADERS)
-    whole = serving.complete(node, req, principal=principal, budget=budget, echo=echo, notes=notes)
-    return await _unless_disconnected(request, whole)
+        return await _unless_disconnected(request, whole)
+    finally:
+        if exchange is not None and not streaming:
+            exchange.end(NOTHING_RAN)  # a no-op when its run has ended it
+
+
+def _chat(body: Any) -> Parsed:
+    return parse_chat_request(body), None
+
+
+def _completion(body: Any) -> Parsed:
+    return parse_completion_request(body), None
+
+
+def _responses(body: Any) -> Parsed:
+    parsed = parse_responses_request(body)
+    return parsed.chat, parsed.echo
 
 
 @post("/v1/chat/completions", status_code=200)
 async def chat_completions(node: Node, request: Request) -> Response:
-    req = parse_chat_request(await _json_body(request))
-    req.include_thinking = include_thinking(request)
-    return await _answer(node, request, req)
+    return await _answer(node, request, _chat)
 
 
 @post("/v1/completions", status_code=200)
 async def completions(node: Node, request: Request) -> Response:
-    return await _answer(node, request, parse_completion_request(await _json_body(request)))
+    return await _answer(node, request, _completion)
 
 
 @post("/v1/responses", status_code=200)
 async def responses(node: Node, request: Request) -> Response:
-    parsed = parse_responses_request(await _json_body(request))
-    parsed.chat.include_thinking = include_thinking(request)
-    return await _answer(node, request, parsed.chat, parsed.echo)
+    return await _answer(node, request, _responses)
+
+
+@get("/v1/exchanges/{exchange_id:str}/usage")
+async def exchange_usage(node: Node, request: Request, exchange_id: str) -> dict[str, Any]:
+    """The final usage of the request the gateway named `exchange_id`, waiting up to
+    `?wait_s=` (at most 10) for it to end: 404 unknown, 409 still running."""
+    wait_s = parse_wait_s(request.query_params.get("wait_s"))
+    return await node.exchanges.final_usage(exchange_id, wait_s)
 
 
 @post("/tokenize", status_code=200)
@@ -211,6 +264,7 @@ def create_node_app(node: Node) -> Litestar:
             chat_completions,
             completions,
             responses,
+            exchange_usage,
             tokenize,
             v1_models,
             health,

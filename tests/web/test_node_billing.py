@@ -1,13 +1,18 @@
-"""Every token the node generates is told to whoever bills it, in errors that came after the
-model ran too. Against a real node process."""
+"""Every token the node generates is told to whoever bills it: in errors that came after the
+model ran, and by exchange id (`x-helexa-exchange`) once a request has ended, however it
+ended. Against a real node process."""
 
 from __future__ import annotations
 
 import json
+import threading
+import time
+import uuid
 
 import httpx
 import pytest
 
+from helexa.protocol.wire import EXCHANGE_HEADER, exchange_usage_path
 from tests.web.node_proc import tiny_model
 
 TOOLS = [
@@ -29,6 +34,15 @@ ASK = [{"role": "user", "content": "Weather in Oslo?"}]
 LONG = {"max_tokens": 8000, "ignore_eos": True}
 
 
+def _exchange() -> tuple[str, dict[str, str]]:
+    exchange_id = "ex_" + uuid.uuid4().hex
+    return exchange_id, {EXCHANGE_HEADER: exchange_id}
+
+
+def _final_usage(node, exchange_id: str, wait_s: float = 5) -> httpx.Response:
+    return node.get(exchange_usage_path(exchange_id), params={"wait_s": wait_s})
+
+
 def _sse(node, path: str, body: dict, **kw) -> list[dict]:
     with httpx.stream("POST", node.base_url + path, json=body, timeout=60, **kw) as r:
         assert r.status_code == 200, r.read()
@@ -39,6 +53,17 @@ def _sse(node, path: str, body: dict, **kw) -> list[dict]:
 def _spent(usage: dict) -> tuple[int, int, int]:
     """Chat usage less its prefix-cache hits, which differ between two runs of a prompt."""
     return usage["prompt_tokens"], usage["completion_tokens"], usage["total_tokens"]
+
+
+def _in_flight(node, model: str) -> int:
+    return next(m for m in node.get("/health").json()["models"] if m["id"] == model)["in_flight"]
+
+
+def _until_idle(node, model: str, timeout_s: float = 5) -> None:
+    deadline = time.monotonic() + timeout_s
+    while _in_flight(node, model) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _in_flight(node, model) == 0
 
 
 # -- usage in errors ----------------------------------------------------------------------
@@ -116,9 +141,10 @@ def test_a_model_unloaded_mid_stream_ends_it_with_an_error_that_reports_what_was
 ):
     model = str(tiny_model(tmp_path, "smollm2", max_position_embeddings=8192, vocab_size=49152))
     assert node.post("/models/load", {"model_id": model}).status_code == 200
+    exchange_id, headers = _exchange()
     body = {"model": model, "prompt": "Once upon a time", "stream": True, **LONG}
     url = node.v1 + "/completions"
-    with httpx.stream("POST", url, json=body, timeout=60) as r:
+    with httpx.stream("POST", url, json=body, headers=headers, timeout=60) as r:
         events, lines = [], r.iter_lines()
         for line in lines:
             if line.startswith("data: "):
@@ -131,3 +157,111 @@ def test_a_model_unloaded_mid_stream_ends_it_with_an_error_that_reports_what_was
     error = events[-1]["error"]
     assert error["code"] == "service_unavailable"
     assert error["usage"]["completion_tokens"] >= len(events) - 1
+    final = _final_usage(node, exchange_id).json()["usage"]
+    assert final["completion_tokens"] == error["usage"]["completion_tokens"]
+
+
+# -- final usage by exchange ----------------------------------------------------------------
+
+
+def test_a_finished_exchange_reports_the_usage_its_answer_gave(node, scripted_id):
+    exchange_id, headers = _exchange()
+    body = {"model": scripted_id, "messages": ASK}
+    usage = node.post("/v1/chat/completions", body, headers=headers).json()["usage"]
+    r = _final_usage(node, exchange_id, wait_s=0)
+    assert r.status_code == 200, r.text
+    assert r.json() == {
+        "exchange": exchange_id,
+        "usage": {
+            "prompt_tokens": usage["prompt_tokens"],
+            "completion_tokens": usage["completion_tokens"],
+            "total_tokens": usage["total_tokens"],
+            "cached_tokens": usage["prompt_tokens_details"]["cached_tokens"],
+            "reasoning_tokens": usage["completion_tokens_details"]["reasoning_tokens"],
+        },
+    }
+
+
+def test_a_stream_the_client_left_reports_every_token_the_engine_generated(node, long_id):
+    exchange_id, headers = _exchange()
+    body = {"model": long_id, "messages": ASK, "stream": True, **LONG}
+    url = node.v1 + "/chat/completions"
+    with httpx.stream("POST", url, json=body, headers=headers, timeout=60) as r:
+        contents = 0
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                delta = json.loads(line[6:])["choices"][0]["delta"]
+                contents += bool(delta.get("content"))
+            if contents == 5:
+                running = _final_usage(node, exchange_id, wait_s=0)
+                assert running.status_code == 409
+                assert running.json()["error"]["code"] == "exchange_running"
+                break  # leave mid-stream
+    r = _final_usage(node, exchange_id)
+    assert r.status_code == 200, r.text
+    usage = r.json()["usage"]
+    assert 5 <= usage["completion_tokens"] < 8000
+    full = node.post("/v1/chat/completions", {**body, "stream": False, "max_tokens": 1})
+    assert usage["prompt_tokens"] == full.json()["usage"]["prompt_tokens"]
+    assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
+    _until_idle(node, long_id)
+
+
+def test_a_client_that_leaves_a_non_streaming_request_stops_it_and_its_usage_is_kept(node, long_id):
+    exchange_id, headers = _exchange()
+    body = {"model": long_id, "messages": ASK, **LONG}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(node.v1 + "/chat/completions", json=body, headers=headers, timeout=1.0)
+    _until_idle(node, long_id, timeout_s=3)
+    r = _final_usage(node, exchange_id)
+    assert r.status_code == 200, r.text
+    assert 0 < r.json()["usage"]["completion_tokens"] < 2000
+
+
+def test_an_ask_about_a_running_exchange_waits_for_it_to_end(node, long_id):
+    exchange_id, headers = _exchange()
+    body = {"model": long_id, "messages": ASK, "max_tokens": 600, "ignore_eos": True}
+    answer: dict = {}
+    thread = threading.Thread(
+        target=lambda: answer.update(
+            node.post("/v1/chat/completions", body, headers=headers).json()
+        )
+    )
+    thread.start()
+    deadline = time.monotonic() + 10
+    while (seen := _final_usage(node, exchange_id, wait_s=0)).status_code == 404:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    assert seen.status_code == 409  # 600 tokens take a while
+    r = _final_usage(node, exchange_id, wait_s=10)
+    thread.join()
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] == answer["usage"]["completion_tokens"] == 600
+
+
+def test_a_request_refused_before_running_ends_its_exchange_with_nothing_spent(node, tiny_id):
+    exchange_id, headers = _exchange()
+    body = {"model": tiny_id, "messages": [{"role": "user", "content": "word " * 400}]}
+    assert node.post("/v1/chat/completions", body, headers=headers).status_code == 400
+    usage = _final_usage(node, exchange_id, wait_s=0).json()["usage"]
+    assert usage == dict.fromkeys(
+        ("prompt_tokens", "completion_tokens", "total_tokens", "cached_tokens", "reasoning_tokens"),
+        0,
+    )
+    bad = node.post("/v1/chat/completions", {"model": tiny_id}, headers=headers)
+    assert bad.status_code == 400
+    assert _final_usage(node, exchange_id, wait_s=0).json()["usage"]["total_tokens"] == 0
+
+
+def test_unknown_and_malformed_exchange_ids_are_404_and_400(node, scripted_id):
+    r = _final_usage(node, "never-seen", wait_s=0)
+    assert r.status_code == 404
+    assert r.json()["error"]["code"] == "exchange_not_found"
+    assert _final_usage(node, "x" * 65, wait_s=0).status_code == 400
+    assert _final_usage(node, "bad.id", wait_s=0).status_code == 400
+    assert _final_usage(node, "never-seen", wait_s="soon").status_code == 400
+    bad_header = {EXCHANGE_HEADER: "not valid!"}
+    body = {"model": scripted_id, "messages": ASK}
+    r = node.post("/v1/chat/completions", body, headers=bad_header)
+    assert r.status_code == 400
+    assert r.json()["error"]["param"] == EXCHANGE_HEADER

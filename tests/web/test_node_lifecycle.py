@@ -11,6 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
+from helexa.protocol.wire import EXCHANGE_HEADER, exchange_usage_path
 from tests.web.node_proc import start_node
 
 LONG = {"max_tokens": 8000, "ignore_eos": True}  # keeps a slot busy until the client leaves
@@ -170,6 +171,17 @@ def test_principal_headers_without_the_key_claim_nothing(gated_node, long_id):
         )
         assert r.status_code == 401
         assert r.json()["error"]["code"] == "invalid_api_key"
+
+
+def test_exchange_usage_needs_the_key_and_is_kept_for_keyed_requests(gated_node, long_id):
+    headers = {**_principal("c"), EXCHANGE_HEADER: "gated-exchange-1"}
+    body = _chat(long_id, max_tokens=3, ignore_eos=True)
+    answer = gated_node.post("/v1/chat/completions", body, headers=headers)
+    assert answer.status_code == 200
+    path = exchange_usage_path("gated-exchange-1")
+    assert httpx.get(gated_node.base_url + path, timeout=10).status_code == 401
+    usage = gated_node.get(path).json()["usage"]
+    assert usage["completion_tokens"] == answer.json()["usage"]["completion_tokens"] == 3
 
 
 # -- loading and unloading ----------------------------------------------------------------
