@@ -198,6 +198,17 @@ class GatewayConfig(_Listens):
     database_url: DatabaseUrl = ""  # "" → sqlite:///<node.state_dir>/helexa.db
     require_auth: bool = False
     poll_interval_s: PositiveFloat = 5.0
+    # A node silent this long while answering (no byte of a stream, no answer) is cut: the
+    # client gets an error and the request's reservation and routing slot are freed.
+    upstream_idle_timeout_s: PositiveFloat = 600.0
+    # How long a request waits for the database (a reservation, its ledger row) before a
+    # metered key gets 503; the row of an answer already given stays queued past it.
+    database_timeout_s: PositiveFloat = 2.0
+    # A gateway renews its reservations' lease every quarter of this; a gateway silent for
+    # longer has its reservations booked as spent, whole, by any other.
+    reservation_lease_s: PositiveFloat = 30.0
+    # Writes the database has not taken yet, past which new requests get 503.
+    ledger_backlog_max: PositiveInt = 10_000
     # Origins a browser may call the API from ("*": any); none: no CORS headers at all.
     cors_allow_origins: list[str] = field(default_factory=list)
 

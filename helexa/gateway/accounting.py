@@ -1,10 +1,15 @@
 """After a proxied request: what the node's answer said, and the books — settle the budget
-reservation, write the ledger row, count the spend. Counts come from the node's own usage,
-or, for a stream cut before its usage arrived, from the text events that did arrive."""
+reservation and write the ledger row (one durable step), count the spend. Counts come from
+the node's own usage (on errors too: an error envelope that ran the model carries it), or,
+for a stream cut before its usage arrived, from what the node says the exchange used
+(`GET /v1/exchanges/{id}/usage`) and never less than the generated-text events that did
+arrive."""
 
 from __future__ import annotations
 
 import time
+import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,13 +32,26 @@ TEXT_DELTA_EVENTS = frozenset(
         "response.function_call_arguments.delta",
     }
 )
+# The events that end a stream: the ledger row is durable before they are relayed.
+TERMINAL_RESPONSES_EVENTS = frozenset(
+    {"response.completed", "response.incomplete", "response.failed", "error"}
+)
 
 
 class Tally:
     """What a node's answer said, for the books: a stream's events parsed as they are
     relayed (however its bytes are split), or a whole JSON body parsed once."""
 
-    __slots__ = ("_reader", "finish_reason", "first_byte", "last_byte", "text_events", "usage")
+    __slots__ = (
+        "_reader",
+        "ended",
+        "error",
+        "finish_reason",
+        "first_byte",
+        "last_byte",
+        "text_events",
+        "usage",
+    )
 
     def __init__(self) -> None:
         self._reader = SSEReader()
@@ -42,12 +60,22 @@ class Tally:
         self.usage: dict[str, Any] | None = None  # the last usage object the node sent
         self.first_byte: float | None = None
         self.last_byte: float | None = None
+        self.ended = False  # the stream's last event arrived (`[DONE]`, response.completed…)
+        self.error = False  # the node sent an error (an envelope, or an error event)
 
-    def feed(self, chunk: bytes) -> None:
-        """One chunk of a stream, as it is relayed."""
+    def feed(self, chunk: bytes) -> bool:
+        """One chunk of a stream, as it is relayed; True when it holds the stream's end."""
         self._arrived()
         for event in self._reader.feed(chunk):
-            self._read(_parse(event.data), event.name, "delta")
+            if event.data.strip() == "[DONE]":
+                self.ended = True
+                continue
+            obj = _parse(event.data)
+            self._read(obj, event.name, "delta")
+            kind = obj.get("type") if isinstance(obj, dict) else None
+            if (kind or event.name) in TERMINAL_RESPONSES_EVENTS:
+                self.ended = True
+        return self.ended
 
     def whole(self, body: bytes) -> None:
         """A non-stream answer, all of it."""
@@ -63,8 +91,12 @@ class Tally:
     def _read(self, obj: Any, name: str | None, part: str) -> None:
         """One chat or completions chunk (or body), or one Responses event."""
         if not isinstance(obj, dict):
-            return  # `[DONE]`, or nothing we understand
+            return  # nothing we understand
         usage = obj.get("usage")
+        error = obj.get("error")
+        if isinstance(error, dict):  # an envelope: it carries usage when the model ran
+            self.error = True
+            usage = error.get("usage", usage)
         choices = obj.get("choices")
         if isinstance(choices, list):
             for choice in choices:
@@ -116,6 +148,7 @@ class Exchange:
 
     model: str  # the catalogue's name for it (never an alias): the ledger's
     principal: Principal = ANONYMOUS
+    id: str = field(default_factory=lambda: "ex_" + uuid.uuid4().hex)  # the node's handle
     route: Route | None = None  # once a node took it
     reservation: Reservation | None = None
     prompt_estimate: int = 0
@@ -123,10 +156,15 @@ class Exchange:
     started: float = field(default_factory=time.monotonic)
     tally: Tally = field(default_factory=Tally)
     record: RequestRecord | None = None  # the request's log line, held open until settled
+    # what the node said the exchange used, asked after a cut (None: not asked, or no answer)
+    node_usage: dict[str, Any] | None = None
+    cut: bool = False  # the answer ended before the node finished it (client or node gone)
+    closer: Callable[[], None] | None = None  # drops the node's answer (its connection)
+    settled: bool = False
 
-    def usage(self, status: int) -> dict[str, Any] | None:
-        """The node's own usage, when it answered 200 and sent one."""
-        return self.tally.usage if status == 200 else None
+    def usage(self) -> dict[str, Any] | None:
+        """The node's own usage of a whole answer (an error's included)."""
+        return self.tally.usage
 
 
 def usage_counts(usage: dict[str, Any]) -> tuple[int, int, int, int]:
@@ -150,14 +188,20 @@ def usage_counts(usage: dict[str, Any]) -> tuple[int, int, int, int]:
     )
 
 
-def settled_counts(ex: Exchange, status: int) -> tuple[int, int, int, int]:
-    """(prompt, completion, cached, reasoning) tokens to settle: the node's usage, or for a
-    stream cut before it, the prompt estimate and the text events that arrived."""
-    usage = ex.usage(status)
+def settled_counts(ex: Exchange) -> tuple[int, int, int, int]:
+    """(prompt, completion, cached, reasoning) tokens to settle: the node's usage of its
+    answer; for an answer cut before it, what the node said the exchange used, and never
+    fewer completion tokens than generated-text events arrived (nor, with nothing from the
+    node, a prompt below its estimate)."""
+    usage = ex.usage()
     if usage:
         return usage_counts(usage)
-    if ex.tally.first_byte is not None and status == 200:  # cut short: count what came
-        return ex.prompt_estimate, ex.tally.text_events, 0, 0
+    events = ex.tally.text_events
+    if ex.node_usage:
+        prompt, completion, cached, reasoning = usage_counts(ex.node_usage)
+        return prompt, max(completion, events), cached, reasoning
+    if ex.cut and ex.tally.first_byte is not None:  # cut, the node silent: count what came
+        return ex.prompt_estimate, events, 0, 0
     return 0, 0, 0, 0  # never ran
 
 
@@ -167,17 +211,16 @@ class Accountant:
         self.ledger = ledger
         self.metrics = metrics
 
-    def close(self, ex: Exchange, status: int) -> tuple[int, int, int, int]:
-        """Settle the exchange's reservation and queue its ledger row; returns the counts
-        it settled (as `settled_counts`)."""
-        counts = settled_counts(ex, status)
+    def close(self, ex: Exchange, status: int) -> tuple[tuple[int, int, int, int], Any]:
+        """Queue the exchange's settlement (its reservation replaced by its ledger row) and
+        count its spend; returns the counts settled (as `settled_counts`) and the op's
+        future, answered once the row is durable."""
+        counts = settled_counts(ex)
         prompt, completion, cached, reasoning = counts
         in_price, out_price = ex.price
         cost = cost_usd(prompt, completion, in_price, out_price)
-        if ex.reservation is not None:
-            self.budgets.settle(ex.reservation, prompt + completion, cost)
         key, tally = ex.principal.key, ex.tally
-        self.ledger.record(
+        row = dict(
             account_id=key.account_id if key else None,
             key_id=key.id if key else None,
             model=ex.model,
@@ -192,6 +235,8 @@ class Accountant:
             ttft_ms=(tally.first_byte - ex.started) * 1000 if tally.first_byte else None,
             latency_ms=((tally.last_byte or tally.first_byte or ex.started) - ex.started) * 1000,
         )
+        op = self.budgets.settle_op(ex.reservation, row)
+        future = self.ledger.submit(op, keep=True, lock=key.id if key else "")
         if key is not None and prompt + completion:
             self.metrics.spend_tokens.labels(key.account_id, key.id).inc(prompt + completion)
-        return counts
+        return counts, future

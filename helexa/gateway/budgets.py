@@ -1,32 +1,49 @@
-"""Budgets that are never overshot: reserve a request's upper bound before it is sent,
-settle to what it really used after.
+"""Budgets that are never overshot, by any number of gateways on one database: reserve a
+request's upper bound before it is sent, settle it to what it really used after.
 
-The books live in this process and every check-and-reserve runs on the event loop without
-an await in between, so hundreds of concurrent requests cannot all slip through the same
-gap (the gateway is one process per database). Spend recorded before start-up is read from
-the ledger the first time a key is seen.
+A reservation is a row in `reservations`, written by an atomic conditional step (the
+books' writer, ledger.py): lock the key (PostgreSQL: its `api_keys` row FOR UPDATE;
+SQLite: the transaction is BEGIN IMMEDIATE), read what it spent (its lifetime total in
+`key_spend`, or its ledger rows in a rolling window) and what is reserved against it, and
+insert the reservation only if the request's bound still fits under the cap. Settling
+deletes the reservation and writes the ledger row in one transaction.
+
+Each reservation names the gateway holding it. A gateway renews one lease for all of its
+reservations (its `gateway_instances` heartbeat); when it stops (SIGKILL, a lost host),
+any gateway books its reservations as spent at their reserved amount: never undercounted.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
-import time
-from collections import deque
-from dataclasses import dataclass, field
+import os
+import socket
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
+from typing import Any
 
-from sqlalchemy import func, select
-from sqlalchemy.orm import Session, sessionmaker
+from sqlalchemy import delete, func, insert, select, update
+from sqlalchemy.orm import Session
 
-from helexa.db.models import SpendRecord
-from helexa.errors import HelexaError, insufficient_quota, rate_limit_exceeded
+from helexa.db.models import ApiKey, GatewayInstance, KeySpend, SpendRecord
+from helexa.db.models import Reservation as ReservationRow
+from helexa.errors import HelexaError, insufficient_quota, rate_limit_exceeded, service_unavailable
 from helexa.gateway.keys import BudgetInfo, KeyInfo
+from helexa.gateway.ledger import DatabaseUnavailable, Ledger, add_key_spend, book_row
 from helexa.protocol.wire import CHARS_PER_TOKEN, cost_usd, output_room
+
+log = logging.getLogger(__name__)
 
 # Chat templates add tokens the request text does not show (role markers, default system
 # prompts): reserved on top of the ~4 characters a token estimate.
 TEMPLATE_MARGIN_TOKENS = 64
+DATABASE_RETRY_AFTER_S = 2
+LEASE_EXPIRED = "lease_expired"  # a ledger row's finish_reason for a reservation booked whole
+INSTANCE_FORGOTTEN_AFTER = timedelta(days=1)
 
 
 def estimate_prompt_tokens(body: bytes) -> int:
@@ -35,150 +52,284 @@ def estimate_prompt_tokens(body: bytes) -> int:
 
 
 @dataclass(slots=True)
-class _Books:
-    spent_tokens: int = 0
-    spent_cost: float = 0.0
-    reserved_tokens: int = 0
-    reserved_cost: float = 0.0
-    events: deque[tuple[float, int, float]] = field(default_factory=deque)  # rolling only
-    rolling: bool = False
-    window: tuple[str, int | None] = ("balance", None)  # what the spend above was counted over
-
-    def expire(self, window_s: int, now: float) -> None:
-        while self.events and self.events[0][0] <= now - window_s:
-            _, tokens, cost = self.events.popleft()
-            self.spent_tokens -= tokens
-            self.spent_cost -= cost
-
-
-@dataclass(slots=True)
 class Reservation:
+    id: str
     key_id: str
-    tokens: int
+    tokens: int  # prompt + max_output × n
     cost: float
-    max_output: int  # what the request may generate now (its max_tokens, maybe lowered)
+    max_output: int  # what each choice may generate now (its max_tokens, maybe lowered)
+    n: int = 1
     settled: bool = False
 
 
-class Budgets:
-    def __init__(self, sessions: sessionmaker[Session]) -> None:
-        self.sessions = sessions
-        self._books: dict[str, _Books] = {}
-        self._loading: dict[str, asyncio.Task[_Books]] = {}
+@dataclass(slots=True, frozen=True)
+class _Refused:
+    """Not even one output token fits; for a rolling window, when the oldest spend leaves."""
 
+    oldest: datetime | None
+
+
+def database_unavailable(why: str) -> HelexaError:
+    return service_unavailable(
+        f"the gateway's database is not answering ({why}); metered keys are refused until "
+        "it is back, retry shortly",
+        DATABASE_RETRY_AFTER_S,
+    )
+
+
+class Budgets:
+    def __init__(
+        self, ledger: Ledger, *, lease_s: float = 30.0, database_timeout_s: float = 2.0
+    ) -> None:
+        self.ledger = ledger
+        self.lease_s = lease_s
+        self.timeout_s = database_timeout_s
+        self.gateway_id = "gw_" + uuid.uuid4().hex[:24]
+        self._live: dict[str, Reservation] = {}  # this gateway's, not yet settled
+        self._task: asyncio.Task[None] | None = None
+        self.expired_booked = 0  # reservations of stopped gateways this one booked
+
+    # -- reserve and settle --------------------------------------------------------------
     async def reserve(
         self,
         key: KeyInfo,
+        model: str,
         prompt_tokens: int,
         max_output: int,
         price: tuple[float, float],  # USD per 1M input, output tokens
+        n: int = 1,
     ) -> Reservation | None:
-        """Reserve `prompt_tokens + max_output` (lowering max_output to what the cap leaves);
-        None when the key has no budget. Raises 429 when not even one output token fits."""
+        """Reserve `prompt_tokens + max_output × n` (lowering max_output to what the cap
+        leaves); None when the key has no budget. 429 when not even one output token per
+        choice fits; 503 when the database does not answer in time."""
         budget = key.budget
         if budget is None:
             return None
-        books = await self._books_for(key.id, budget)
-        # from here to the increment: no await, so the check and the reservation are atomic
-        now = time.time()
-        if budget.window == "rolling" and budget.window_seconds:
-            books.expire(budget.window_seconds, now)
-        tokens_left = cost_left = None
-        if budget.cap_tokens is not None:
-            tokens_left = budget.cap_tokens - books.spent_tokens - books.reserved_tokens
-        if budget.cap_cost_usd is not None:
-            cost_left = budget.cap_cost_usd - books.spent_cost - books.reserved_cost
-        room = output_room(prompt_tokens, tokens_left, cost_left, *price)
-        out = max_output if room is None else min(max_output, room)
-        if out < 1:
-            raise self._over_cap(budget, books, now)
-        tokens, cost = prompt_tokens + out, cost_usd(prompt_tokens, out, *price)
-        books.reserved_tokens += tokens
-        books.reserved_cost += cost
-        return Reservation(key.id, tokens, cost, out)
+        rid = "rsv_" + uuid.uuid4().hex
+        run = _reserve_op(
+            rid, self.gateway_id, key, budget, model, prompt_tokens, max_output, n, price
+        )
+        try:
+            got = await self.ledger.write(
+                run, timeout=self.timeout_s, lock=key.id, abandoned=self._undo(rid)
+            )
+        except DatabaseUnavailable as e:
+            raise database_unavailable(str(e)) from None
+        if isinstance(got, _Refused):
+            raise _over_cap(budget, got.oldest)
+        out, tokens, cost = got
+        res = Reservation(rid, key.id, tokens, cost, out, n)
+        self._live[rid] = res
+        return res
 
-    def settle(self, res: Reservation, tokens: int, cost: float) -> None:
-        """Replace the reservation by what the request used (0 if it never ran)."""
-        if res.settled:
-            return
-        res.settled = True
-        books = self._books[res.key_id]
-        books.reserved_tokens -= res.tokens
-        books.reserved_cost -= res.cost
-        books.spent_tokens += tokens
-        books.spent_cost += cost
-        if books.rolling:
-            books.events.append((time.time(), tokens, cost))
+    def settle_op(self, res: Reservation | None, row: dict[str, Any]) -> Callable[[Session], Any]:
+        """The op that replaces the reservation (if any) by the request's ledger row."""
+        if res is not None:
+            res.settled = True
+            self._live.pop(res.id, None)
+            return lambda s: _settle(s, res.id, row)
+        return lambda s: book_row(s, row)
 
     def outstanding(self) -> tuple[int, float]:
-        """Tokens and cost reserved and not yet settled, over every key."""
-        return (
-            sum(b.reserved_tokens for b in self._books.values()),
-            sum(b.reserved_cost for b in self._books.values()),
+        """Tokens and cost this gateway holds reserved and has not settled."""
+        live = self._live.values()
+        return sum(r.tokens for r in live), sum(r.cost for r in live)
+
+    def _undo(self, rid: str) -> Callable[[Any], None]:
+        """A reservation that was written after its caller gave up: released again."""
+
+        def undo(result: Any) -> None:
+            if not isinstance(result, _Refused):
+                self.ledger.submit(lambda s: _release(s, rid), keep=True)
+
+        return undo
+
+    # -- the lease -----------------------------------------------------------------------
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._renew(), name="budget-lease")
+
+    async def _renew(self) -> None:
+        """Renew this gateway's lease, and book the reservations of gateways whose lease
+        ran out, every quarter lease."""
+        host, pid = socket.gethostname()[:200], os.getpid()
+        while True:
+            try:
+                await self.ledger.write(
+                    lambda s: _heartbeat(s, self.gateway_id, host, pid), timeout=self.lease_s
+                )
+                self.expired_booked += await self.ledger.write(
+                    lambda s: _expire(s, self.lease_s), timeout=self.lease_s
+                )
+            except DatabaseUnavailable as e:
+                log.warning("could not renew this gateway's reservation lease: %s", e)
+            except Exception:
+                log.exception("renewing the reservation lease failed")
+            await asyncio.sleep(self.lease_s / 4)
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+            self._task = None
+
+
+def _reserve_op(
+    rid: str,
+    gateway_id: str,
+    key: KeyInfo,
+    budget: BudgetInfo,
+    model: str,
+    prompt_tokens: int,
+    max_output: int,
+    n: int,
+    price: tuple[float, float],
+) -> Callable[[Session], Any]:
+    def run(session: Session) -> tuple[int, int, float] | _Refused:
+        # the key's row locked (PostgreSQL; SQLite's transaction holds the write lock): no
+        # other reservation for it, from any gateway, reads the books until this commits
+        session.execute(select(ApiKey.id).where(ApiKey.id == key.id).with_for_update())
+        now = datetime.now(UTC)
+        oldest = None
+        if budget.window == "rolling" and budget.window_seconds:
+            since = now - timedelta(seconds=budget.window_seconds)
+            tokens = SpendRecord.prompt_tokens + SpendRecord.completion_tokens
+            spent_tokens, spent_cost, oldest = session.execute(
+                select(
+                    func.coalesce(func.sum(tokens), 0),
+                    func.coalesce(func.sum(SpendRecord.cost_usd), 0.0),
+                    func.min(SpendRecord.ts),
+                ).where(SpendRecord.key_id == key.id, SpendRecord.ts >= since)
+            ).one()
+        else:
+            spent = session.execute(
+                select(KeySpend.tokens, KeySpend.cost_usd).where(KeySpend.key_id == key.id)
+            ).one_or_none()
+            spent_tokens, spent_cost = spent if spent is not None else (0, 0.0)
+        held = ReservationRow.prompt_tokens + ReservationRow.output_tokens
+        reserved_tokens, reserved_cost = session.execute(
+            select(
+                func.coalesce(func.sum(held), 0),
+                func.coalesce(func.sum(ReservationRow.cost_usd), 0.0),
+            ).where(ReservationRow.key_id == key.id)
+        ).one()
+        tokens_left = cost_left = None
+        if budget.cap_tokens is not None:
+            tokens_left = budget.cap_tokens - int(spent_tokens) - int(reserved_tokens)
+        if budget.cap_cost_usd is not None:
+            cost_left = budget.cap_cost_usd - float(spent_cost) - float(reserved_cost)
+        room = output_room(prompt_tokens, tokens_left, cost_left, *price)
+        out = max_output if room is None else min(max_output, room // n)
+        if out < 1:
+            return _Refused(_aware(oldest))
+        tokens, cost = prompt_tokens + out * n, cost_usd(prompt_tokens, out * n, *price)
+        session.execute(
+            insert(ReservationRow),
+            [
+                {
+                    "id": rid,
+                    "key_id": key.id,
+                    "account_id": key.account_id,
+                    "gateway_id": gateway_id,
+                    "model": model,
+                    "prompt_tokens": prompt_tokens,
+                    "output_tokens": out * n,
+                    "cost_usd": cost,
+                    "created_at": now,
+                }
+            ],
+        )
+        return out, tokens, cost
+
+    return run
+
+
+def _settle(session: Session, rid: str, row: dict[str, Any]) -> bool:
+    """The reservation replaced by the request's ledger row; False (and nothing written)
+    when its lease had run out and another gateway booked it whole already."""
+    if session.execute(delete(ReservationRow).where(ReservationRow.id == rid)).rowcount == 0:
+        log.warning(
+            "reservation %s was booked whole when its gateway's lease ran out; its request's "
+            "own row (%s tokens) is not booked again",
+            rid,
+            (row.get("prompt_tokens") or 0) + (row.get("completion_tokens") or 0),
+        )
+        return False
+    book_row(session, row)
+    return True
+
+
+def _release(session: Session, rid: str) -> None:
+    session.execute(delete(ReservationRow).where(ReservationRow.id == rid))
+
+
+def _heartbeat(session: Session, gateway_id: str, host: str, pid: int) -> None:
+    now = datetime.now(UTC)
+    done = session.execute(
+        update(GatewayInstance).where(GatewayInstance.id == gateway_id).values(heartbeat_at=now)
+    )
+    if done.rowcount == 0:
+        session.execute(
+            insert(GatewayInstance),
+            [{"id": gateway_id, "host": host, "pid": pid, "started_at": now, "heartbeat_at": now}],
         )
 
-    def _over_cap(self, budget: BudgetInfo, books: _Books, now: float) -> HelexaError:
-        if budget.window != "rolling" or not budget.window_seconds:
-            return insufficient_quota(
-                f"this key's budget is spent ({budget.describe()}); "
-                "ask for a higher cap or another key"
+
+def _expire(session: Session, lease_s: float) -> int:
+    """Book every reservation whose gateway's lease ran out as spent, at its reserved
+    amount; the count booked."""
+    now = datetime.now(UTC)
+    stale = now - timedelta(seconds=lease_s)
+    live = select(GatewayInstance.id).where(GatewayInstance.heartbeat_at >= stale)
+    rows = session.scalars(
+        select(ReservationRow)
+        .where(ReservationRow.gateway_id.not_in(live), ReservationRow.created_at < stale)
+        .with_for_update(skip_locked=True)
+    ).all()
+    booked = 0
+    for r in rows:
+        if session.execute(delete(ReservationRow).where(ReservationRow.id == r.id)).rowcount:
+            session.execute(
+                insert(SpendRecord),
+                [
+                    {
+                        "ts": now,
+                        "account_id": r.account_id,
+                        "key_id": r.key_id,
+                        "model": r.model,
+                        "prompt_tokens": r.prompt_tokens,
+                        "completion_tokens": r.output_tokens,
+                        "cost_usd": r.cost_usd,
+                        "status": 0,
+                        "finish_reason": LEASE_EXPIRED,
+                    }
+                ],
             )
-        oldest = books.events[0][0] if books.events else now
-        retry = max(1.0, oldest + budget.window_seconds - now)
-        return rate_limit_exceeded(
-            f"this key's budget for the rolling window is used up ({budget.describe()}); "
-            "room frees as older requests leave the window",
-            retry,
+            add_key_spend(session, r.key_id, r.prompt_tokens + r.output_tokens, r.cost_usd)
+            booked += 1
+    if booked:
+        log.warning("booked %d reservations of stopped gateways at their reserved amount", booked)
+    session.execute(
+        delete(GatewayInstance).where(GatewayInstance.heartbeat_at < now - INSTANCE_FORGOTTEN_AFTER)
+    )
+    return booked
+
+
+def _aware(ts: datetime | None) -> datetime | None:
+    if ts is None:
+        return None
+    return ts if ts.tzinfo else ts.replace(tzinfo=UTC)
+
+
+def _over_cap(budget: BudgetInfo, oldest: datetime | None) -> HelexaError:
+    if budget.window != "rolling" or not budget.window_seconds:
+        return insufficient_quota(
+            f"this key's budget is spent ({budget.describe()}); ask for a higher cap or another key"
         )
-
-    async def _books_for(self, key_id: str, budget: BudgetInfo) -> _Books:
-        books = self._books.get(key_id)
-        if books is not None and books.window == _window(budget):
-            return books
-        task = self._loading.get(key_id)
-        if task is None:
-            task = asyncio.create_task(asyncio.to_thread(self._load, key_id, budget))
-            self._loading[key_id] = task
-        fresh = await asyncio.shield(task)
-        self._loading.pop(key_id, None)
-        old = self._books.get(key_id)
-        if old is not None and old.window != fresh.window:
-            # the key's window changed (admin console, CLI): its spend is recounted over the
-            # new one from the ledger; reservations still in flight carry over
-            fresh.reserved_tokens, fresh.reserved_cost = old.reserved_tokens, old.reserved_cost
-            self._books[key_id] = fresh
-        return self._books.setdefault(key_id, fresh)
-
-    def _load(self, key_id: str, budget: BudgetInfo) -> _Books:
-        """What the ledger says this key already spent (in its window, if rolling)."""
-        books = _Books(
-            rolling=budget.window == "rolling" and bool(budget.window_seconds),
-            window=_window(budget),
-        )
-        tokens = SpendRecord.prompt_tokens + SpendRecord.completion_tokens
-        with self.sessions() as session:
-            if budget.window == "rolling" and budget.window_seconds:
-                since = datetime.now(UTC) - timedelta(seconds=budget.window_seconds)
-                rows = session.execute(
-                    select(SpendRecord.ts, tokens, SpendRecord.cost_usd)
-                    .where(SpendRecord.key_id == key_id, SpendRecord.ts >= since)
-                    .order_by(SpendRecord.ts)
-                ).all()
-                for ts, n, cost in rows:
-                    ts = ts if ts.tzinfo else ts.replace(tzinfo=UTC)
-                    books.events.append((ts.timestamp(), int(n), float(cost)))
-                    books.spent_tokens += int(n)
-                    books.spent_cost += float(cost)
-            else:
-                n, cost = session.execute(
-                    select(
-                        func.coalesce(func.sum(tokens), 0),
-                        func.coalesce(func.sum(SpendRecord.cost_usd), 0.0),
-                    ).where(SpendRecord.key_id == key_id)
-                ).one()
-                books.spent_tokens, books.spent_cost = int(n), float(cost)
-        return books
-
-
-def _window(budget: BudgetInfo) -> tuple[str, int | None]:
-    return budget.window, budget.window_seconds
+    now = datetime.now(UTC)
+    leaves = (oldest or now) + timedelta(seconds=budget.window_seconds)
+    retry = max(1.0, (leaves - now).total_seconds())
+    return rate_limit_exceeded(
+        f"this key's budget for the rolling window is used up ({budget.describe()}); "
+        "room frees as older requests leave the window",
+        retry,
+    )

@@ -8,18 +8,20 @@ headers, the request's log line), no HTTP framework."""
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import time
-from collections.abc import AsyncIterator, Callable, Collection, Mapping
+from collections.abc import AsyncIterator, Callable, Collection, Coroutine, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
 import msgspec
 
-from helexa.errors import HelexaError, model_not_found
+from helexa.errors import HelexaError, model_not_found, service_unavailable
 from helexa.gateway.accounting import Accountant, Exchange, usage_counts
 from helexa.gateway.auth import Principal
-from helexa.gateway.budgets import Budgets, estimate_prompt_tokens
+from helexa.gateway.budgets import DATABASE_RETRY_AFTER_S, Budgets, estimate_prompt_tokens
 from helexa.gateway.edge import advice, check_context
 from helexa.gateway.metrics import GatewayMetrics
 from helexa.gateway.proxy import Upstream, forward_headers, response_headers, warn
@@ -32,11 +34,15 @@ from helexa.protocol.wire import (
     KEY_HEADER,
     VIA_HEADER,
     SpendBudget,
+    sse_data,
+    sse_event,
 )
 
 # The client's credentials stay at the gateway.
 _CREDENTIALS = ("authorization", "x-api-key")
 RESPONSES_PATH = "/v1/responses"
+EXCHANGE_HEADER = "x-helexa-exchange"
+log = logging.getLogger(__name__)
 _encoder = msgspec.json.Encoder()
 
 
@@ -88,6 +94,7 @@ class Exchanges:
         self.budgets = budgets
         self.accountant = accountant
         self.metrics = metrics
+        self._background: set[asyncio.Task[None]] = set()
 
     # -- before: the request's way to a node ------------------------------------------
     def check_scope(self, principal: Principal, model: str) -> None:
@@ -123,9 +130,16 @@ class Exchanges:
     ) -> Reply:
         """Send the OpenAI `body` (`raw`: its bytes as received) to the best node for its
         model. The reply holds the exchange (its route set, its reservation held) and the
-        node's unread answer."""
+        node's unread answer; it is settled however it ends, even when never read (the
+        request's log line settles what its handler left)."""
         model = body["model"]
         routes = await self._routes(principal, body, client_headers, record)
+        if self.accountant.ledger.full:
+            raise service_unavailable(
+                "the gateway's books are behind: the database has not taken its last "
+                f"{self.accountant.ledger.backlog} writes; retry shortly",
+                DATABASE_RETRY_AFTER_S,
+            )
         concrete = self.router.concrete(model)
         _note_model(record, concrete)  # the ledger's name for it, not an alias
         ex = Exchange(concrete, principal)
@@ -139,20 +153,24 @@ class Exchanges:
         if rewrite:
             raw = _encoder.encode(body)
         headers = self.node_headers(client_headers, principal, drop_headers)
+        headers[EXCHANGE_HEADER] = ex.id  # the node keeps its usage under it, for a cut
         if ex.reservation is not None:  # the node enforces it against the real prompt length
             res = ex.reservation
             headers[BUDGET_HEADER] = SpendBudget(res.tokens, res.cost, *ex.price).header()
         ex.record = record
         if record is not None:
             record.hold()  # the exchange settles it (however it ends)
+            record.cleanups.append(lambda: self.abandon(ex))
         try:
             route, resp = await self.upstream.open(routes, path, raw, headers)
         except BaseException:
-            self.settle(ex, 503)
+            self.finish(ex, 503)  # nothing ran: its row (0 tokens) is queued, not awaited
             raise
         self.router.begin(route)
         ex.route = route
-        return Reply(ex, resp, path, _client_headers(resp, route), _media_type(resp))
+        reply = Reply(ex, resp, path, _client_headers(resp, route), _media_type(resp))
+        ex.closer = resp.close
+        return reply
 
     async def _routes(
         self,
@@ -179,8 +197,9 @@ class Exchanges:
     async def _reserve(
         self, ex: Exchange, body: dict[str, Any], raw: bytes, route: Route, path: str
     ) -> None:
-        """Reserve the request's upper bound on its key's budget; its max_tokens becomes
-        what the reservation covers, so the node can never generate past the cap."""
+        """Reserve the request's upper bound on its key's budget (each of its `n` choices
+        may generate its max_tokens); its max_tokens becomes what the reservation covers,
+        so the node can never generate past the cap."""
         key = ex.principal.key
         assert key is not None
         limit = (route.node.models.get(route.model_id) or {}).get("limit") or {}
@@ -198,7 +217,10 @@ class Exchanges:
             requested = limit.get("output") or DEFAULT_MAX_OUTPUT_TOKENS
         if isinstance(limit.get("context"), int):
             requested = min(requested, max(1, limit["context"] - ex.prompt_estimate))
-        ex.reservation = await self.budgets.reserve(key, ex.prompt_estimate, requested, ex.price)
+        choices = 1 if path == RESPONSES_PATH else _choices(body.get("n"))
+        ex.reservation = await self.budgets.reserve(
+            key, ex.model, ex.prompt_estimate, requested, ex.price, choices
+        )
         if ex.reservation is not None:
             for name in names:
                 body[name] = ex.reservation.max_output
@@ -206,37 +228,46 @@ class Exchanges:
     # -- the answer ----------------------------------------------------------------------
     async def relay(self, reply: Reply) -> AsyncIterator[bytes]:
         """The node's stream, chunk by chunk as it arrives; the books read its events on
-        the way. However it ends (done, the client gone, the node gone) it is settled."""
+        the way, and the ledger row is durable before the stream's last event is relayed.
+        A stream the node breaks off ends with an error event; one the client leaves is
+        settled from what the node says it used."""
         ex, resp = reply.exchange, reply.resp
         tally = ex.tally
-        complete = False
         try:
-            async for chunk in resp.content.iter_any():
-                tally.feed(chunk)
-                yield chunk
-            complete = True
+            try:
+                async for chunk in resp.content.iter_any():
+                    if tally.feed(chunk) and not ex.settled:
+                        await self.settle(ex, resp.status)  # before the last event leaves
+                    yield chunk
+            except (aiohttp.ClientError, TimeoutError) as e:
+                warn("upstream stream broke", _route(ex), reply.path, error=repr(e))
+            resp.release() if tally.ended else resp.close()
+            if not ex.settled:  # the node went before its stream's end
+                await self._settle_cut(ex, 502)
+                yield _cut_event(reply.path, reply.node)
         finally:
-            if complete:
-                resp.release()
-            else:  # the client left (or the node did): drop the upstream connection too
+            if not ex.settled:  # the client left: the node's usage is asked off this path
                 resp.close()
-                if ex.record is not None and tally.finish_reason is None:
-                    ex.record.cut = True
-            self.settle(ex, resp.status)
+                self._later(self._settle_cut(ex, 499))
 
     async def read(self, reply: Reply, *, log_error: bool = True) -> bytes:
-        """The node's whole answer; a node that breaks off settles as a 502 and raises. An
-        error answer is logged with its start, unless the caller raises it as its own."""
+        """The node's whole answer, its ledger row durable before it is returned. A node
+        that breaks off settles as a 502 and raises; a client that leaves (the read
+        cancelled) drops the node's request and is settled from what the node used."""
         ex, resp = reply.exchange, reply.resp
         try:
             data = await resp.read()
-        except BaseException:  # the node broke off (or the client left): settle all the same
+        except asyncio.CancelledError:
             resp.close()
-            self.settle(ex, 502)
+            self._later(self._settle_cut(ex, 499))
+            raise
+        except BaseException:
+            resp.close()
+            await self._settle_cut(ex, 502)
             raise
         resp.release()
         ex.tally.whole(data)
-        self.settle(ex, resp.status)
+        await self.settle(ex, resp.status)
         if resp.status >= 400 and log_error and ex.route is not None:
             body = data[:500].decode("utf-8", "replace")
             warn("upstream error", ex.route, reply.path, status=resp.status, body=body)
@@ -268,12 +299,29 @@ class Exchanges:
         return NodeAnswer(route, resp.status, data, resp.headers)
 
     # -- after ---------------------------------------------------------------------------
-    def settle(self, ex: Exchange, status: int) -> None:
-        """The exchange is over: the router's count, the books, the metrics, the log line."""
+    async def settle(self, ex: Exchange, status: int) -> None:
+        """`finish`, then wait (up to the database timeout) for the ledger row to be
+        durable; past it the row stays queued in the books' backlog."""
+        future = self.finish(ex, status)
+        if future is None:
+            return
+        try:
+            await asyncio.wait_for(asyncio.shield(future), self.budgets.timeout_s)
+        except TimeoutError:
+            log.warning("ledger row for %s queued: the database is slow or down", ex.id)
+        except Exception:
+            pass  # refused by the database: the writer logged and dropped it
+
+    def finish(self, ex: Exchange, status: int) -> asyncio.Future[Any] | None:
+        """The exchange is over: the router's count, the books (queued), the metrics, the
+        log line. Idempotent: only the first call counts."""
+        if ex.settled:
+            return None
+        ex.settled = True
         if ex.route is not None:
             self.router.end(ex.route)
             self._observe(ex, ex.route, status)
-        prompt, completion, _, _ = self.accountant.close(ex, status)
+        (prompt, completion, _, _), future = self.accountant.close(ex, status)
         record = ex.record
         if record is not None:
             record.prompt_tokens, record.completion_tokens = prompt, completion
@@ -281,14 +329,46 @@ class Exchanges:
             record.first_byte = ex.tally.first_byte
             record.node = ex.route.node.name if ex.route is not None else None
             record.release()
+        return future
+
+    def abandon(self, ex: Exchange) -> None:
+        """The request is over and its exchange was never settled (its handler raised, or
+        its stream was never read): drop the node's request and settle what it used."""
+        if ex.settled:
+            return
+        if ex.closer is not None:
+            ex.closer()
+        self._later(self._settle_cut(ex, 499))
+
+    async def _settle_cut(self, ex: Exchange, status: int) -> None:
+        """Settle an answer that ended before the node finished it, from what the node
+        says the exchange used (it waits briefly for the node to see the cut)."""
+        if ex.settled:
+            return
+        ex.cut = True
+        if ex.record is not None and ex.tally.finish_reason is None:
+            ex.record.cut = True
+        if ex.route is not None:
+            ex.node_usage = await self.upstream.exchange_usage(ex.route, ex.id)
+        await self.settle(ex, status)
+
+    def _later(self, work: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.get_running_loop().create_task(work)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def drain(self, timeout: float = 10.0) -> None:
+        """Wait for settlements still running off their requests' paths (at shutdown)."""
+        if self._background:
+            await asyncio.wait(set(self._background), timeout=timeout)
 
     def _observe(self, ex: Exchange, route: Route, status: int) -> None:
         labels = (ex.model, route.node.name)
         m, tally = self.metrics, ex.tally
         if tally.first_byte is not None and status == 200:
             m.ttft.labels(*labels).observe(tally.first_byte - ex.started)
-        usage = ex.usage(status)
-        if not usage:
+        usage = ex.usage()
+        if not usage or status != 200:
             return
         prompt, completion, _, _ = usage_counts(usage)
         m.prompt_tokens.labels(*labels).inc(prompt)
@@ -298,6 +378,26 @@ class Exchanges:
             window = (tally.last_byte or time.monotonic()) - ex.started
         if completion > 0 and window > 0:
             m.tokens_per_second.labels(*labels).observe(completion / window)
+
+
+def _route(ex: Exchange) -> Route:
+    assert ex.route is not None, "a reply's exchange always has its route"
+    return ex.route
+
+
+def _choices(n: Any) -> int:
+    """How many choices a chat or completions request asks for (the node refuses a bad n)."""
+    return n if isinstance(n, int) and not isinstance(n, bool) and n > 1 else 1
+
+
+def _cut_event(path: str, node: str) -> bytes:
+    """The event that ends a stream its node broke off: OpenAI's error chunk, or the
+    Responses API's `error` event."""
+    message = f"node {node} stopped answering mid-stream; the answer is incomplete"
+    error = {"message": message, "type": "server_error", "code": "upstream_cut", "param": None}
+    if path == RESPONSES_PATH:
+        return sse_event("error", {"type": "error", **error})
+    return sse_data({"error": error})
 
 
 def context_limit(routes: list[Route]) -> int | None:

@@ -1,62 +1,297 @@
-"""The spend ledger: one row per proxied request, written off the request path in batches
-and never lost — `close()` flushes whatever is pending at shutdown."""
+"""The gateway's books in the database, written by one writer (docs/gateway.md § Budgets).
+
+Every write — a reservation, a settlement with its ledger row, a lease's heartbeat — is an
+op: a function of a SQLAlchemy session, queued here and run by one writer thread in
+batches. Each batch is one transaction (on SQLite `BEGIN IMMEDIATE`, so a reservation's
+read, check and write are one step against every other process on the file; on
+PostgreSQL the reservation locks its key's row), and each op runs in its own SAVEPOINT:
+an op the database refuses is rolled back alone, logged and dropped, and never blocks the
+rows behind it. A caller's `await` returns once its batch has committed: a ledger row is
+durable when `book()` returns.
+
+When the database is down or locked, a batch fails whole: the ops that must not be lost
+(settlements, ledger rows) stay queued and are retried with backoff; the others (a
+reservation, a heartbeat) fail, and the caller answers 503. The queue of kept ops is the
+backlog; `full` tells the exchange to refuse new work before it grows past its bound.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
-from sqlalchemy.orm import Session, sessionmaker
+from sqlalchemy import Engine, event, insert
+from sqlalchemy.exc import DBAPIError, OperationalError
+from sqlalchemy.orm import Session
 
-from helexa.db.models import SpendRecord
+from helexa.db.models import KeySpend, SpendRecord
+from helexa.db.session import make_engine
 
 log = logging.getLogger(__name__)
-FLUSH_INTERVAL_S = 0.5
+
+MAX_BATCH = 256
+BACKLOG_MAX = 10_000  # kept ops waiting for the database before new requests get 503
+RETRY_MIN_S, RETRY_MAX_S = 0.05, 2.0
+SQLITE_LOCK_WAIT_MS = 500  # the writer's wait for another process's lock, per try
+
+
+class DatabaseUnavailable(Exception):
+    """The database did not take a write in time (down, locked, or refusing connections)."""
+
+
+@dataclass(slots=True, eq=False)
+class Op:
+    run: Callable[[Session], Any]
+    future: asyncio.Future[Any]
+    keep: bool  # retried until written (a settlement, a ledger row); else failed at once
+    lock: str = ""  # batches run ops in this order (stable), so replicas lock rows alike
+    # called with the op's result when it committed after its caller stopped waiting
+    # (a reservation nobody will use): undoes it
+    abandoned: Callable[[Any], None] | None = None
+
+
+@dataclass(slots=True)
+class WriterState:
+    """What /health and the metrics show about the writer."""
+
+    database_ok: bool = True
+    last_error: str | None = None
+    failing_since: float | None = None
+    written: int = 0
+    dropped: int = 0  # ops the database refused, logged and dropped
+    batches: int = 0
+
+
+@dataclass(slots=True)
+class _Queue:
+    ops: deque[Op] = field(default_factory=deque)
+    kept: int = 0  # of them, ops with keep=True
 
 
 class Ledger:
-    def __init__(self, sessions: sessionmaker[Session]) -> None:
-        self.sessions = sessions
-        self._pending: list[dict[str, Any]] = []
+    """The single writer of the gateway's books."""
+
+    def __init__(self, engine: Engine, *, backlog_max: int = BACKLOG_MAX) -> None:
+        self.engine = engine
+        self.backlog_max = backlog_max
+        self.state = WriterState()
+        self._queue = _Queue()
+        self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
-        self._lock = asyncio.Lock()
+        self._closing = False
 
-    def record(self, **row: Any) -> None:
-        """Queue one row (SpendRecord columns); cheap, on the event loop."""
-        self._pending.append(row)
+    @classmethod
+    def over(cls, shared: Engine) -> Ledger:
+        """The writer for the database `shared` opens, with its own engine: on a SQLite file, connections that open their
+        transactions with BEGIN IMMEDIATE and wait only briefly for another process's lock
+        (the writer retries; callers time out on their own clock). An in-memory SQLite
+        database has one connection: the writer shares it."""
+        if shared.dialect.name != "sqlite":
+            return cls(shared)
+        database = shared.url.database or ""
+        if database in ("", ":memory:") or shared.url.query.get("mode") == "memory":
+            return cls(shared)
+        engine = make_engine(shared.url.render_as_string(hide_password=False))
 
+        @event.listens_for(engine, "connect")
+        def _autocommit_driver(dbapi_connection, _record) -> None:  # type: ignore[no-untyped-def]
+            # SQLAlchemy emits BEGIN itself (below), so SAVEPOINTs work as documented
+            dbapi_connection.isolation_level = None
+            dbapi_connection.execute(f"PRAGMA busy_timeout={SQLITE_LOCK_WAIT_MS}")
+
+        @event.listens_for(engine, "begin")
+        def _begin_immediate(conn) -> None:  # type: ignore[no-untyped-def]
+            conn.exec_driver_sql("BEGIN IMMEDIATE")
+
+        return cls(engine)
+
+    # -- the queue ---------------------------------------------------------------------
+    @property
+    def backlog(self) -> int:
+        """Ops waiting to be written that must not be lost."""
+        return self._queue.kept
+
+    @property
+    def full(self) -> bool:
+        return self._queue.kept >= self.backlog_max
+
+    def submit(
+        self,
+        run: Callable[[Session], Any],
+        *,
+        keep: bool,
+        lock: str = "",
+        abandoned: Callable[[Any], None] | None = None,
+    ) -> asyncio.Future[Any]:
+        """Queue one op; the future is answered once its batch committed (or failed)."""
+        future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        self._queue.ops.append(Op(run, future, keep, lock, abandoned))
+        self._queue.kept += keep
+        self._wake.set()
+        return future
+
+    async def write(
+        self, run: Callable[[Session], Any], *, timeout: float, lock: str = "", **kw: Any
+    ) -> Any:
+        """Run an op that may fail (not kept) and wait for it, at most `timeout` seconds;
+        DatabaseUnavailable when the database did not take it in time."""
+        future = self.submit(run, keep=False, lock=lock, **kw)
+        try:
+            return await asyncio.wait_for(asyncio.shield(future), timeout)
+        except TimeoutError:
+            future.cancel()  # the writer skips it, or undoes it if it already ran
+            raise DatabaseUnavailable(self.state.last_error or "timed out") from None
+
+    async def keep(self, run: Callable[[Session], Any], *, timeout: float, lock: str = "") -> bool:
+        """Queue an op that must not be lost and wait up to `timeout` for it to be durable;
+        False when it is still queued then (it stays in the backlog)."""
+        future = self.submit(run, keep=True, lock=lock)
+        try:
+            await asyncio.wait_for(asyncio.shield(future), timeout)
+        except TimeoutError:
+            return False
+        except Exception:
+            return True  # refused by the database: logged and dropped by the writer
+        return True
+
+    def record(self, **row: Any) -> asyncio.Future[Any]:
+        """Queue one ledger row (SpendRecord columns) with nothing else to settle."""
+        return self.submit(lambda s: book_row(s, row), keep=True, lock=row.get("key_id") or "")
+
+    # -- the writer --------------------------------------------------------------------
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name="ledger")
 
     async def _run(self) -> None:
+        delay = RETRY_MIN_S
         while True:
-            await asyncio.sleep(FLUSH_INTERVAL_S)
-            await self.flush()
-
-    async def flush(self) -> int:
-        async with self._lock:  # one writer at a time keeps rows in order
-            rows, self._pending = self._pending, []
-            if not rows:
-                return 0
+            if not self._queue.ops:
+                self._wake.clear()
+                if self._closing:
+                    return
+                await self._wake.wait()
+                continue
+            batch = self._take()
+            if not batch:
+                continue
             try:
-                await asyncio.to_thread(self._write, rows)
-            except Exception:
-                log.exception("writing %d ledger rows failed; they will be retried", len(rows))
-                self._pending[:0] = rows
-                return 0
-            return len(rows)
+                results = await asyncio.to_thread(self._write, batch)
+            except Exception as e:
+                self._failed(batch, e)
+                await asyncio.sleep(delay)
+                delay = min(RETRY_MAX_S, delay * 2)
+                continue
+            delay = RETRY_MIN_S
+            self._done(batch, results)
 
-    def _write(self, rows: list[dict[str, Any]]) -> None:
-        with self.sessions() as session, session.begin():
-            session.add_all(SpendRecord(**row) for row in rows)
+    def _take(self) -> list[Op]:
+        batch: list[Op] = []
+        ops = self._queue.ops
+        while ops and len(batch) < MAX_BATCH:
+            op = ops.popleft()
+            if op.future.done() and not op.keep:  # its caller gave up before it ran
+                continue
+            batch.append(op)
+        batch.sort(key=lambda op: op.lock)  # stable: one key's ops keep their order
+        return batch
 
-    async def close(self) -> None:
-        if self._task is not None:
+    def _write(self, batch: list[Op]) -> list[tuple[bool, Any]]:
+        """One transaction, one SAVEPOINT per op (in the writer thread)."""
+        results: list[tuple[bool, Any]] = []
+        with Session(self.engine, expire_on_commit=False) as session, session.begin():
+            for op in batch:
+                try:
+                    with session.begin_nested():
+                        results.append((True, op.run(session)))
+                except (OperationalError, DBAPIError) as e:
+                    if isinstance(e, OperationalError) or e.connection_invalidated:
+                        raise  # the database, not this op: the batch fails and is retried
+                    results.append((False, e))
+                except Exception as e:  # the op's own fault: this op alone is dropped
+                    results.append((False, e))
+        return results
+
+    def _failed(self, batch: list[Op], error: Exception) -> None:
+        state = self.state
+        message = _describe(error)
+        if state.database_ok:
+            log.error("the database refused the books' writes: %s; retrying", message)
+            state.failing_since = time.monotonic()
+        state.database_ok, state.last_error = False, message
+        kept = [op for op in batch if op.keep]
+        for op in batch:
+            if not op.keep and not op.future.done():
+                op.future.set_exception(DatabaseUnavailable(message))
+        self._queue.ops.extendleft(reversed(kept))  # first in line again, in order
+
+    def _done(self, batch: list[Op], results: list[tuple[bool, Any]]) -> None:
+        state = self.state
+        if not state.database_ok:
+            log.warning("the database takes the books' writes again")
+        state.database_ok, state.failing_since = True, None
+        state.batches += 1
+        for op, (ok, value) in zip(batch, results, strict=True):
+            self._queue.kept -= op.keep
+            if not ok:
+                state.dropped += 1
+                log.error("the database refused a write to the books; it is dropped: %s", value)
+                if not op.future.done():
+                    op.future.set_exception(value)
+                continue
+            state.written += 1
+            if op.future.done():
+                if op.abandoned is not None:
+                    op.abandoned(value)
+            else:
+                op.future.set_result(value)
+
+    async def close(self, timeout: float = 10.0) -> None:
+        """Write what is queued (up to `timeout`), then stop the writer."""
+        self._closing = True
+        self._wake.set()
+        if self._task is None:
+            return
+        try:
+            await asyncio.wait_for(asyncio.shield(self._task), timeout)
+        except TimeoutError:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
-        for _ in range(3):
-            await self.flush()
-            if not self._pending:
-                return
-        log.error("%d ledger rows could not be written at shutdown", len(self._pending))
+        if self._queue.kept:
+            log.error("%d writes to the books could not be made at shutdown", self._queue.kept)
+
+
+def book_row(session: Session, row: dict[str, Any]) -> None:
+    """Insert one ledger row, and add its spend to its key's lifetime total."""
+    session.execute(insert(SpendRecord), [row])
+    key_id = row.get("key_id")
+    tokens = int(row.get("prompt_tokens") or 0) + int(row.get("completion_tokens") or 0)
+    cost = float(row.get("cost_usd") or 0.0)
+    if key_id and (tokens or cost):
+        add_key_spend(session, key_id, tokens, cost)
+
+
+def add_key_spend(session: Session, key_id: str, tokens: int, cost: float) -> None:
+    dialect = session.get_bind().dialect.name
+    if dialect == "postgresql":
+        from sqlalchemy.dialects.postgresql import insert as upsert
+    else:
+        from sqlalchemy.dialects.sqlite import insert as upsert
+    stmt = upsert(KeySpend).values(key_id=key_id, tokens=tokens, cost_usd=cost)
+    stmt = stmt.on_conflict_do_update(
+        index_elements=[KeySpend.key_id],
+        set_={
+            "tokens": KeySpend.tokens + stmt.excluded.tokens,
+            "cost_usd": KeySpend.cost_usd + stmt.excluded.cost_usd,
+        },
+    )
+    session.execute(stmt)
+
+
+def _describe(error: BaseException) -> str:
+    orig = getattr(error, "orig", None)
+    return f"{type(orig or error).__name__}: {orig or error}".splitlines()[0][:300]

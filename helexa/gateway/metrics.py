@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from helexa.gateway.fleet import Fleet
+
+if TYPE_CHECKING:
+    from helexa.gateway.budgets import Budgets
+    from helexa.gateway.ledger import Ledger
 
 _TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1, 2.5, 5, 7.5, 10, 20, 40, 80)
 _TPS_BUCKETS = (1, 2, 5, 10, 20, 30, 50, 75, 100, 150, 200, 300, 500, 1000)
@@ -53,6 +58,10 @@ class GatewayMetrics:
         )
         reg.register(_FleetCollector(fleet))
 
+    def watch_books(self, ledger: Ledger, budgets: Budgets) -> None:
+        """Export the books' writer and this gateway's reservations."""
+        self.registry.register(_BooksCollector(ledger, budgets))
+
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
@@ -66,3 +75,36 @@ class _FleetCollector(Collector):
         for node in self.fleet.nodes.values():
             up.add_metric([node.name], 1.0 if node.up else 0.0)
         yield up
+
+
+class _BooksCollector(Collector):
+    def __init__(self, ledger: Ledger, budgets: Budgets) -> None:
+        self.ledger = ledger
+        self.budgets = budgets
+
+    def collect(self) -> Iterable[GaugeMetricFamily | CounterMetricFamily]:
+        state = self.ledger.state
+        yield GaugeMetricFamily(
+            "helexa_database_up",
+            "1 while the database takes the books' writes",
+            value=1.0 if state.database_ok else 0.0,
+        )
+        yield GaugeMetricFamily(
+            "helexa_ledger_backlog",
+            "Ledger rows and settlements waiting for the database",
+            value=self.ledger.backlog,
+        )
+        yield CounterMetricFamily(
+            "helexa_ledger_dropped",
+            "Writes the database refused, logged and dropped",
+            value=state.dropped,
+        )
+        tokens, _cost = self.budgets.outstanding()
+        yield GaugeMetricFamily(
+            "helexa_budget_reserved_tokens", "Tokens this gateway holds reserved", value=tokens
+        )
+        yield CounterMetricFamily(
+            "helexa_reservations_expired_booked",
+            "Reservations of stopped gateways this gateway booked as spent",
+            value=self.budgets.expired_booked,
+        )

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
+from typing import Any
 
 import aiohttp
 
@@ -39,6 +40,7 @@ _DROP_RESPONSE = {
     "date",
 }
 PRINCIPAL_PREFIX = "x-helexa-"
+USAGE_WAIT_S = 2.0  # how long a node may take to see a cut exchange end
 
 
 def warn(what: str, route: Route, path: str, **fields: object) -> None:
@@ -65,8 +67,31 @@ def response_headers(headers: Mapping[str, str]) -> dict[str, str]:
 class Upstream:
     """Sends a request to one of its candidate routes; what it means is the exchange's."""
 
-    def __init__(self, connections: Connections) -> None:
+    def __init__(self, connections: Connections, idle_timeout_s: float = 300.0) -> None:
         self.connections = connections
+        # a node silent this long while answering (a hung or stopped process) is cut
+        self.timeout = aiohttp.ClientTimeout(total=None, sock_read=idle_timeout_s)
+
+    async def exchange_usage(self, route: Route, exchange_id: str) -> dict[str, Any] | None:
+        """What the node says an exchange used, once it has seen it end (it waits briefly
+        for that); None when the node cannot say (gone, too old, or a node that predates
+        the endpoint)."""
+        url = f"{route.base_url}/v1/exchanges/{exchange_id}/usage"
+        try:
+            async with self.connections.session.get(
+                url,
+                params={"wait_s": str(USAGE_WAIT_S)},
+                headers=route.node.auth_headers(),
+                timeout=aiohttp.ClientTimeout(total=USAGE_WAIT_S + 2),
+            ) as resp:
+                if resp.status != 200:
+                    return None
+                answer = await resp.json(content_type=None)
+        except (aiohttp.ClientError, TimeoutError, ValueError) as e:
+            warn("could not ask the node what a cut exchange used", route, url, error=repr(e))
+            return None
+        usage = answer.get("usage") if isinstance(answer, dict) else None
+        return usage if isinstance(usage, dict) else None
 
     async def open(
         self, routes: list[Route], path: str, body: bytes, headers: dict[str, str]
@@ -79,7 +104,10 @@ class Upstream:
             retry_left = i + 1 < min(2, len(routes))
             try:
                 resp = await self.connections.session.post(
-                    route.base_url + path, data=body, headers=headers | route.node.auth_headers()
+                    route.base_url + path,
+                    data=body,
+                    headers=headers | route.node.auth_headers(),
+                    timeout=self.timeout,
                 )
             except (aiohttp.ClientConnectionError, TimeoutError) as e:
                 error = describe_error(e)

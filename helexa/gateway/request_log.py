@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from helexa.logs import request_done
@@ -33,10 +34,22 @@ class RequestRecord:
     cut: bool = False  # a stream that ended before its node finished
     open_parts: int = 1  # the response, plus each exchange with a node not yet settled
     written: bool = False
+    # run when the request is over, whatever its handler did: settle what it left open
+    cleanups: list[Callable[[], None]] = field(default_factory=list)
 
     def hold(self) -> None:
         """An exchange with a node began: the line waits for it too."""
         self.open_parts += 1
+
+    def end(self) -> None:
+        """The request is over: its cleanups run, then its response part is released."""
+        cleanups, self.cleanups = self.cleanups, []
+        for cleanup in cleanups:
+            try:
+                cleanup()
+            except Exception:
+                log.exception("settling what request %s left open failed", self.request_id)
+        self.release()
 
     def release(self) -> None:
         """The response, or an exchange, ended; the last one writes the line."""

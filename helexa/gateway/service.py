@@ -25,7 +25,7 @@ from helexa.gateway.keys import KeyStore
 from helexa.gateway.ledger import Ledger
 from helexa.gateway.metrics import GatewayMetrics
 from helexa.gateway.model_jobs import ModelJobs
-from helexa.gateway.poller import NodeCalls, Poller
+from helexa.gateway.poller import DatabaseSync, NodeCalls, Poller
 from helexa.gateway.proxy import Upstream
 from helexa.gateway.router import Router
 
@@ -51,14 +51,18 @@ class Gateway:
     started_at: int = field(default_factory=lambda: int(time.time()))
 
     async def start(self) -> None:
-        """What needs the running loop: the pool to the nodes, the poller, the ledger."""
+        """What needs the running loop: the pool to the nodes, the poller, the books'
+        writer and this gateway's reservation lease."""
         await self.connections.open()
         self.ledger.start()
+        self.budgets.start()
         self.poller.start()
 
     async def stop(self) -> None:
         try:
             await self.poller.stop()
+            await self.exchanges.drain()  # cut exchanges still asking their node
+            await self.budgets.stop()
             await self.ledger.close()  # every pending row is written before we exit
         finally:
             await self.connections.close()
@@ -69,7 +73,7 @@ def build_gateway(cfg: Config) -> Gateway:
     _warn_about_node_keys(cfg)
     fleet = Fleet([(n.name, n.endpoint) for n in cfg.nodes], {n.name: n.api_key for n in cfg.nodes})
     metrics = GatewayMetrics(fleet)
-    _engine, sessions = open_database(cfg)
+    engine, sessions = open_database(cfg)
     with sessions() as db:
         if seed_catalogue(db, cfg):
             log.info("catalogue seeded from the config: %d models", len(cfg.models))
@@ -78,19 +82,31 @@ def build_gateway(cfg: Config) -> Gateway:
     poller = Poller(fleet, connections, cfg.gateway.poll_interval_s)
     router = Router(cfg, fleet, NodeCalls(connections, poller))
     router.replace_catalogue(catalogue, aliases)
-    keys, budgets, ledger = KeyStore(sessions), Budgets(sessions), Ledger(sessions)
+    g = cfg.gateway
+    keys = KeyStore(sessions)
+    auth = Authenticator(keys, require_auth=cfg.gateway.require_auth)
+    # edits made through another gateway (or `helexa keys`) reach this one every interval
+    poller.also_every_interval(DatabaseSync(sessions, router, auth).refresh)
+    ledger = Ledger.over(engine)
+    ledger.backlog_max = g.ledger_backlog_max
+    budgets = Budgets(
+        ledger, lease_s=g.reservation_lease_s, database_timeout_s=g.database_timeout_s
+    )
     accountant = Accountant(budgets, ledger, metrics)
+    metrics.watch_books(ledger, budgets)
     return Gateway(
         cfg=cfg,
         fleet=fleet,
         metrics=metrics,
         sessions=sessions,
         keys=keys,
-        auth=Authenticator(keys, require_auth=cfg.gateway.require_auth),
+        auth=auth,
         budgets=budgets,
         ledger=ledger,
         router=router,
-        exchanges=Exchanges(router, Upstream(connections), budgets, accountant, metrics),
+        exchanges=Exchanges(
+            router, Upstream(connections, g.upstream_idle_timeout_s), budgets, accountant, metrics
+        ),
         jobs=ModelJobs(router),
         console=Console.from_config(cfg.admin),
         connections=connections,

@@ -6,17 +6,18 @@ Nothing here imports the engine: the gateway process never loads torch.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
 
 from litestar import Request
 from litestar.exceptions import HTTPException
 from litestar.response import Response
-from litestar.types import Send
+from litestar.types import Receive, Send
 
-from helexa.errors import HelexaError, invalid_request
+from helexa.errors import HelexaError, client_closed_request, invalid_request
 
 log = logging.getLogger(__name__)
 
@@ -74,3 +75,28 @@ def error_response(request: Request, exc: Exception) -> Response:
     """Any exception as the OpenAI envelope with its status and headers (Retry-After)."""
     err = as_helexa_error(request, exc)
     return Response(content=err.to_envelope(), status_code=err.status, headers=err.headers())
+
+
+T = TypeVar("T")
+
+
+async def unless_client_leaves(request: Request, work: Awaitable[T]) -> T:
+    """`work`, cancelled when the client disconnects first (a non-stream answer is long in
+    coming: the node's request is dropped, not finished for nobody)."""
+    task = asyncio.ensure_future(work)
+    gone = asyncio.ensure_future(_disconnected(request.receive))
+    try:
+        await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+    if not task.done():
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        raise client_closed_request()
+    return task.result()
+
+
+async def _disconnected(receive: Receive) -> None:
+    """Returns when the client has gone (the request's body was read before)."""
+    while (await receive())["type"] != "http.disconnect":
+        pass

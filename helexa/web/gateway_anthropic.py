@@ -34,7 +34,7 @@ from helexa.protocol.anthropic_out import (
     message_id,
 )
 from helexa.protocol.wire import CHARS_PER_TOKEN, SSEReader, sse_event
-from helexa.web.common import as_helexa_error, parse_json_body
+from helexa.web.common import as_helexa_error, parse_json_body, unless_client_leaves
 from helexa.web.gateway_deps import record_of
 
 log = logging.getLogger(__name__)
@@ -86,7 +86,7 @@ async def messages(request: Request, gateway: Gateway) -> Response:
         translator = StreamTranslator(t, msg_id, input_tokens=estimate_tokens(t.body))
         events = anthropic_events(exchanges.relay(reply), translator)
         return Stream(events, headers=reply.headers, media_type="text/event-stream")
-    answer = _json_object(await exchanges.read(reply))
+    answer = _json_object(await unless_client_leaves(request, exchanges.read(reply)))
     if answer is None:
         raise HelexaError(502, "api_error", "the node's answer is not a JSON object")
     return Response(content=from_openai_chat(answer, t, msg_id), headers=reply.headers)

@@ -18,6 +18,7 @@ from litestar.response import Response, Stream
 from helexa.config import Config
 from helexa.errors import HelexaError, invalid_request
 from helexa.gateway.catalogue import model_list, nodes_view
+from helexa.gateway.ledger import Ledger
 from helexa.gateway.service import Gateway, build_gateway
 from helexa.logs import event
 from helexa.web.admin import admin_router, admin_static, admin_templates
@@ -25,6 +26,7 @@ from helexa.web.common import (
     METRICS_CONTENT_TYPE,
     error_response,
     parse_json_body,
+    unless_client_leaves,
 )
 from helexa.web.gateway_anthropic import (
     anthropic_error_response,
@@ -64,7 +66,7 @@ async def _proxy(request: Request, gateway: Gateway, path: str) -> Response:
             headers=reply.headers,
             media_type=reply.media_type,
         )
-    data = await exchanges.read(reply)
+    data = await unless_client_leaves(request, exchanges.read(reply))
     return Response(
         content=data, status_code=reply.status, headers=reply.headers, media_type=reply.media_type
     )
@@ -114,6 +116,19 @@ async def health(gateway: Gateway) -> dict[str, Any]:
         "nodes": nodes_view(list(gateway.fleet.nodes.values())),
         "nodes_up": len(up),
         "budget_reserved_tokens": gateway.budgets.outstanding()[0],
+        "books": books_view(gateway.ledger),
+    }
+
+
+def books_view(ledger: Ledger) -> dict[str, Any]:
+    """The books' writer: whether the database takes writes, and what waits for it."""
+    state = ledger.state
+    return {
+        "database": "ok" if state.database_ok else "unavailable",
+        "backlog": ledger.backlog,
+        "backlog_max": ledger.backlog_max,
+        "dropped": state.dropped,
+        "last_error": state.last_error,
     }
 
 

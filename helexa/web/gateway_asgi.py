@@ -158,4 +158,4 @@ class GatewayASGI:
             self.metrics.requests.labels(route, str(status)).inc()
             record.status = status
             if path.startswith("/v1/") and scope["method"] != "OPTIONS":
-                record.release()  # written now, or when its exchange with a node settles
+                record.end()  # written now, or when its exchange with a node settles

@@ -8,10 +8,10 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
-from helexa.db.models import SpendRecord
 from helexa.gateway import catalogue_edit as edit
 from helexa.gateway.budgets import Budgets
 from helexa.gateway.keys import KeyStore
+from helexa.gateway.ledger import Ledger, book_row
 
 NODES = ["a", "b"]
 
@@ -96,25 +96,30 @@ def test_budgets_recount_a_key_whose_window_changed(sessions):
     """Switching a key from a balance to a rolling hour must stop counting old spend."""
     store = KeyStore(sessions)
     key, _ = store.create("acme", cap_tokens=100)
+    old = {
+        "ts": datetime.now(UTC) - timedelta(hours=3),
+        "key_id": key.id,
+        "account_id": "acme",
+        "model": "m",
+        "status": 200,
+        "prompt_tokens": 90,
+    }
     with sessions.begin() as s:
-        s.add(
-            SpendRecord(
-                ts=datetime.now(UTC) - timedelta(hours=3),
-                key_id=key.id,
-                account_id="acme",
-                model="m",
-                status=200,
-                prompt_tokens=90,
-            )
-        )
-    budgets = Budgets(sessions)
+        book_row(s, old)  # the ledger row and the key's lifetime total, as the gateway books
 
-    async def reserve(k):
-        return await budgets.reserve(k, 5, 200, (0.0, 0.0))
+    async def main():
+        books = Ledger.over(sessions.kw["bind"])
+        books.start()
+        budgets = Budgets(books)
+        try:
+            first = await budgets.reserve(key, "m", 5, 200, (0.0, 0.0))
+            rolling = store.set_budget(key.id, cap_tokens=100, window="rolling:3600")
+            second = await budgets.reserve(rolling, "m", 5, 200, (0.0, 0.0))
+            return first, second
+        finally:
+            await books.close()
 
-    first = asyncio.run(reserve(key))
+    first, second = asyncio.run(main())
     assert first.max_output == 5  # 90 of 100 spent, 5 for the prompt
-    rolling = store.set_budget(key.id, cap_tokens=100, window="rolling:3600")
-    second = asyncio.run(reserve(rolling))
     # the 90 old tokens left the window; the first request's reservation still counts
     assert second.max_output == 100 - first.tokens - 5

@@ -21,7 +21,7 @@ from sqlalchemy import select
 from helexa.config import load_config
 from helexa.db.models import SpendRecord
 from helexa.errors import HelexaError
-from helexa.gateway.accounting import Accountant, Exchange, Tally
+from helexa.gateway.accounting import Accountant, Exchange, Tally, settled_counts
 from helexa.gateway.auth import ANONYMOUS, Principal
 from helexa.gateway.budgets import Budgets
 from helexa.gateway.fleet import Fleet
@@ -333,16 +333,60 @@ def test_completions_text_and_responses_deltas_count_and_responses_usage_is_read
     assert (tally.text_events, tally.usage) == (3, usage)
 
 
-def test_a_cut_stream_is_booked_as_its_prompt_estimate_and_the_text_events_that_came(sessions):
-    budgets, ledger_ = Budgets(sessions), Ledger(sessions)
-    accountant = Accountant(budgets, ledger_, GatewayMetrics(Fleet([])))
-    ex = Exchange(MODEL, prompt_estimate=40, price=(IN_PRICE, OUT_PRICE))
+def _close_cut(sessions, ex: Exchange) -> tuple[tuple[int, int, int, int], SpendRecord]:
+    """Settle a cut exchange through the real books' writer; its counts and ledger row."""
+    engine = sessions.kw["bind"]
+
+    async def main() -> tuple[int, int, int, int]:
+        books = Ledger.over(engine)
+        books.start()
+        accountant = Accountant(Budgets(books), books, GatewayMetrics(Fleet([])))
+        counts, durable = accountant.close(ex, 499)
+        await durable
+        await books.close()
+        return counts
+
+    counts = asyncio.run(main())
+    with sessions() as s:
+        [row] = s.scalars(select(SpendRecord)).all()
+    return counts, row
+
+
+def test_a_cut_stream_the_node_cannot_account_for_is_booked_from_its_estimate_and_events(
+    sessions,
+):
+    ex = Exchange(MODEL, prompt_estimate=40, price=(IN_PRICE, OUT_PRICE), cut=True)
     stream = chunk(content="one") + chunk(reasoning_content="two") + chunk(content="thr")
     fed(ex.tally, stream[:-3], sizes=10)  # the client left mid-event
 
-    assert accountant.close(ex, 200) == (40, 2, 0, 0)
-    asyncio.run(ledger_.flush())
-    with sessions() as s:
-        [row] = s.scalars(select(SpendRecord)).all()
+    counts, row = _close_cut(sessions, ex)
+    assert counts == (40, 2, 0, 0)
     assert (row.prompt_tokens, row.completion_tokens, row.finish_reason) == (40, 2, None)
-    assert row.cost_usd == pytest.approx(cost_usd(40, 2, IN_PRICE, OUT_PRICE))
+    assert (row.status, row.cost_usd) == (499, pytest.approx(cost_usd(40, 2, IN_PRICE, OUT_PRICE)))
+
+
+def test_a_cut_stream_is_booked_from_what_the_node_says_it_generated_never_below_the_events(
+    sessions,
+):
+    ex = Exchange(MODEL, prompt_estimate=40, cut=True)
+    fed(ex.tally, chunk(content="a") + chunk(content="b") + chunk(content="c"), sizes=7)
+    # held back in the node's detokenizer, or generated after the client left: more
+    ex.node_usage = {"prompt_tokens": 31, "completion_tokens": 9, "total_tokens": 40}
+    assert _close_cut(sessions, ex)[0] == (31, 9, 0, 0)
+    # a node that under-reports is never believed below what arrived
+    ex2 = Exchange(MODEL, prompt_estimate=40, cut=True)
+    fed(ex2.tally, chunk(content="a") + chunk(content="b") + chunk(content="c"), sizes=7)
+    ex2.node_usage = {"prompt_tokens": 31, "completion_tokens": 1}
+    assert settled_counts(ex2) == (31, 3, 0, 0)
+
+
+def test_an_error_envelope_that_ran_the_model_is_booked_from_its_usage():
+    ex = Exchange(MODEL, prompt_estimate=40)
+    usage = {"prompt_tokens": 20, "completion_tokens": 17, "total_tokens": 37}
+    envelope = {"error": {"message": "no tool call", "type": "x", "code": "y", "usage": usage}}
+    ex.tally.whole(msgspec.json.encode(envelope))
+    assert settled_counts(ex) == (20, 17, 0, 0)
+    # an error that never ran the model books nothing (not the prompt estimate)
+    ex2 = Exchange(MODEL, prompt_estimate=40)
+    ex2.tally.whole(b'{"error": {"message": "bad", "type": "x", "code": null}}')
+    assert settled_counts(ex2) == (0, 0, 0, 0)
