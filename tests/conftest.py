@@ -1,11 +1,13 @@
-"""Shared test fixtures: the read-only upstream model-metadata folders, and tiny tokenizers."""
+"""Shared test fixtures: the read-only upstream model-metadata folders, tiny tokenizers, and
+databases (a throwaway PostgreSQL cluster, tests/pg.py, beside SQLite files)."""
 
 from __future__ import annotations
 
 import json
 import os
 import shutil
-from collections.abc import Callable, Sequence
+import uuid
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import pytest
@@ -17,6 +19,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 os.environ["HF_HUB_OFFLINE"] = "1"
 
 from tests.engine.tiny import FIXTURE_MODELS  # noqa: E402  (where ../shared is found)
+from tests.pg import PostgresCluster, PostgresUnavailable  # noqa: E402
 
 FIXTURES_DIR = FIXTURE_MODELS.parent
 
@@ -99,6 +102,44 @@ def byte_tokenizer_dir(
         return dst
 
     return make
+
+
+@pytest.fixture(scope="session")
+def postgres_cluster() -> Iterator[PostgresCluster]:
+    """One throwaway PostgreSQL cluster for the session, started when a test first asks
+    (about a second), stopped and removed at the end. Without PostgreSQL the tests that ask
+    are skipped, except under CI (the CI variable set), where they fail: CI installs it."""
+    try:
+        cluster = PostgresCluster.start()
+    except PostgresUnavailable as e:
+        if os.environ.get("CI"):
+            pytest.fail(f"CI must run the PostgreSQL tests: {e}", pytrace=False)
+        pytest.skip(f"PostgreSQL not available: {e}")
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+@pytest.fixture
+def postgres_url(postgres_cluster: PostgresCluster) -> Iterator[str]:
+    """A SQLAlchemy URL (postgresql+psycopg, over the cluster's Unix socket) of a fresh,
+    empty database, dropped after the test with whatever is still connected to it."""
+    name = f"test_{uuid.uuid4().hex}"
+    url = postgres_cluster.create_database(name)
+    try:
+        yield url
+    finally:
+        postgres_cluster.drop_database(name)
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+def db_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    """Each database helexa supports, in turn: a SQLite file (in a directory that does not
+    exist yet) or a fresh PostgreSQL database. Test ids end in [sqlite] / [postgres]."""
+    if request.param == "sqlite":
+        return f"sqlite:///{tmp_path / 'state' / 'helexa.db'}"
+    return request.getfixturevalue("postgres_url")
 
 
 # The server tests' models and the agent node, registered once for every directory.
