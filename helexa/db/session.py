@@ -1,8 +1,10 @@
 """Engines, sessions and migrations: the only place that knows how to open the database.
 
 SQLite (the default) gets WAL, a busy timeout and enforced foreign keys on every
-connection; any other SQLAlchemy URL passes through. The schema is Alembic's
-(`migrations/` at the repository root), run here programmatically.
+connection. PostgreSQL is reached through psycopg 3 (`pip install 'helexa[postgres]'`): a
+plain `postgresql://` URL is read as `postgresql+psycopg://`, and connections give up after
+a few seconds when the server cannot be reached. Any other SQLAlchemy URL passes through.
+The schema is Alembic's (`migrations/` at the repository root), run here programmatically.
 
 Alembic is imported when a migration runs, with its logger at WARNING: it announces each
 of its plugins at INFO on import, which would top every gateway start-up log.
@@ -16,7 +18,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
-from sqlalchemy import Connection, Engine, create_engine, event, make_url
+from sqlalchemy import URL, Connection, Engine, create_engine, event, make_url
 from sqlalchemy.orm import Session, sessionmaker
 from sqlalchemy.pool import StaticPool
 
@@ -33,17 +35,42 @@ SQLITE_PRAGMAS = (
     "PRAGMA foreign_keys=ON",
     "PRAGMA synchronous=NORMAL",  # durable across process crashes under WAL; fast
 )
+PG_CONNECT_TIMEOUT_S = 5  # a gateway whose database is down says so, rather than hang
 
 
 def is_sqlite(url: str) -> bool:
     return make_url(url).get_backend_name() == "sqlite"
 
 
-def make_engine(url: str) -> Engine:
-    """An engine for `url`; SQLite files get their directory created and the pragmas above."""
+def resolve_url(url: str) -> URL:
+    """`url` parsed, with PostgreSQL on psycopg 3 when it names no driver: SQLAlchemy's
+    default for `postgresql://` is psycopg2, which helexa does not install. `postgres://`
+    (as some hosting providers write it) is taken for `postgresql://`."""
     parsed = make_url(url)
+    if parsed.drivername in ("postgresql", "postgres"):
+        parsed = parsed.set(drivername="postgresql+psycopg")
+    return parsed
+
+
+def make_engine(url: str) -> Engine:
+    """An engine for `url`; SQLite files get their directory created and the pragmas above,
+    PostgreSQL connections a connect timeout (unless the URL sets its own) and a liveness
+    check on checkout (a restarted server or a dropped idle connection costs no request)."""
+    parsed = resolve_url(url)
+    if parsed.get_backend_name() == "postgresql":
+        connect_args: dict[str, object] = {}
+        if parsed.get_driver_name() in ("psycopg", "psycopg2") and (
+            "connect_timeout" not in parsed.query
+        ):
+            connect_args["connect_timeout"] = PG_CONNECT_TIMEOUT_S
+        try:
+            return create_engine(parsed, pool_pre_ping=True, connect_args=connect_args)
+        except ModuleNotFoundError as e:  # the driver is imported here, not at the first query
+            raise ModuleNotFoundError(
+                f"{e}: PostgreSQL needs its driver, pip install 'helexa[postgres]'", name=e.name
+            ) from e
     if parsed.get_backend_name() != "sqlite":
-        return create_engine(url, pool_pre_ping=True)
+        return create_engine(parsed, pool_pre_ping=True)
     database = parsed.database or ""
     in_memory = database in ("", ":memory:") or parsed.query.get("mode") == "memory"
     if in_memory:  # one shared connection, or every checkout would see an empty database
