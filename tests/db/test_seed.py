@@ -1,9 +1,9 @@
-"""The TOML seeds the catalogue once; after that the database is the truth."""
+"""The TOML seeds the catalogue once; after that the database is the truth (on SQLite and on
+PostgreSQL: the `db_url` fixture)."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 from sqlalchemy import func, select
@@ -33,9 +33,9 @@ def _config(models: list[ModelEntry], aliases: dict[str, str]) -> Config:
 
 
 @pytest.fixture
-def sessions(tmp_path: Path) -> Iterator[sessionmaker[Session]]:
+def sessions(db_url: str) -> Iterator[sessionmaker[Session]]:
     cfg = Config()
-    cfg.gateway.database_url = f"sqlite:///{tmp_path / 'helexa.db'}"
+    cfg.gateway.database_url = db_url
     engine, factory = open_database(cfg)
     yield factory
     engine.dispose()
