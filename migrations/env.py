@@ -16,6 +16,10 @@ config = context.config
 if config.config_file_name is not None:  # the alembic command; helexa keeps its own logging
     fileConfig(config.config_file_name, disable_existing_loggers=False)
 target_metadata = Base.metadata
+# PostgreSQL: an advisory lock held by the migrating transaction, so that gateways starting
+# together on one database migrate it one at a time (the later ones then find it at head);
+# without it they race to create the same tables and all but one fail.
+PG_MIGRATION_LOCK = 0x68656C657861  # "helexa"
 
 
 def database_url() -> str:
@@ -42,6 +46,8 @@ def run_migrations(connection: Connection) -> None:
     )
     try:
         with context.begin_transaction():
+            if connection.dialect.name == "postgresql":  # released when the transaction ends
+                connection.exec_driver_sql(f"SELECT pg_advisory_xact_lock({PG_MIGRATION_LOCK})")
             context.run_migrations()
     finally:
         if sqlite:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -190,3 +191,45 @@ def test_helexa_db_upgrade_creates_the_configured_database(url: str, tmp_path: P
     down = run("downgrade", "nowhere")
     assert down.returncode == 1
     assert "nowhere" in down.stderr
+
+
+PG_MIGRATION_LOCK = 0x68656C657861  # migrations/env.py's advisory lock
+
+
+def test_gateways_starting_together_on_one_postgresql_migrate_it_one_at_a_time(
+    postgres_url: str,
+) -> None:
+    # Each gateway upgrades on start; unserialised, they race to create the same tables and
+    # all but one fail. Holding env.py's lock here lines them all up behind it, then lets go.
+    script = f"from helexa.db.session import upgrade; upgrade({postgres_url!r})"
+    engine = make_engine(postgres_url)
+    procs: list[subprocess.Popen[str]] = []
+    try:
+        with engine.connect() as conn:
+            conn.execute(text(f"SELECT pg_advisory_lock({PG_MIGRATION_LOCK})"))
+            conn.commit()
+            procs = [
+                subprocess.Popen(
+                    [sys.executable, "-c", script], cwd=REPO_ROOT, stderr=subprocess.PIPE, text=True
+                )
+                for _ in range(3)
+            ]
+            waiting = "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted"
+            deadline = time.monotonic() + 120
+            while conn.execute(text(waiting)).scalar() < len(procs):
+                conn.commit()  # a fresh snapshot of pg_locks
+                assert time.monotonic() < deadline, "the migrations never waited for the lock"
+                assert all(p.poll() is None for p in procs), "a migration ran past the lock"
+                time.sleep(0.1)
+            assert current(postgres_url) is None
+            conn.execute(text(f"SELECT pg_advisory_unlock({PG_MIGRATION_LOCK})"))
+            conn.commit()
+        errors = [p.communicate(timeout=120)[1] for p in procs]
+        assert [p.returncode for p in procs] == [0, 0, 0], errors
+        assert current(postgres_url) == _head()
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        engine.dispose()
