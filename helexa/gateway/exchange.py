@@ -31,6 +31,7 @@ from helexa.protocol.wire import (
     ACCOUNT_HEADER,
     BUDGET_HEADER,
     DEFAULT_MAX_OUTPUT_TOKENS,
+    EXCHANGE_HEADER,
     KEY_HEADER,
     VIA_HEADER,
     SpendBudget,
@@ -41,7 +42,6 @@ from helexa.protocol.wire import (
 # The client's credentials stay at the gateway.
 _CREDENTIALS = ("authorization", "x-api-key")
 RESPONSES_PATH = "/v1/responses"
-EXCHANGE_HEADER = "x-helexa-exchange"
 log = logging.getLogger(__name__)
 _encoder = msgspec.json.Encoder()
 

@@ -16,6 +16,7 @@ from helexa.gateway.fleet import KEY_REFUSED
 from helexa.gateway.poller import KEY_HINT, describe_error
 from helexa.gateway.router import NO_NODE_RETRY_AFTER_S, Route
 from helexa.logs import event
+from helexa.protocol.wire import exchange_usage_path
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +77,7 @@ class Upstream:
         """What the node says an exchange used, once it has seen it end (it waits briefly
         for that); None when the node cannot say (gone, too old, or a node that predates
         the endpoint)."""
-        url = f"{route.base_url}/v1/exchanges/{exchange_id}/usage"
+        url = route.base_url + exchange_usage_path(exchange_id)
         try:
             async with self.connections.session.get(
                 url,

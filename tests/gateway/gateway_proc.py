@@ -98,7 +98,8 @@ def start_gateway(
         f"http://127.0.0.1:{port}",
         log_path,
         metrics_url=f"http://127.0.0.1:{mport}",
-        database_url=f"sqlite:///{tmp / 'gw-state' / 'helexa.db'}",
+        database_url=(gateway or {}).get("database_url")
+        or f"sqlite:///{tmp / 'gw-state' / 'helexa.db'}",
     )
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
