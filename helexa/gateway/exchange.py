@@ -348,8 +348,14 @@ class Exchanges:
         ex.cut = True
         if ex.record is not None and ex.tally.finish_reason is None:
             ex.record.cut = True
-        if ex.route is not None:
-            ex.node_usage = await self.upstream.exchange_usage(ex.route, ex.id)
+        try:
+            if ex.route is not None:
+                ex.node_usage = await self.upstream.exchange_usage(ex.route, ex.id)
+        except Exception:
+            log.exception("asking node what exchange %s used failed", ex.id)
+        except BaseException:
+            self.finish(ex, status)  # cancelled: settled on what arrived
+            raise
         await self.settle(ex, status)
 
     def _later(self, work: Coroutine[Any, Any, None]) -> None:

@@ -140,12 +140,19 @@ class Ledger:
     ) -> Any:
         """Run an op that may fail (not kept) and wait for it, at most `timeout` seconds;
         DatabaseUnavailable when the database did not take it in time."""
+        abandoned = kw.get("abandoned")
         future = self.submit(run, keep=False, lock=lock, **kw)
         try:
             return await asyncio.wait_for(asyncio.shield(future), timeout)
         except TimeoutError:
             future.cancel()  # the writer skips it, or undoes it if it already ran
             raise DatabaseUnavailable(self.state.last_error or "timed out") from None
+        except BaseException:  # the caller is gone (cancelled)
+            if not future.done():
+                future.cancel()  # as for a timeout
+            elif abandoned is not None and not future.cancelled() and not future.exception():
+                abandoned(future.result())  # written just as the caller went: undone
+            raise
 
     async def keep(self, run: Callable[[Session], Any], *, timeout: float, lock: str = "") -> bool:
         """Queue an op that must not be lost and wait up to `timeout` for it to be durable;
