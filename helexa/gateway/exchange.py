@@ -161,8 +161,17 @@ class Exchanges:
         if record is not None:
             record.hold()  # the exchange settles it (however it ends)
             record.cleanups.append(lambda: self.abandon(ex))
+        tried: list[Route] = []
         try:
-            route, resp = await self.upstream.open(routes, path, raw, headers)
+            route, resp = await self.upstream.open(routes, path, raw, headers, tried)
+        except asyncio.CancelledError:
+            if tried:  # the client left while the node worked: settled from its count
+                ex.route = tried[-1]
+                self.router.begin(ex.route)
+                self._later(self._settle_cut(ex, 499))
+            else:
+                self.finish(ex, 499)
+            raise
         except BaseException:
             self.finish(ex, 503)  # nothing ran: its row (0 tokens) is queued, not awaited
             raise

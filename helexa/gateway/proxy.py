@@ -95,14 +95,21 @@ class Upstream:
         return usage if isinstance(usage, dict) else None
 
     async def open(
-        self, routes: list[Route], path: str, body: bytes, headers: dict[str, str]
+        self,
+        routes: list[Route],
+        path: str,
+        body: bytes,
+        headers: dict[str, str],
+        tried: list[Route] | None = None,
     ) -> tuple[Route, aiohttp.ClientResponse]:
         """Send to the best route; when it fails before answering (refused, reset, 503, our
         key refused), try the next one once. The client is told which node failed, never
-        how: the wire detail is logged."""
+        how: the wire detail is logged. `tried` collects each route the request went to."""
         failed: list[str] = []
         for i, route in enumerate(routes[:2]):
             retry_left = i + 1 < min(2, len(routes))
+            if tried is not None:
+                tried.append(route)  # the node may work on it before it answers
             try:
                 resp = await self.connections.session.post(
                     route.base_url + path,

@@ -21,6 +21,7 @@ from litestar import Request, post
 from litestar.response import Response, Stream
 
 from helexa.errors import HelexaError
+from helexa.gateway.auth import Principal
 from helexa.gateway.edge import estimate_tokens
 from helexa.gateway.exchange import NodeAnswer
 from helexa.gateway.proxy import warn
@@ -67,6 +68,13 @@ def anthropic_error_response(request: Request, exc: Exception) -> Response:
 async def messages(request: Request, gateway: Gateway) -> Response:
     principal = await gateway.auth.authenticate(request.headers)
     t = to_openai_chat(parse_json_body(await request.body(), _decoder.decode))
+    # a client that leaves while the node works drops the node's request
+    return await unless_client_leaves(request, _exchange(request, gateway, principal, t))
+
+
+async def _exchange(
+    request: Request, gateway: Gateway, principal: Principal, t: Translated
+) -> Response:
     exchanges = gateway.exchanges
     reply = await exchanges.open(
         principal,
@@ -86,7 +94,7 @@ async def messages(request: Request, gateway: Gateway) -> Response:
         translator = StreamTranslator(t, msg_id, input_tokens=estimate_tokens(t.body))
         events = anthropic_events(exchanges.relay(reply), translator)
         return Stream(events, headers=reply.headers, media_type="text/event-stream")
-    answer = _json_object(await unless_client_leaves(request, exchanges.read(reply)))
+    answer = _json_object(await exchanges.read(reply))
     if answer is None:
         raise HelexaError(502, "api_error", "the node's answer is not a JSON object")
     return Response(content=from_openai_chat(answer, t, msg_id), headers=reply.headers)

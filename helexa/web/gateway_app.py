@@ -17,6 +17,7 @@ from litestar.response import Response, Stream
 
 from helexa.config import Config
 from helexa.errors import HelexaError, invalid_request
+from helexa.gateway.auth import Principal
 from helexa.gateway.catalogue import model_list, nodes_view
 from helexa.gateway.ledger import Ledger
 from helexa.gateway.service import Gateway, build_gateway
@@ -55,6 +56,14 @@ def _body_object(raw: bytes) -> dict[str, Any]:
 async def _proxy(request: Request, gateway: Gateway, path: str) -> Response:
     principal = await gateway.auth.authenticate(request.headers)
     raw = await request.body()
+    # a client that leaves while the node works (a whole answer comes at its end) drops
+    # the node's request instead of having it finished for nobody
+    return await unless_client_leaves(request, _exchange(request, gateway, path, principal, raw))
+
+
+async def _exchange(
+    request: Request, gateway: Gateway, path: str, principal: Principal, raw: bytes
+) -> Response:
     exchanges = gateway.exchanges
     reply = await exchanges.open(
         principal, path, _body_object(raw), raw, request.headers, record_of(request)
@@ -66,7 +75,7 @@ async def _proxy(request: Request, gateway: Gateway, path: str) -> Response:
             headers=reply.headers,
             media_type=reply.media_type,
         )
-    data = await unless_client_leaves(request, exchanges.read(reply))
+    data = await exchanges.read(reply)
     return Response(
         content=data, status_code=reply.status, headers=reply.headers, media_type=reply.media_type
     )

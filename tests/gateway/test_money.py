@@ -414,3 +414,81 @@ def test_a_locked_sqlite_database_gives_503_then_service_comes_back_with_nothing
     # the anonymous answer given during the lock, then the metered one after: nothing lost
     assert [(r.key_id, r.status) for r in rows][-2:] == [(None, 200), (key_id, 200)]
     assert sum(r.status == 503 for r in rows) == 0  # a refused reservation never reached a node
+
+
+# -- nodes that stop, and clients that leave ---------------------------------------------
+
+
+def _sse_lines(r: httpx.Response) -> list[str]:
+    return [line for line in r.iter_lines() if line.startswith("data: ")]
+
+
+def test_a_client_that_leaves_a_non_streaming_request_stops_the_nodes_work(gw, node, models):
+    key_id, auth = _key(gw.database_url, cap=1_000_000)
+    body = {
+        "model": models["long"],
+        "messages": [{"role": "user", "content": "Tell a long story."}],
+        "max_tokens": 6000,
+        "ignore_eos": True,
+    }
+    before = _node_tokens(node)
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(gw.v1 + "/chat/completions", json=body, headers=auth, timeout=1.5)
+    t0 = time.monotonic()
+    _node_idle(node, timeout_s=10)
+    stopped_after = time.monotonic() - t0
+    generated = _node_tokens(node) - before
+    [row] = _rows(gw.database_url, key_id)
+    assert row.status == 499
+    assert 0 < row.completion_tokens < 6000
+    assert _billed([row]) >= generated
+    assert gw.get("/health").json()["budget_reserved_tokens"] == 0
+    print(f"non-stream client left: node idle {stopped_after:.2f} s later, {generated} tokens")
+
+
+def test_a_node_that_stops_or_dies_mid_stream_ends_the_stream_with_an_error_event(tmp_path, models):
+    lone = start_node(tmp_path / "node", [models["long"]], node={"per_principal_max": 0})
+    gw = _gateway(tmp_path / "gw", lone, {"long": models["long"]}, upstream_idle_timeout_s=2.0)
+    try:
+        key_id, auth = _key(gw.database_url, cap=1_000_000)
+        body = {
+            "model": models["long"],
+            "messages": [{"role": "user", "content": "Tell a long story."}],
+            "max_tokens": 6000,
+            "ignore_eos": True,
+            "stream": True,
+        }
+        for how in (signal.SIGSTOP, signal.SIGKILL):
+            events: list[str] = []
+            t0 = time.monotonic()
+            with httpx.stream(
+                "POST", gw.v1 + "/chat/completions", json=body, headers=auth, timeout=60
+            ) as r:
+                assert r.status_code == 200
+                for line in r.iter_lines():
+                    if line.startswith("data: "):
+                        events.append(line)
+                    if len(events) == 5:
+                        lone.proc.send_signal(how)  # hung (stopped) or gone
+                        t0 = time.monotonic()
+            ended_after = time.monotonic() - t0
+            last = json.loads(events[-1][6:])
+            assert last["error"]["code"] == "upstream_cut", events[-3:]
+            assert "data: [DONE]" not in events
+            if how == signal.SIGSTOP:
+                assert 1.5 < ended_after < 10  # the idle timeout, not forever
+                lone.proc.send_signal(signal.SIGCONT)
+                deadline = time.monotonic() + 30  # polled up again
+                while gw.get("/health").json()["nodes_up"] != 1:
+                    assert time.monotonic() < deadline
+                    time.sleep(0.1)
+            assert gw.get("/health").json()["budget_reserved_tokens"] == 0
+            print(f"{how.name}: stream ended with an error event {ended_after:.2f} s later")
+        rows = _rows(gw.database_url, key_id, at_least=2)
+        assert [r.status for r in rows] == [502, 502]
+        assert all(r.completion_tokens >= 4 for r in rows)  # what arrived is billed
+    finally:
+        gw.stop()
+        if lone.proc.poll() is None:
+            lone.proc.send_signal(signal.SIGCONT)
+            lone.stop()
