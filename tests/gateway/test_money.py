@@ -24,6 +24,7 @@ from helexa.db.models import Reservation, SpendRecord
 from helexa.db.session import make_engine, session_factory
 from helexa.gateway.budgets import LEASE_EXPIRED
 from helexa.gateway.keys import KeyStore
+from helexa.gateway.spend_query import SpendFilter, totals_by
 from tests.gateway.gateway_proc import GatewayProcess, start_gateway
 from tests.model_fixtures import QWEN3, REASONING, SCRIPT
 from tests.web.node_proc import NodeProcess, scripted_model, start_node
@@ -265,6 +266,13 @@ def test_two_gateways_on_one_postgresql_never_pass_a_cap_together(
         assert processed == billed_to_clients == _billed(rows) <= cap
         for g in (a, b):
             assert g.get("/health").json()["budget_reserved_tokens"] == 0
+        # one ledger: `helexa spend` and the console's Spend page read these same rows
+        [cli] = KeyStore(_sessions(postgres_url)).spend_totals(key_id=key_id)
+        with _sessions(postgres_url)() as s:
+            console = totals_by(s, SpendFilter.parse({}), "key_id", top=None)
+        [page] = [t for t in console if t.name == key_id]
+        assert cli["prompt_tokens"] + cli["completion_tokens"] == page.tokens == _billed(rows)
+        assert cli["requests"] == page.requests == len(served)
         with _sessions(postgres_url)() as s:
             assert s.scalar(select(func.count()).select_from(Reservation)) == 0
         print(f"replicas: {len(served)} served, {processed} tokens of {cap}, {len(refused)} 429")
