@@ -12,6 +12,10 @@ this script share the other (`taskset`), so both proxies compete on the same ter
 load generator never takes CPU from the proxy it measures. The CPU time of everything else
 on the machine during each measurement (other processes plus hypervisor steal, from
 /proc/stat) is reported beside it.
+
+`--metered`: the helexa target's requests carry an API key (`helexa keys create`, a cap of
+10**12 tokens, in the gateway's own database), so that they pay for key lookup, budget
+reservation and booking; direct and LiteLLM stay unauthenticated.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ import resource
 import shutil
 import signal
 import socket
+import sqlite3
 import subprocess
 import sys
 import tempfile
@@ -52,6 +57,7 @@ READY_TIMEOUT_S = 120.0
 CONTENDED_CPUS = 0.25
 BLOCK = 50  # timed single-client requests to one target before moving to the next
 REWARM = 5  # untimed requests that lead each block
+METERED_CAP_TOKENS = 10**12  # --metered: the key's budget, never reached in a run
 
 
 def _int_list(text: str) -> list[int]:
@@ -71,6 +77,12 @@ def body(stream: bool) -> bytes:
     if stream:
         req["stream_options"] = {"include_usage": True}
     return json.dumps(req).encode()
+
+
+def auth_headers(args: argparse.Namespace, target: str) -> dict[str, str]:
+    """`Authorization` for the helexa target once `--metered` gave it a key; else none."""
+    secret = args.key_secret
+    return {"Authorization": f"Bearer {secret}"} if target == "helexa" and secret else {}
 
 
 # -- processes -----------------------------------------------------------------------------
@@ -169,13 +181,14 @@ class Latency:
 class Client:
     """One keep-alive connection; an answer counts only if it says what the fake node said."""
 
-    def __init__(self, base: str, stream: bool) -> None:
+    def __init__(self, base: str, stream: bool, headers: dict[str, str] | None = None) -> None:
         host, port = base.removeprefix("http://").split(":")
         self.host, self.port, self.stream, self.body = host, int(port), stream, body(stream)
+        self.headers = {"Content-Type": "application/json", **(headers or {})}
         self.conn = http.client.HTTPConnection(self.host, self.port, timeout=60)
 
     def one(self, into: Latency | None) -> None:
-        headers = {"Content-Type": "application/json"}
+        headers = self.headers
         t0 = time.perf_counter()
         try:
             self.conn.request("POST", "/v1/chat/completions", self.body, headers)
@@ -227,7 +240,7 @@ def measure_latency(
     Blocks, not request by request: the two proxies share one CPU, and a LiteLLM request
     (~10 ms of work) just before each gateway request evicted the gateway's working set
     from the caches, which doubled the gateway's added p50 (~1 to ~2 ms)."""
-    clients = {name: Client(base, stream) for name, base in bases.items()}
+    clients = {name: Client(base, stream, auth_headers(args, name)) for name, base in bases.items()}
     results = {name: Latency() for name in bases}
     for c in clients.values():
         for _ in range(args.warmup):
@@ -264,7 +277,7 @@ WRK_SCRIPT = """
 wrk.method = "POST"
 wrk.body = %(body)s
 wrk.headers["Content-Type"] = "application/json"
-local threads = {}
+%(headers)slocal threads = {}
 function setup(thread) table.insert(threads, thread) end
 function init(args) bad = 0; non200 = 0 end
 function response(status, headers, body)
@@ -289,12 +302,22 @@ def _lua(s: str) -> str:
 
 
 def run_wrk(
-    url: str, stream: bool, seconds: float, concurrency: int, args: argparse.Namespace, tmp: Path
+    url: str,
+    stream: bool,
+    seconds: float,
+    concurrency: int,
+    args: argparse.Namespace,
+    tmp: Path,
+    headers: dict[str, str],
 ) -> Throughput:
     """One wrk run; its Lua script counts non-200s and answers that lack the expected end."""
     marker = "data: [DONE]" if stream else ANSWER
-    script = tmp / f"wrk-{'stream' if stream else 'plain'}.lua"
-    script.write_text(WRK_SCRIPT % {"body": _lua(body(stream).decode()), "marker": _lua(marker)})
+    auth = "-auth" if headers else ""
+    script = tmp / f"wrk-{'stream' if stream else 'plain'}{auth}.lua"
+    extra = "".join(f"wrk.headers[ {_lua(k)} ] = {_lua(v)}\n" for k, v in headers.items())
+    script.write_text(
+        WRK_SCRIPT % {"body": _lua(body(stream).decode()), "marker": _lua(marker), "headers": extra}
+    )
     cmd = ["wrk", "-t1", f"-c{concurrency}", f"-d{max(1, round(seconds))}s"]
     cmd += ["--timeout", "30s", "-s", str(script), url]
     if args.rest_cpu is not None:
@@ -314,7 +337,9 @@ def run_wrk(
     )
 
 
-async def _python_load(url: str, stream: bool, seconds: float, concurrency: int) -> Throughput:
+async def _python_load(
+    url: str, stream: bool, seconds: float, concurrency: int, extra: dict[str, str]
+) -> Throughput:
     """Without wrk: `concurrency` aiohttp connections sending back to back for `seconds`."""
     import aiohttp
 
@@ -323,7 +348,7 @@ async def _python_load(url: str, stream: bool, seconds: float, concurrency: int)
     times: list[float] = []
     connector = aiohttp.TCPConnector(limit=concurrency)
     timeout = aiohttp.ClientTimeout(total=30)
-    headers = {"Content-Type": "application/json"}
+    headers = {"Content-Type": "application/json", **extra}
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
         end = time.perf_counter() + seconds
 
@@ -352,12 +377,20 @@ async def _python_load(url: str, stream: bool, seconds: float, concurrency: int)
 
 
 def measure_throughput(
-    url: str, stream: bool, concurrency: int, args: argparse.Namespace, tmp: Path, roots: list[int]
+    url: str,
+    stream: bool,
+    concurrency: int,
+    args: argparse.Namespace,
+    tmp: Path,
+    roots: list[int],
+    headers: dict[str, str] | None = None,
 ) -> Throughput:
+    headers = headers or {}
+
     def load(seconds: float) -> Throughput:
         if args.loadgen == "wrk":
-            return run_wrk(url, stream, seconds, concurrency, args, tmp)
-        return asyncio.run(_python_load(url, stream, seconds, concurrency))
+            return run_wrk(url, stream, seconds, concurrency, args, tmp, headers)
+        return asyncio.run(_python_load(url, stream, seconds, concurrency, headers))
 
     busy: dict[str, float] = {}
     try:
@@ -398,6 +431,45 @@ def litellm_config(path: Path, node_port: int) -> None:
     )
 
 
+def create_key(config: Path, env: dict[str, str], log: Path) -> tuple[str, str]:
+    """`helexa keys create` in the gateway's database (same config file and environment as
+    the gateway) with a budget no run reaches; (key id, secret). Its output, less the
+    secret, goes to `log`."""
+    cmd = [sys.executable, "-m", "helexa.cli", "keys", "create", "--account", "bench"]
+    cmd += ["--name", "bench/gateway.py", "--cap-tokens", str(METERED_CAP_TOKENS)]
+    out = subprocess.run(
+        [*cmd, "--config", str(config)],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=ROOT,
+        check=False,
+    )
+    lines = out.stdout.strip().splitlines()
+    key_id = next((ln.split()[1] for ln in lines if ln.startswith("key ")), None)
+    if out.returncode != 0 or not key_id or len(lines) < 2:
+        raise RuntimeError(
+            f"helexa keys create failed ({out.returncode}):\n{out.stdout}{out.stderr}"
+        )
+    log.write_text("\n".join(lines[:-1]) + "\n" + out.stderr)  # never the secret
+    return key_id, lines[-1].strip()
+
+
+def ledger_rows(db: Path, key_id: str) -> str:
+    """The helexa gateway's ledger after the run: its rows, and those booked to `key_id`."""
+    try:
+        with contextlib.closing(sqlite3.connect(f"file:{db}?mode=ro", uri=True)) as conn:
+            total, keyed, tokens = conn.execute(
+                "SELECT COUNT(*), COUNT(*) FILTER (WHERE key_id = ?), "
+                "COALESCE(SUM(prompt_tokens + completion_tokens) "
+                "FILTER (WHERE key_id = ?), 0) FROM spend_ledger",
+                (key_id, key_id),
+            ).fetchone()
+    except sqlite3.Error as e:
+        return f"helexa ledger unreadable ({db}): {e}"
+    return f"helexa ledger: {total} rows, {keyed} of them booked to {key_id} ({tokens} tokens)"
+
+
 def find_litellm(given: str | None) -> str | None:
     if given:
         return given
@@ -413,6 +485,7 @@ def start_targets(
     node_cmd = [sys.executable, str(ROOT / "bench" / "fake_node.py"), "--port", str(node_port)]
     procs["direct"] = start(node_cmd, tmp / "fake_node.log", args.rest_cpu)
     bases = {"direct": f"http://127.0.0.1:{node_port}"}
+    helexa_env: dict[str, str] = {}
     wait_ready(procs["direct"], bases["direct"] + "/v1/models", lists_model, tmp / "fake_node.log")
     if "helexa" in args.only:
         port, config = free_port(), tmp / "helexa.toml"
@@ -423,6 +496,7 @@ def start_targets(
             [*cmd, "--config", str(config)], tmp / "helexa.log", args.proxy_cpu, env
         )
         bases["helexa"] = f"http://127.0.0.1:{port}"
+        helexa_env = env
     if "litellm" in args.only:
         port, config = free_port(), tmp / "litellm.yaml"
         litellm_config(config, node_port)
@@ -442,6 +516,10 @@ def start_targets(
             t0 = time.perf_counter()
             wait_ready(procs[name], bases[name] + "/v1/models", lists_model, tmp / f"{name}.log")
             print(f"{name} ready on {bases[name]} in {time.perf_counter() - t0:.1f}s", flush=True)
+        if name == "helexa" and name in procs and args.metered:
+            key_log = tmp / "helexa-key.log"
+            args.key_id, args.key_secret = create_key(tmp / "helexa.toml", helexa_env, key_log)
+            print(f"helexa requests metered with key {args.key_id}", flush=True)
     return {name: bases[name] for name in TARGETS if name in args.only}
 
 
@@ -478,9 +556,10 @@ def _ms(x: float) -> str:
     return "–" if math.isnan(x) else f"{x:.2f}"
 
 
-def format_report(rows: list[Row]) -> str:
+def format_report(rows: list[Row], metered: str | None = None) -> str:
     by = {(r.target, r.mode): r for r in rows}
-    out = [
+    out = [f"metered: {metered}", ""] if metered else []
+    out += [
         "| target | mode | p50 ms | p99 ms | added p50 | added p99 | first content p50 ms "
         "| max req/s (connections) | errors | rest of machine (CPUs) |",
         "|---|---|---|---|---|---|---|---|---|---|",
@@ -542,6 +621,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--loadgen", choices=("wrk", "python"), help="default: wrk when installed")
     p.add_argument("--no-pin", action="store_true", help="leave CPU placement to the kernel")
     p.add_argument("--logs", metavar="DIR", help="copy the targets' logs and configs here")
+    p.add_argument(
+        "--metered",
+        action="store_true",
+        help="helexa requests carry an API key with a 10**12-token budget",
+    )
     args = p.parse_args(argv)
     args.only = [t.strip() for t in args.only.split(",") if t.strip()]
     if unknown := set(args.only) - set(TARGETS):
@@ -561,6 +645,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             )
     cpus = sorted(os.sched_getaffinity(0))
     args.proxy_cpu = args.rest_cpu = None
+    args.key_id = args.key_secret = None  # --metered: set once the gateway is up
     if not args.no_pin and len(cpus) >= 2 and shutil.which("taskset"):
         args.proxy_cpu, args.rest_cpu = cpus[0], cpus[1]
     return args
@@ -580,7 +665,7 @@ def main(argv: list[str] | None = None) -> int:
         f"targets {args.only}; {os.cpu_count()} CPUs, {where}; {args.requests} requests "
         f"(+{args.warmup} warm-up) a target for latency; {args.loadgen} at "
         f"{','.join(map(str, args.concurrency))} connections, {args.duration:g}s each, "
-        "for throughput",
+        "for throughput" + ("; helexa requests metered (API key)" if args.metered else ""),
         flush=True,
     )
     procs: dict[str, subprocess.Popen] = {}
@@ -604,7 +689,8 @@ def main(argv: list[str] | None = None) -> int:
                     )
                 for row, c in itertools.product(rows[-len(latencies) :], args.concurrency):
                     url = bases[row.target] + "/v1/chat/completions"
-                    tp = measure_throughput(url, stream, c, args, tmp, roots)
+                    headers = auth_headers(args, row.target)
+                    tp = measure_throughput(url, stream, c, args, tmp, roots, headers)
                     row.loads.append(tp)
                     print(
                         f"  [{row.target} {mode}] {c} connections: "
@@ -626,8 +712,16 @@ def main(argv: list[str] | None = None) -> int:
             print(f"stopped; {len(alarms)} warning/error lines in the targets' logs")
             for line in alarms[-20:]:
                 print(f"  {line}")
+            if args.key_id:
+                print(ledger_rows(tmp / "state" / "helexa.db", args.key_id))
+    metered = None
+    if args.metered:
+        metered = (
+            f"yes, helexa requests carry key {args.key_id or '(none made)'} (a cap of "
+            f"{METERED_CAP_TOKENS} tokens); direct and litellm unauthenticated"
+        )
     print()
-    print(format_report(rows))
+    print(format_report(rows, metered))
     return 0
 
 
