@@ -51,6 +51,7 @@ class EngineStats:
     num_preemptions: int
     prefix_cache_queries: int  # prompt tokens looked up in the prefix cache
     prefix_cache_hits: int  # of those, tokens whose KV was reused
+    num_generated_tokens: int = 0  # tokens sampled into sequences since the engine started
 
 
 class ContextLengthExceededError(ValueError):
@@ -167,6 +168,7 @@ class LLMEngine:
         elif device.type == "cuda":
             self.runner.graphs_off_reason = "[engine] cuda_graphs = false"
         self._seqs: dict[str, Sequence] = {}
+        self.num_generated_tokens = 0  # every token sampled into a sequence, ever
 
     def _size_pool(
         self, model: torch.nn.Module, dtype: torch.dtype, device: torch.device, available: int
@@ -291,6 +293,7 @@ class LLMEngine:
             num_preemptions=sched.num_preemptions,
             prefix_cache_queries=bm.num_prefix_queries,
             prefix_cache_hits=bm.num_prefix_hits,
+            num_generated_tokens=self.num_generated_tokens,
         )
 
     def has_unfinished(self) -> bool:
@@ -321,7 +324,9 @@ class LLMEngine:
                 raise ranks.failed(e) from e
             ranks.failed(e)  # Ctrl-C midway leaves the followers out of step too
             raise
+        before = sum(s.num_output_tokens for s in batch.seqs)
         finished = self.scheduler.postprocess(batch, tokens, logprobs, errors)
+        self.num_generated_tokens += sum(s.num_output_tokens for s in batch.seqs) - before
         for seq in finished:
             self._seqs.pop(seq.request_id, None)
             if seq.error is not None:

@@ -13,6 +13,12 @@ a frame is a 4-byte big-endian length and a msgpack body (msgspec):
   `Step` per engine step (every sequence's delta, the requests that failed alone, the engine's
   stats), or one `Fault` (a device fault: the worker exits right after; the node reloads).
 
+An `Abort` of a request still running is answered in the next `Step` by that request's last
+delta: finished, `finish_reason` "abort", with what the engine generated that no delta had
+carried yet and the prompt tokens it had computed (`num_computed_prompt_tokens`). With the
+deltas already on their way, the node so counts every token the engine spent on a request its
+client left, a prompt cut during its prefill included.
+
 The engine runs on this process's main thread, the thread that loaded it (on CPU a model
 stepped from another thread decodes at half the speed); a reader thread turns frames into
 commands, as `AsyncLLM`'s event loop does in process.
@@ -101,6 +107,9 @@ class Delta(msgspec.Struct, array_like=True):
     stop_reason: str | int | None
     logprobs: list[TokenLogprob] | None
     num_cached_tokens: int
+    # only in the last delta of an aborted request: the prompt tokens whose KV the engine
+    # had (computed, or reused from the prefix cache); None in every other delta
+    num_computed_prompt_tokens: int | None = None
 
 
 class Failed(msgspec.Struct, array_like=True):
@@ -318,10 +327,21 @@ class Worker:
                 else:
                     self._live.add(cmd.request_id)
             elif isinstance(cmd, Abort):
-                self._live.discard(cmd.request_id)
-                self.engine.abort(cmd.request_id)
+                self._abort(cmd.request_id)
             else:
                 return False
+
+    def _abort(self, request_id: str) -> None:
+        """Stop a request; one still running is reported in the next Step (`aborted_delta`).
+        One that finished or failed already is not: the node has that frame, or will."""
+        seq = self.engine.abort(request_id)
+        if request_id not in self._live:
+            return
+        self._live.discard(request_id)
+        if seq is None:  # live but unknown to the engine: never, but the node still waits
+            self._deltas.append(Delta(request_id, [], "", True, "abort", None, None, 0, 0))
+        else:
+            self._deltas.append(aborted_delta(seq))
 
     def _step(self) -> None:
         try:
@@ -382,6 +402,32 @@ class Worker:
             self.channel.send(Fault(message))
         logging.shutdown()
         os._exit(3)
+
+
+def computed_prompt_tokens(seq: Sequence) -> int:
+    """The prompt tokens whose KV the engine has for `seq`, prefix-cache hits included: the
+    whole prompt once it has sampled a token; in a chunked prefill, the chunks done so far;
+    0 when it was never scheduled (or was preempted mid-prefill and waits to start again)."""
+    if seq.num_output_tokens:
+        return seq.num_prompt_tokens
+    return min(seq.num_computed_tokens, seq.num_prompt_tokens)
+
+
+def aborted_delta(seq: Sequence) -> Delta:
+    """The last delta of an aborted sequence: the tokens no delta carried yet (none between
+    steps, as every step's tokens are sent; there for exactness) and what it spent of its
+    prompt. Its text is not sent: no one reads an aborted request's words."""
+    return Delta(
+        seq.request_id,
+        seq.output_token_ids[seq.num_emitted_tokens :],
+        "",
+        True,
+        "abort",
+        None,
+        None,
+        seq.num_cached_tokens,
+        computed_prompt_tokens(seq),
+    )
 
 
 def die_with_parent() -> None:

@@ -6,6 +6,9 @@ A worker faults when it reports a device fault, when its process ends without be
 `step_timeout_s` (a hung step or collective). Then every in-flight request fails with
 `WorkerFaultError`, the worker's whole process group (every tensor-parallel rank) is
 killed, and `on_fault` tells the owner, which reloads the model in a fresh worker.
+
+A request stopped with `abort` keeps its iterator until the worker's last word on it (see
+`abort`), so that what it cost is known to the token.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import sys
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
@@ -35,6 +39,7 @@ from helexa.engine.worker import (
     HEADER,
     Abort,
     Add,
+    Delta,
     Event,
     Failed,
     Fault,
@@ -48,6 +53,21 @@ from helexa.engine.worker import (
 
 log = logging.getLogger(__name__)
 SOCKET_BUFFER = 4 << 20  # a step's deltas rarely need more than a few KiB
+# How long an aborted request waits for the worker's last word on it (normally the next
+# step, milliseconds away) before it ends with what is known.
+ABORT_REPORT_TIMEOUT_S = 2.0
+_NO_REPORT = object()  # an aborted request's stream: no report came in time
+
+
+@dataclass(slots=True)
+class AbortedOutput(RequestOutput):
+    """The last delta of an aborted request: finished, `finish_reason` "abort", carrying
+    the tokens the engine generated that no delta had carried, and how much of the prompt
+    the engine had computed (prefix-cache hits included) when it stopped: all of it once
+    a token was generated, less when it was cut during a chunked prefill, 0 when it never
+    ran."""
+
+    num_computed_prompt_tokens: int = 0
 
 
 class WorkerFaultError(RuntimeError):
@@ -99,6 +119,8 @@ class WorkerClient:
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(Event)
         self._streams: dict[str, asyncio.Queue[Any]] = {}
+        # aborted requests awaiting the worker's report, with the timer that gives up on it
+        self._aborting: dict[str, asyncio.TimerHandle] = {}
         self._last_heard = time.monotonic()
         self._tasks: list[asyncio.Task] = []
 
@@ -167,7 +189,8 @@ class WorkerClient:
         self, prompt: list[int], params: SamplingParams, request_id: str | None = None
     ) -> AsyncIterator[RequestOutput]:
         """Deltas of one request, the last one `finished`. Closing the iterator early (client
-        gone) aborts the request in the worker. Raises WorkerFaultError when the worker
+        gone) aborts the request in the worker, and drops what was on its way; `abort` ends
+        it with what the engine spent instead. Raises WorkerFaultError when the worker
         faults meanwhile, EngineDeadError when the model is unloaded meanwhile,
         RequestFailedError / ValueError when this request alone fails."""
         if self.state != "running":
@@ -188,30 +211,49 @@ class WorkerClient:
                 if isinstance(item, BaseException):
                     finished = True
                     raise item
-                out = RequestOutput(
-                    item.request_id,
-                    prompt_ids,
-                    item.token_ids,
-                    item.text,
-                    item.finished,
-                    item.finish_reason,
-                    item.stop_reason,
-                    item.logprobs,
-                    item.num_cached_tokens,
-                )
+                if item is _NO_REPORT:
+                    finished = True
+                    return
+                out = _output(item, prompt_ids)
                 finished = out.finished
                 yield out
                 if finished:
                     return
         finally:
             self._streams.pop(request_id, None)
-            if not finished and self.state == "running":
+            timer = self._aborting.pop(request_id, None)
+            if timer is not None:
+                timer.cancel()
+            elif not finished and self.state == "running":
                 self._send(Abort(request_id))
 
     def abort(self, request_id: str) -> None:
+        """Stop a request, and learn what the engine spent on it: its iterator goes on with
+        the deltas already on their way and ends with the worker's report, an
+        `AbortedOutput` (in the worker's next step); or, when none comes within
+        ABORT_REPORT_TIMEOUT_S (a hung worker), without one. Its tokens then count every
+        token the engine generated for it. No-op for a request that has ended or is being
+        aborted; a request whose last delta crossed the abort ends with that delta."""
+        if request_id not in self._streams or request_id in self._aborting:
+            return
+        if self.state != "running":
+            return
+        self._send(Abort(request_id))
+        self._aborting[request_id] = asyncio.get_running_loop().call_later(
+            ABORT_REPORT_TIMEOUT_S, self._no_report, request_id
+        )
+
+    def _no_report(self, request_id: str) -> None:
+        self._aborting.pop(request_id, None)
         stream = self._streams.pop(request_id, None)
-        if stream is not None and self.state == "running":
-            self._send(Abort(request_id))
+        if stream is not None:
+            log.warning(
+                "worker for %s: no report on aborted request %s within %gs",
+                self.model_id,
+                request_id,
+                ABORT_REPORT_TIMEOUT_S,
+            )
+            stream.put_nowait(_NO_REPORT)
 
     @property
     def num_in_flight(self) -> int:
@@ -321,11 +363,41 @@ class WorkerClient:
         for stream in self._streams.values():
             stream.put_nowait(error)
         self._streams.clear()
+        for timer in self._aborting.values():
+            timer.cancel()
+        self._aborting.clear()
 
     def _dead_error(self) -> BaseException:
         if self.state == "faulted":
             return WorkerFaultError(self.fault or "the worker faulted")
         return EngineDeadError("engine is shut down")
+
+
+def _output(delta: Delta, prompt_ids: list[int]) -> RequestOutput:
+    if delta.num_computed_prompt_tokens is not None:  # an aborted request's report
+        return AbortedOutput(
+            delta.request_id,
+            prompt_ids,
+            delta.token_ids,
+            delta.text,
+            delta.finished,
+            delta.finish_reason,
+            delta.stop_reason,
+            delta.logprobs,
+            delta.num_cached_tokens,
+            delta.num_computed_prompt_tokens,
+        )
+    return RequestOutput(
+        delta.request_id,
+        prompt_ids,
+        delta.token_ids,
+        delta.text,
+        delta.finished,
+        delta.finish_reason,
+        delta.stop_reason,
+        delta.logprobs,
+        delta.num_cached_tokens,
+    )
 
 
 def _request_error(failed: Failed) -> BaseException:

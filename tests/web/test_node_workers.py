@@ -3,14 +3,19 @@ replaced and its model reloaded, while the node process serves on (issue 17)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
+import random
 import signal
 import time
 
 import httpx
 import pytest
 
+from helexa.engine.llm_engine import EngineArgs
+from helexa.engine.sampling_params import SamplingParams
+from helexa.engine.worker_client import ABORT_REPORT_TIMEOUT_S, AbortedOutput, WorkerClient
 from tests.web.node_proc import start_node
 
 LONG = {"max_tokens": 4000, "ignore_eos": True, "stream": True}
@@ -186,3 +191,96 @@ def test_tensor_parallel_2_runs_two_ranks_that_recover_together_and_answer_as_on
     whole = node.post("/v1/chat/completions", body).json()["choices"][0]["message"]
     assert whole == sharded
     node.post("/models/unload", {"model_id": model})
+
+
+# -- an aborted request's last word: every token the engine spent, told -------------------
+
+
+def _worker(model_dir, **engine) -> EngineArgs:
+    return EngineArgs(model=str(model_dir), kv_cache_memory_mb=16, num_threads=1, **engine)
+
+
+async def _read_until_aborted(client: WorkerClient, agen, request_id: str) -> list:
+    client.abort(request_id)
+    return [out async for out in agen]
+
+
+def test_an_aborted_request_ends_with_the_engines_count_deltas_on_their_way_included(model_dirs):
+    """The worker's report on an abort, with the deltas that were in flight, holds every
+    token the engine generated (its own counter, as the worker last reported its stats)."""
+
+    async def scenario() -> None:
+        client = await WorkerClient.start("long", _worker(model_dirs["long"]))
+        try:
+            prompt = client.tokenizer.encode("Once upon a time")
+            before = client.stats.num_generated_tokens
+            agen = client.generate(prompt, SamplingParams(max_tokens=4000, ignore_eos=True), "a")
+            seen = [await anext(agen) for _ in range(3)]
+            await asyncio.sleep(0.3)  # the engine goes on; its deltas queue up unread
+            rest = await _read_until_aborted(client, agen, "a")
+            last = rest[-1]
+            assert isinstance(last, AbortedOutput), last
+            assert last.finished and last.finish_reason == "abort"
+            assert last.num_computed_prompt_tokens == len(prompt)
+            assert len(rest) > 2, "nothing was on its way: the test proves nothing"
+            generated = client.stats.num_generated_tokens - before
+            assert sum(len(o.token_ids) for o in seen + rest) == generated
+            assert client.num_in_flight == 0
+            # the worker serves on
+            again = [o async for o in client.generate(prompt, SamplingParams(max_tokens=4))]
+            assert again[-1].finish_reason == "length"
+        finally:
+            await client.shutdown()
+
+    asyncio.run(scenario())
+
+
+def test_a_prompt_aborted_during_its_prefill_reports_the_chunks_the_engine_computed(model_dirs):
+    chunk = 8
+
+    async def scenario() -> None:
+        engine = {"max_prefill_chunk": chunk, "max_num_batched_tokens": 64}
+        client = await WorkerClient.start("long", _worker(model_dirs["long"], **engine))
+        try:
+            prompt = random.Random(7).choices(range(1000, 40000), k=6000)
+            agen = client.generate(prompt, SamplingParams(max_tokens=4), "p")
+            first = asyncio.ensure_future(anext(agen))
+            while client.stats.num_running == 0:  # admitted: its prefill has begun
+                await asyncio.sleep(0.002)
+            assert not first.done()
+            client.abort("p")
+            last = await first
+            assert isinstance(last, AbortedOutput), last
+            assert last.finish_reason == "abort" and last.token_ids == []
+            assert 0 < last.num_computed_prompt_tokens < len(prompt)
+            assert last.num_computed_prompt_tokens % chunk == 0
+            assert [o async for o in agen] == []
+            assert client.stats.num_generated_tokens == 0
+        finally:
+            await client.shutdown()
+
+    asyncio.run(scenario())
+
+
+def test_an_abort_a_hung_worker_never_answers_ends_its_request_after_the_report_timeout(
+    model_dirs,
+):
+    async def scenario() -> None:
+        client = await WorkerClient.start("long", _worker(model_dirs["long"]))
+        pid = client.proc.pid
+        try:
+            prompt = client.tokenizer.encode("Once upon a time")
+            agen = client.generate(prompt, SamplingParams(max_tokens=4000, ignore_eos=True), "h")
+            seen = [await anext(agen)]
+            os.kill(pid, signal.SIGSTOP)
+            t0 = time.monotonic()
+            seen += await _read_until_aborted(client, agen, "h")
+            waited = time.monotonic() - t0
+            assert ABORT_REPORT_TIMEOUT_S - 0.1 < waited < ABORT_REPORT_TIMEOUT_S + 1.5
+            assert not any(isinstance(o, AbortedOutput) for o in seen)  # what is known
+            assert client.num_in_flight == 0
+        finally:
+            os.kill(pid, signal.SIGCONT)
+            await client.shutdown()
+
+    asyncio.run(scenario())
