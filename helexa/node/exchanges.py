@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import math
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,7 +27,8 @@ MAX_WAIT_S = 10.0
 @dataclass(frozen=True, slots=True)
 class Usage:
     """What one request spent. All zero when the engine never ran it (refused, or left
-    before its first token): prompt tokens count once the engine has produced a token."""
+    while it waited): a request cut during its prefill spent the prompt tokens the engine
+    had computed, one that produced a token its whole prompt."""
 
     prompt_tokens: int = 0
     completion_tokens: int = 0
@@ -48,23 +50,40 @@ NOTHING_RAN = Usage()
 
 class Exchange:
     """One named request: running until `end` records its usage (once; later calls are
-    no-ops, so whoever ends it first says what it cost)."""
+    no-ops, so whoever ends it first says what it cost), or, once `settle_later` was
+    called, until the function it returns does."""
 
-    __slots__ = ("_ended", "id", "usage")
+    __slots__ = ("_ended", "_settling", "id", "usage")
 
     def __init__(self, exchange_id: str) -> None:
         self.id = exchange_id
         self.usage: Usage | None = None
         self._ended = asyncio.Event()
+        self._settling = False
 
     @property
     def is_ended(self) -> bool:
         return self.usage is not None
 
     def end(self, usage: Usage) -> None:
-        if self.usage is None:
-            self.usage = usage
-            self._ended.set()
+        if self.usage is None and not self._settling:
+            self._record(usage)
+
+    def settle_later(self) -> Callable[[Usage], None]:
+        """For a request whose run has ended while what it spent is still being counted
+        (the engine's final report on a cut request is on its way): it stays running, and
+        `end` a no-op, until the returned function records the count."""
+        self._settling = True
+
+        def settle(usage: Usage) -> None:
+            if self.usage is None:
+                self._record(usage)
+
+        return settle
+
+    def _record(self, usage: Usage) -> None:
+        self.usage = usage
+        self._ended.set()
 
     async def wait(self, timeout_s: float) -> bool:
         """Whether it has ended, waiting up to `timeout_s` for it to."""

@@ -12,14 +12,14 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from helexa.engine.async_engine import EngineDeadError
 from helexa.engine.chat_template import TemplateRenderError, render_chat
 from helexa.engine.sequence import RequestOutput, TokenLogprob
-from helexa.engine.worker_client import WorkerFaultError
+from helexa.engine.worker_client import AbortedOutput, WorkerFaultError
 from helexa.errors import (
     HelexaError,
     context_length_exceeded,
@@ -46,6 +46,8 @@ from helexa.protocol.tool_calls import tool_schemas
 log = logging.getLogger(__name__)
 # Requests from this `user` fail where HELEXA_DEBUG_FAULT says, alone (tests only).
 DEBUG_FAULT_USER = "helexa-debug-fault"
+# Readers of cut requests still awaiting the engine's final count: referenced until done.
+_SETTLING: set[asyncio.Task] = set()
 
 
 @dataclass(frozen=True, slots=True)
@@ -190,6 +192,8 @@ class Generation:
             prompt = req.prompt
             self.echo_text = prompt if isinstance(prompt, str) else served.tokenizer.decode(prompt)
         self.num_cached_tokens = 0
+        # of a request cut before its first token: the prompt tokens its engine had computed
+        self.num_prompt_computed = 0
         self._params = choice_params(req)
         if self.is_chat and served.markers_are_special:
             self._params = [dataclasses.replace(p, skip_special_tokens=False) for p in self._params]
@@ -208,6 +212,9 @@ class Generation:
         self._t_last: float | None = None
         self.ttft_s: float | None = None  # until the first generated token
         self._recorded = False
+        self._cut = False  # deltas() has ended: no choice starts any more
+        self._readers: list[asyncio.Task] = []
+        self._on_settled: list[Callable[[], None]] = []
 
     # -- running -------------------------------------------------------------------
     async def deltas(self) -> AsyncIterator[tuple[int, RequestOutput]]:
@@ -217,10 +224,18 @@ class Generation:
         Each choice's engine deltas are read by a task of their own as soon as they reach
         the node, whatever the pace of this iterator's reader: the token count then holds
         every token the engine reported, those a slow or departed client never got
-        included, and is final the moment the reading stops."""
+        included. When it ends before its choices do, each one still running is aborted
+        and its reader goes on to the engine's final report on it (the deltas that were on
+        their way, and how much of the prompt a cut prefill had computed); the count is
+        final once the readers have settled (`when_settled`), a step later, 2 s at most.
+        Ending waits for that, unless it is cancelled again meanwhile."""
         self._t0 = time.monotonic()
         queue: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue()
-        readers = [asyncio.create_task(self._read(i, queue)) for i in range(self.req.n)]
+        self._readers = readers = [
+            asyncio.create_task(self._read(i, queue)) for i in range(self.req.n)
+        ]
+        for t in readers:
+            t.add_done_callback(self._reader_done)
         try:
             live = len(readers)
             while live:
@@ -235,22 +250,62 @@ class Generation:
         except Exception as e:
             raise self._client_error(e) from None
         finally:
-            for t in readers:  # no reader counts another token once cancelled
-                t.cancel()
-            if not self._recorded:  # aborted: the client left or the engine failed
-                self._record_finish()
-            await asyncio.gather(*readers, return_exceptions=True)
+            self._cut = True
+            pending = set()
+            for i, t in enumerate(readers):  # the client left or the engine failed
+                if not t.done():
+                    pending.add(t)
+                    self.served.llm.abort(self._request_id(i))
+            if pending:
+                _SETTLING.update(pending)
+                await asyncio.wait(pending)  # if cancelled, they settle on their own
+
+    def _request_id(self, i: int) -> str:
+        return f"{self.id}-{i}"
+
+    @property
+    def is_settled(self) -> bool:
+        """Whether every count is final: no reader is still awaiting the engine."""
+        return all(t.done() for t in self._readers)
+
+    def when_settled(self, callback: Callable[[], None]) -> None:
+        """Call `callback` once every count is final: now if it is (or no choice ever ran),
+        else when the last reader settles (each within ABORT_REPORT_TIMEOUT_S of `abort`)."""
+        if self.is_settled:
+            self._settle()
+            callback()
+        else:
+            self._on_settled.append(callback)
+
+    def _reader_done(self, task: asyncio.Task) -> None:
+        _SETTLING.discard(task)
+        if self.is_settled:
+            self._settle()
+
+    def _settle(self) -> None:
+        if self._readers and not self._recorded:  # cut: the client left or the engine failed
+            self._record_finish()
+        callbacks, self._on_settled = self._on_settled, []
+        for callback in callbacks:
+            callback()
 
     async def _read(self, i: int, queue: asyncio.Queue) -> None:
         """Choice `i`'s engine deltas into `queue`, counted as they arrive; then None, or
-        the exception that ended them. Cancelling it aborts the choice in the engine."""
+        the exception that ended them. After `abort`, its last delta is the engine's report
+        (`AbortedOutput`). Cancelling it aborts the choice in the engine, uncounted."""
+        if self._cut:  # ended before this choice started: it never runs
+            return
         c = self.choices[i]
         try:
             async for out in self.served.llm.generate(
-                self.prompt_ids, self._params[i], f"{self.id}-{i}"
+                self.prompt_ids, self._params[i], self._request_id(i)
             ):
                 c.num_tokens += len(out.token_ids)
                 self.num_cached_tokens = max(self.num_cached_tokens, out.num_cached_tokens)
+                if isinstance(out, AbortedOutput):
+                    self.num_prompt_computed = max(
+                        self.num_prompt_computed, out.num_computed_prompt_tokens
+                    )
                 queue.put_nowait((i, out))
         except asyncio.CancelledError:
             raise
@@ -340,7 +395,7 @@ class Generation:
 
     @property
     def usage(self) -> dict[str, Any]:
-        prompt = len(self.prompt_ids)
+        prompt = self.num_prompt_spent
         completion = sum(c.num_tokens for c in self.choices)
         return {
             "prompt_tokens": prompt,
@@ -355,18 +410,29 @@ class Generation:
         return sum(c.output.num_reasoning_tokens for c in self.choices if c.output is not None)
 
     @property
+    def num_prompt_spent(self) -> int:
+        """The prompt tokens the engine spent: the whole prompt once it has generated a
+        token; for a request cut before that, what its engine reported having computed
+        (prefix-cache hits included: a chunked prefill cut part-way, or 0)."""
+        if any(c.num_tokens for c in self.choices):
+            return len(self.prompt_ids)
+        return self.num_prompt_computed
+
+    @property
     def has_run(self) -> bool:
-        """Whether the engine ran this request: it has reported a token (so its prompt was
-        prefilled). What an answer that failed or was cut after this point cost is worth
-        telling; before it, nothing was spent that the node can vouch for."""
-        return any(c.num_tokens for c in self.choices)
+        """Whether the engine spent anything on this request: it has reported a token (so
+        its prompt was prefilled), or part of the prompt computed when it was cut. What an
+        answer that failed or was cut after this point cost is worth telling; before it,
+        nothing was spent that the node can vouch for."""
+        return self.num_prompt_spent > 0
 
     def spent(self) -> Usage:
-        """What the engine spent on this request so far (final once `deltas` has ended)."""
+        """What the engine spent on this request so far (final once settled: see
+        `when_settled`)."""
         if not self.has_run:
             return NOTHING_RAN
         return Usage(
-            prompt_tokens=len(self.prompt_ids),
+            prompt_tokens=self.num_prompt_spent,
             completion_tokens=sum(c.num_tokens for c in self.choices),
             cached_tokens=self.num_cached_tokens,
             reasoning_tokens=self.num_reasoning_tokens,

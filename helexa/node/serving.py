@@ -11,7 +11,8 @@ TTFT, error status); the web layer passes its per-request state and logs it.
 
 Money: an answer that fails after the engine ran carries what it spent as `usage` in its
 error object, and a request the gateway named (`exchange`) has its final usage recorded
-when its run ends, however it ends.
+when its run ends, however it ends: for a cut request, once the engine's final count on it
+has come (`Generation.when_settled`, a step later).
 """
 
 from __future__ import annotations
@@ -146,8 +147,9 @@ class Run:
         notes["finish_reason"] = ",".join(sorted(reasons))
         if gen.ttft_s is not None:
             notes["ttft_ms"] = gen.ttft_s * 1000
-        if self.exchange is not None:
-            self.exchange.end(gen.spent())
+        if self.exchange is not None:  # once the engine's count of a cut request is in
+            settle = self.exchange.settle_later()
+            gen.when_settled(lambda: settle(gen.spent()))
         self.permit.release()
 
 

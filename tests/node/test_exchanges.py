@@ -59,6 +59,38 @@ def test_a_waiting_ask_wakes_when_the_exchange_ends_not_when_the_wait_is_over():
     assert waited < 2
 
 
+def test_an_exchange_settling_later_runs_until_its_count_is_in_and_no_one_else_ends_it():
+    """A cut request's run ends before the engine's final count on it arrives: the handler's
+    NOTHING_RAN after it changes nothing, and a waiting ask wakes with the count."""
+
+    async def scenario() -> tuple[int, dict, float]:
+        book = Exchanges()
+        exchange = book.begin("ex-1")
+        settle = exchange.settle_later()
+        exchange.end(NOTHING_RAN)
+        with pytest.raises(HelexaError) as running:
+            await book.final_usage("ex-1")
+        asyncio.get_running_loop().call_later(0.05, settle, SPENT)
+        t0 = time.monotonic()
+        answer = await book.final_usage("ex-1", wait_s=10)
+        waited = time.monotonic() - t0
+        settle(NOTHING_RAN)  # once
+        exchange.end(NOTHING_RAN)
+        return running.value.status, answer, waited
+
+    status, answer, waited = asyncio.run(scenario())
+    assert status == 409
+    assert answer["usage"]["completion_tokens"] == 12
+    assert waited < 2
+
+
+def test_settling_later_an_exchange_that_has_ended_changes_nothing():
+    exchange = Exchanges().begin("ex-1")
+    exchange.end(SPENT)
+    exchange.settle_later()(NOTHING_RAN)
+    assert exchange.usage == SPENT
+
+
 def test_a_running_exchange_is_409_after_its_wait_and_an_unknown_one_404():
     async def running(wait_s: float) -> dict:
         book = Exchanges()

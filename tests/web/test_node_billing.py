@@ -5,15 +5,18 @@ ended. Against a real node process."""
 from __future__ import annotations
 
 import json
+import random
+import socket
 import threading
 import time
 import uuid
+from urllib.parse import urlsplit
 
 import httpx
 import pytest
 
 from helexa.protocol.wire import EXCHANGE_HEADER, exchange_usage_path
-from tests.web.node_proc import tiny_model
+from tests.web.node_proc import start_node, tiny_model
 
 TOOLS = [
     {
@@ -64,6 +67,19 @@ def _until_idle(node, model: str, timeout_s: float = 5) -> None:
     while _in_flight(node, model) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert _in_flight(node, model) == 0
+
+
+def _metric(node, name: str, model: str) -> float:
+    """One model's sample of `name` in the node's /metrics (0 before its first)."""
+    prefix = f'{name}{{model="{model}"}} '
+    for line in node.get("/metrics").text.splitlines():
+        if line.startswith(prefix):
+            return float(line[len(prefix) :])
+    return 0.0
+
+
+def _generated(node, model: str) -> int:
+    return int(_metric(node, "helexa_generation_tokens_total", model))
 
 
 # -- usage in errors ----------------------------------------------------------------------
@@ -183,6 +199,8 @@ def test_a_finished_exchange_reports_the_usage_its_answer_gave(node, scripted_id
 
 
 def test_a_stream_the_client_left_reports_every_token_the_engine_generated(node, long_id):
+    _until_idle(node, long_id)
+    generated = _generated(node, long_id)
     exchange_id, headers = _exchange()
     body = {"model": long_id, "messages": ASK, "stream": True, **LONG}
     url = node.v1 + "/chat/completions"
@@ -201,6 +219,8 @@ def test_a_stream_the_client_left_reports_every_token_the_engine_generated(node,
     assert r.status_code == 200, r.text
     usage = r.json()["usage"]
     assert 5 <= usage["completion_tokens"] < 8000
+    # the engine's last step before the abort included (its report on the abort closes it)
+    assert _generated(node, long_id) - generated == usage["completion_tokens"]
     full = node.post("/v1/chat/completions", {**body, "stream": False, "max_tokens": 1})
     assert usage["prompt_tokens"] == full.json()["usage"]["prompt_tokens"]
     assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
@@ -208,6 +228,8 @@ def test_a_stream_the_client_left_reports_every_token_the_engine_generated(node,
 
 
 def test_a_client_that_leaves_a_non_streaming_request_stops_it_and_its_usage_is_kept(node, long_id):
+    _until_idle(node, long_id)
+    generated = _generated(node, long_id)
     exchange_id, headers = _exchange()
     body = {"model": long_id, "messages": ASK, **LONG}
     with pytest.raises(httpx.ReadTimeout):
@@ -215,7 +237,9 @@ def test_a_client_that_leaves_a_non_streaming_request_stops_it_and_its_usage_is_
     _until_idle(node, long_id, timeout_s=3)
     r = _final_usage(node, exchange_id)
     assert r.status_code == 200, r.text
-    assert 0 < r.json()["usage"]["completion_tokens"] < 2000
+    usage = r.json()["usage"]
+    assert 0 < usage["completion_tokens"] < 2000
+    assert _generated(node, long_id) - generated == usage["completion_tokens"]
 
 
 def test_an_ask_about_a_running_exchange_waits_for_it_to_end(node, long_id):
@@ -265,3 +289,88 @@ def test_unknown_and_malformed_exchange_ids_are_404_and_400(node, scripted_id):
     r = node.post("/v1/chat/completions", body, headers=bad_header)
     assert r.status_code == 400
     assert r.json()["error"]["param"] == EXCHANGE_HEADER
+
+
+# -- a prompt cut during its prefill --------------------------------------------------------
+
+CHUNK = 8  # the prefill node's max_prefill_chunk: a long prompt takes hundreds of steps
+
+
+@pytest.fixture(scope="module")
+def prefill_node(tmp_path_factory, model_dirs):
+    """The long model prefilling 8 tokens a step, and nothing beside: a 6000-token prompt
+    prefills for hundreds of steps, while any other request waits in the engine's queue."""
+    proc = start_node(
+        tmp_path_factory.mktemp("prefill"),
+        [model_dirs["long"]],
+        engine={"max_prefill_chunk": CHUNK, "max_num_batched_tokens": CHUNK, "max_num_seqs": 4},
+    )
+    yield proc
+    proc.stop()
+
+
+def _leave_during_prefill(
+    node, model: str, path: str, body: dict, headers: dict, until: str = "running"
+) -> None:
+    """Send a request on a raw connection and close it once the engine has a sequence
+    `until` (running: its prefill has begun, no token came back yet; waiting: it waits in
+    the engine's queue)."""
+    url = urlsplit(node.base_url)
+    payload = json.dumps(body).encode()
+    head = [
+        f"POST {path} HTTP/1.1",
+        f"Host: {url.netloc}",
+        "Content-Type: application/json",
+        f"Content-Length: {len(payload)}",
+        *(f"{k}: {v}" for k, v in headers.items()),
+    ]
+    with socket.create_connection((url.hostname, url.port)) as conn:
+        conn.sendall("\r\n".join(head).encode() + b"\r\n\r\n" + payload)
+        deadline = time.monotonic() + 10
+        while _metric(node, f"helexa_requests_{until}", model) < 1:
+            assert time.monotonic() < deadline, "the request never reached the engine"
+            time.sleep(0.002)
+
+
+@pytest.mark.parametrize("stream", [True, False], ids=["stream", "whole"])
+def test_a_prompt_cut_during_its_prefill_reports_the_prompt_tokens_the_engine_computed(
+    prefill_node, long_id, stream
+):
+    node = prefill_node
+    _until_idle(node, long_id)
+    generated = _generated(node, long_id)
+    exchange_id, headers = _exchange()
+    prompt = random.Random(f"{stream}-{exchange_id}").choices(range(1000, 40000), k=6000)
+    body = {"model": long_id, "prompt": prompt, "max_tokens": 4, "stream": stream}
+    _leave_during_prefill(node, long_id, "/v1/completions", body, headers)
+    r = _final_usage(node, exchange_id)
+    assert r.status_code == 200, r.text
+    usage = r.json()["usage"]
+    assert usage["completion_tokens"] == 0
+    assert 0 < usage["prompt_tokens"] < len(prompt), usage  # cut part-way, billed so far
+    assert usage["prompt_tokens"] % CHUNK == 0
+    assert usage["total_tokens"] == usage["prompt_tokens"]
+    assert usage["cached_tokens"] == 0  # a prompt no one sent before
+    assert _generated(node, long_id) == generated
+    _until_idle(node, long_id)
+
+
+def test_a_request_that_waited_behind_another_and_left_before_it_ran_spent_nothing(
+    prefill_node, long_id
+):
+    """A request the engine never scheduled (it waited for a place in the batch) is 0."""
+    node = prefill_node
+    _until_idle(node, long_id)
+    first_id, first = _exchange()
+    second_id, second = _exchange()
+    prompt = random.Random(first_id).choices(range(1000, 40000), k=6000)
+    body = {"model": long_id, "prompt": prompt, "max_tokens": 1, "stream": True}
+    url = node.v1 + "/completions"
+    with httpx.stream("POST", url, json=body, headers=first, timeout=60):
+        # the first fills every step's budget: the second waits in the engine's queue
+        again = {**body, "prompt": prompt[::-1]}
+        _leave_during_prefill(node, long_id, "/v1/completions", again, second, until="waiting")
+    waited = _final_usage(node, second_id).json()["usage"]
+    assert waited["total_tokens"] == 0, waited
+    assert _final_usage(node, first_id).json()["usage"]["prompt_tokens"] > 0
+    _until_idle(node, long_id)
