@@ -26,14 +26,20 @@ from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from sqlalchemy import delete, func, insert, select, update
-from sqlalchemy.orm import Session
+from sqlalchemy import bindparam, delete, func, insert, select, update
 
 from helexa.db.models import ApiKey, GatewayInstance, KeySpend, SpendRecord
 from helexa.db.models import Reservation as ReservationRow
 from helexa.errors import HelexaError, insufficient_quota, rate_limit_exceeded, service_unavailable
 from helexa.gateway.keys import BudgetInfo, KeyInfo
-from helexa.gateway.ledger import DatabaseUnavailable, Ledger, add_key_spend, book_row
+from helexa.gateway.ledger import (
+    DatabaseUnavailable,
+    Executor,
+    Ledger,
+    add_key_spend,
+    book_row,
+    dialect_of,
+)
 from helexa.protocol.wire import CHARS_PER_TOKEN, cost_usd, output_room
 
 log = logging.getLogger(__name__)
@@ -122,7 +128,7 @@ class Budgets:
         self._live[rid] = res
         return res
 
-    def settle_op(self, res: Reservation | None, row: dict[str, Any]) -> Callable[[Session], Any]:
+    def settle_op(self, res: Reservation | None, row: dict[str, Any]) -> Callable[[Executor], Any]:
         """The op that replaces the reservation (if any) by the request's ledger row."""
         if res is not None:
             res.settled = True
@@ -173,6 +179,25 @@ class Budgets:
             self._task = None
 
 
+# The reservation's statements, built once (a statement built per call costs more than
+# SQLite's own work on it).
+_LOCK_KEY = select(ApiKey.id).where(ApiKey.id == bindparam("key_id")).with_for_update()
+_SPENT = select(KeySpend.tokens, KeySpend.cost_usd).where(KeySpend.key_id == bindparam("key_id"))
+_SPENT_SINCE = select(
+    func.coalesce(func.sum(SpendRecord.prompt_tokens + SpendRecord.completion_tokens), 0),
+    func.coalesce(func.sum(SpendRecord.cost_usd), 0.0),
+    func.min(SpendRecord.ts),
+).where(SpendRecord.key_id == bindparam("key_id"), SpendRecord.ts >= bindparam("since"))
+_RESERVED = select(
+    func.coalesce(func.sum(ReservationRow.prompt_tokens + ReservationRow.output_tokens), 0),
+    func.coalesce(func.sum(ReservationRow.cost_usd), 0.0),
+).where(ReservationRow.key_id == bindparam("key_id"))
+_INSERT_RESERVATION = insert(ReservationRow.__table__)
+_DELETE_RESERVATION = delete(ReservationRow.__table__).where(
+    ReservationRow.__table__.c.id == bindparam("rid")
+)
+
+
 def _reserve_op(
     rid: str,
     gateway_id: str,
@@ -183,35 +208,23 @@ def _reserve_op(
     max_output: int,
     n: int,
     price: tuple[float, float],
-) -> Callable[[Session], Any]:
-    def run(session: Session) -> tuple[int, int, float] | _Refused:
+) -> Callable[[Executor], Any]:
+    def run(session: Executor) -> tuple[int, int, float] | _Refused:
         # the key's row locked (PostgreSQL; SQLite's transaction holds the write lock): no
         # other reservation for it, from any gateway, reads the books until this commits
-        session.execute(select(ApiKey.id).where(ApiKey.id == key.id).with_for_update())
+        if dialect_of(session) != "sqlite":  # SQLite's BEGIN IMMEDIATE locked everything
+            session.execute(_LOCK_KEY, {"key_id": key.id})
         now = datetime.now(UTC)
         oldest = None
         if budget.window == "rolling" and budget.window_seconds:
             since = now - timedelta(seconds=budget.window_seconds)
-            tokens = SpendRecord.prompt_tokens + SpendRecord.completion_tokens
             spent_tokens, spent_cost, oldest = session.execute(
-                select(
-                    func.coalesce(func.sum(tokens), 0),
-                    func.coalesce(func.sum(SpendRecord.cost_usd), 0.0),
-                    func.min(SpendRecord.ts),
-                ).where(SpendRecord.key_id == key.id, SpendRecord.ts >= since)
+                _SPENT_SINCE, {"key_id": key.id, "since": since}
             ).one()
         else:
-            spent = session.execute(
-                select(KeySpend.tokens, KeySpend.cost_usd).where(KeySpend.key_id == key.id)
-            ).one_or_none()
+            spent = session.execute(_SPENT, {"key_id": key.id}).one_or_none()
             spent_tokens, spent_cost = spent if spent is not None else (0, 0.0)
-        held = ReservationRow.prompt_tokens + ReservationRow.output_tokens
-        reserved_tokens, reserved_cost = session.execute(
-            select(
-                func.coalesce(func.sum(held), 0),
-                func.coalesce(func.sum(ReservationRow.cost_usd), 0.0),
-            ).where(ReservationRow.key_id == key.id)
-        ).one()
+        reserved_tokens, reserved_cost = session.execute(_RESERVED, {"key_id": key.id}).one()
         tokens_left = cost_left = None
         if budget.cap_tokens is not None:
             tokens_left = budget.cap_tokens - int(spent_tokens) - int(reserved_tokens)
@@ -223,7 +236,7 @@ def _reserve_op(
             return _Refused(_aware(oldest))
         tokens, cost = prompt_tokens + out * n, cost_usd(prompt_tokens, out * n, *price)
         session.execute(
-            insert(ReservationRow),
+            _INSERT_RESERVATION,
             [
                 {
                     "id": rid,
@@ -243,10 +256,10 @@ def _reserve_op(
     return run
 
 
-def _settle(session: Session, rid: str, row: dict[str, Any]) -> bool:
+def _settle(session: Executor, rid: str, row: dict[str, Any]) -> bool:
     """The reservation replaced by the request's ledger row; False (and nothing written)
     when its lease had run out and another gateway booked it whole already."""
-    if session.execute(delete(ReservationRow).where(ReservationRow.id == rid)).rowcount == 0:
+    if session.execute(_DELETE_RESERVATION, {"rid": rid}).rowcount == 0:
         log.warning(
             "reservation %s was booked whole when its gateway's lease ran out; its request's "
             "own row (%s tokens) is not booked again",
@@ -258,30 +271,30 @@ def _settle(session: Session, rid: str, row: dict[str, Any]) -> bool:
     return True
 
 
-def _release(session: Session, rid: str) -> None:
+def _release(session: Executor, rid: str) -> None:
     session.execute(delete(ReservationRow).where(ReservationRow.id == rid))
 
 
-def _heartbeat(session: Session, gateway_id: str, host: str, pid: int) -> None:
+def _heartbeat(session: Executor, gateway_id: str, host: str, pid: int) -> None:
     now = datetime.now(UTC)
     done = session.execute(
         update(GatewayInstance).where(GatewayInstance.id == gateway_id).values(heartbeat_at=now)
     )
     if done.rowcount == 0:
         session.execute(
-            insert(GatewayInstance),
+            insert(GatewayInstance.__table__),
             [{"id": gateway_id, "host": host, "pid": pid, "started_at": now, "heartbeat_at": now}],
         )
 
 
-def _expire(session: Session, lease_s: float) -> int:
+def _expire(session: Executor, lease_s: float) -> int:
     """Book every reservation whose gateway's lease ran out as spent, at its reserved
     amount; the count booked."""
     now = datetime.now(UTC)
     stale = now - timedelta(seconds=lease_s)
     live = select(GatewayInstance.id).where(GatewayInstance.heartbeat_at >= stale)
-    rows = session.scalars(
-        select(ReservationRow)
+    rows = session.execute(
+        select(ReservationRow.__table__)
         .where(ReservationRow.gateway_id.not_in(live), ReservationRow.created_at < stale)
         .with_for_update(skip_locked=True)
     ).all()
@@ -289,7 +302,7 @@ def _expire(session: Session, lease_s: float) -> int:
     for r in rows:
         if session.execute(delete(ReservationRow).where(ReservationRow.id == r.id)).rowcount:
             session.execute(
-                insert(SpendRecord),
+                insert(SpendRecord.__table__),
                 [
                     {
                         "ts": now,

@@ -1,7 +1,7 @@
 """The gateway's books in the database, written by one writer (docs/gateway.md § Budgets).
 
 Every write — a reservation, a settlement with its ledger row, a lease's heartbeat — is an
-op: a function of a SQLAlchemy session, queued here and run by one writer thread in
+op: a function of a SQLAlchemy connection, queued here and run by one writer thread in
 batches. Each batch is one transaction (on SQLite `BEGIN IMMEDIATE`, so a reservation's
 read, check and write are one step against every other process on the file; on
 PostgreSQL the reservation locks its key's row), and each op runs in its own SAVEPOINT:
@@ -22,17 +22,20 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from sqlalchemy import Engine, event, insert
+from sqlalchemy import Connection, Engine, event, text
 from sqlalchemy.exc import DBAPIError, OperationalError
 from sqlalchemy.orm import Session
 
-from helexa.db.models import KeySpend, SpendRecord
+from helexa.db.models import SpendRecord
 from helexa.db.session import make_engine
 
 log = logging.getLogger(__name__)
+Executor = Connection | Session  # what an op writes through (tests may pass a Session)
+_LEDGER = SpendRecord.__table__
 
 MAX_BATCH = 256
 BACKLOG_MAX = 10_000  # kept ops waiting for the database before new requests get 503
@@ -46,7 +49,7 @@ class DatabaseUnavailable(Exception):
 
 @dataclass(slots=True, eq=False)
 class Op:
-    run: Callable[[Session], Any]
+    run: Callable[[Connection], Any]
     future: asyncio.Future[Any]
     keep: bool  # retried until written (a settlement, a ledger row); else failed at once
     lock: str = ""  # batches run ops in this order (stable), so replicas lock rows alike
@@ -84,6 +87,8 @@ class Ledger:
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._closing = False
+        # one thread of its own: batches never wait behind other work in the default pool
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="ledger")
 
     @classmethod
     def over(cls, shared: Engine) -> Ledger:
@@ -122,7 +127,7 @@ class Ledger:
 
     def submit(
         self,
-        run: Callable[[Session], Any],
+        run: Callable[[Connection], Any],
         *,
         keep: bool,
         lock: str = "",
@@ -136,7 +141,7 @@ class Ledger:
         return future
 
     async def write(
-        self, run: Callable[[Session], Any], *, timeout: float, lock: str = "", **kw: Any
+        self, run: Callable[[Connection], Any], *, timeout: float, lock: str = "", **kw: Any
     ) -> Any:
         """Run an op that may fail (not kept) and wait for it, at most `timeout` seconds;
         DatabaseUnavailable when the database did not take it in time."""
@@ -154,7 +159,9 @@ class Ledger:
                 abandoned(future.result())  # written just as the caller went: undone
             raise
 
-    async def keep(self, run: Callable[[Session], Any], *, timeout: float, lock: str = "") -> bool:
+    async def keep(
+        self, run: Callable[[Connection], Any], *, timeout: float, lock: str = ""
+    ) -> bool:
         """Queue an op that must not be lost and wait up to `timeout` for it to be durable;
         False when it is still queued then (it stays in the backlog)."""
         future = self.submit(run, keep=True, lock=lock)
@@ -176,6 +183,7 @@ class Ledger:
 
     async def _run(self) -> None:
         delay = RETRY_MIN_S
+        loop = asyncio.get_running_loop()
         while True:
             if not self._queue.ops:
                 self._wake.clear()
@@ -187,7 +195,7 @@ class Ledger:
             if not batch:
                 continue
             try:
-                results = await asyncio.to_thread(self._write, batch)
+                results = await loop.run_in_executor(self._pool, self._write, batch)
             except Exception as e:
                 self._failed(batch, e)
                 await asyncio.sleep(delay)
@@ -208,13 +216,18 @@ class Ledger:
         return batch
 
     def _write(self, batch: list[Op]) -> list[tuple[bool, Any]]:
-        """One transaction, one SAVEPOINT per op (in the writer thread)."""
+        """One transaction, one SAVEPOINT per op when there are several (in the writer
+        thread). Plain Core on one connection: the ORM's session costs more than SQLite's
+        own work for rows this small."""
         results: list[tuple[bool, Any]] = []
-        with Session(self.engine, expire_on_commit=False) as session, session.begin():
+        with self.engine.connect() as conn, conn.begin():
             for op in batch:
                 try:
-                    with session.begin_nested():
-                        results.append((True, op.run(session)))
+                    if len(batch) == 1:  # its failure is the transaction's: no savepoint
+                        results.append((True, op.run(conn)))
+                        continue
+                    with conn.begin_nested():
+                        results.append((True, op.run(conn)))
                 except (OperationalError, DBAPIError) as e:
                     if isinstance(e, OperationalError) or e.connection_invalidated:
                         raise  # the database, not this op: the batch fails and is retried
@@ -268,35 +281,37 @@ class Ledger:
         except TimeoutError:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
+        self._pool.shutdown(wait=False)
         if self._queue.kept:
             log.error("%d writes to the books could not be made at shutdown", self._queue.kept)
 
 
-def book_row(session: Session, row: dict[str, Any]) -> None:
+def book_row(conn: Executor, row: dict[str, Any]) -> None:
     """Insert one ledger row, and add its spend to its key's lifetime total."""
-    session.execute(insert(SpendRecord), [row])
+    conn.execute(_LEDGER.insert(), [row])
     key_id = row.get("key_id")
     tokens = int(row.get("prompt_tokens") or 0) + int(row.get("completion_tokens") or 0)
     cost = float(row.get("cost_usd") or 0.0)
     if key_id and (tokens or cost):
-        add_key_spend(session, key_id, tokens, cost)
+        add_key_spend(conn, key_id, tokens, cost)
 
 
-def add_key_spend(session: Session, key_id: str, tokens: int, cost: float) -> None:
-    dialect = session.get_bind().dialect.name
-    if dialect == "postgresql":
-        from sqlalchemy.dialects.postgresql import insert as upsert
-    else:
-        from sqlalchemy.dialects.sqlite import insert as upsert
-    stmt = upsert(KeySpend).values(key_id=key_id, tokens=tokens, cost_usd=cost)
-    stmt = stmt.on_conflict_do_update(
-        index_elements=[KeySpend.key_id],
-        set_={
-            "tokens": KeySpend.tokens + stmt.excluded.tokens,
-            "cost_usd": KeySpend.cost_usd + stmt.excluded.cost_usd,
-        },
-    )
-    session.execute(stmt)
+# the same statement on SQLite (3.24+) and PostgreSQL, built once
+_ADD_KEY_SPEND = text(
+    "INSERT INTO key_spend (key_id, tokens, cost_usd) VALUES (:key_id, :tokens, :cost) "
+    "ON CONFLICT (key_id) DO UPDATE SET tokens = key_spend.tokens + excluded.tokens, "
+    "cost_usd = key_spend.cost_usd + excluded.cost_usd"
+)
+
+
+def add_key_spend(conn: Executor, key_id: str, tokens: int, cost: float) -> None:
+    conn.execute(_ADD_KEY_SPEND, {"key_id": key_id, "tokens": tokens, "cost": cost})
+
+
+def dialect_of(conn: Executor) -> str:
+    if isinstance(conn, Session):
+        return conn.get_bind().dialect.name
+    return conn.dialect.name
 
 
 def _describe(error: BaseException) -> str:
