@@ -43,6 +43,10 @@ RETRY_MIN_S, RETRY_MAX_S = 0.05, 2.0
 SQLITE_LOCK_WAIT_MS = 500  # the writer's wait for another process's lock, per try
 
 
+class _OpFailed(Exception):
+    """An op of a batch run without savepoints failed: run the batch again with them."""
+
+
 class DatabaseUnavailable(Exception):
     """The database did not take a write in time (down, locked, or refusing connections)."""
 
@@ -216,23 +220,35 @@ class Ledger:
         return batch
 
     def _write(self, batch: list[Op]) -> list[tuple[bool, Any]]:
-        """One transaction, one SAVEPOINT per op when there are several (in the writer
-        thread). Plain Core on one connection: the ORM's session costs more than SQLite's
-        own work for rows this small."""
+        """One transaction for the batch (in the writer thread). Plain Core on one
+        connection: the ORM's session costs more than SQLite's own work on rows this small.
+        Ops run without savepoints first; only when one fails is the batch run again, each
+        op in a SAVEPOINT, so the one the database refuses is dropped alone."""
+        try:
+            return self._write_batch(batch, savepoints=False)
+        except _OpFailed:
+            return self._write_batch(batch, savepoints=True)
+
+    def _write_batch(self, batch: list[Op], *, savepoints: bool) -> list[tuple[bool, Any]]:
         results: list[tuple[bool, Any]] = []
+        alone = len(batch) == 1  # its failure is the transaction's: no savepoint needed
         with self.engine.connect() as conn, conn.begin():
             for op in batch:
                 try:
-                    if len(batch) == 1:  # its failure is the transaction's: no savepoint
-                        results.append((True, op.run(conn)))
-                        continue
-                    with conn.begin_nested():
+                    if savepoints and not alone:
+                        with conn.begin_nested():
+                            results.append((True, op.run(conn)))
+                    else:
                         results.append((True, op.run(conn)))
                 except (OperationalError, DBAPIError) as e:
                     if isinstance(e, OperationalError) or e.connection_invalidated:
                         raise  # the database, not this op: the batch fails and is retried
+                    if not (savepoints or alone):
+                        raise _OpFailed from e  # rolled back; run again with savepoints
                     results.append((False, e))
                 except Exception as e:  # the op's own fault: this op alone is dropped
+                    if not (savepoints or alone):
+                        raise _OpFailed from e
                     results.append((False, e))
         return results
 
