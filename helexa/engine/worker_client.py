@@ -374,20 +374,7 @@ class WorkerClient:
 
 
 def _output(delta: Delta, prompt_ids: list[int]) -> RequestOutput:
-    if delta.num_computed_prompt_tokens is not None:  # an aborted request's report
-        return AbortedOutput(
-            delta.request_id,
-            prompt_ids,
-            delta.token_ids,
-            delta.text,
-            delta.finished,
-            delta.finish_reason,
-            delta.stop_reason,
-            delta.logprobs,
-            delta.num_cached_tokens,
-            delta.num_computed_prompt_tokens,
-        )
-    return RequestOutput(
+    fields = (
         delta.request_id,
         prompt_ids,
         delta.token_ids,
@@ -398,6 +385,9 @@ def _output(delta: Delta, prompt_ids: list[int]) -> RequestOutput:
         delta.logprobs,
         delta.num_cached_tokens,
     )
+    if delta.num_computed_prompt_tokens is not None:  # an aborted request's report
+        return AbortedOutput(*fields, delta.num_computed_prompt_tokens)
+    return RequestOutput(*fields)
 
 
 def _request_error(failed: Failed) -> BaseException:

@@ -75,6 +75,8 @@ class Tally:
             kind = obj.get("type") if isinstance(obj, dict) else None
             if (kind or event.name) in TERMINAL_RESPONSES_EVENTS:
                 self.ended = True
+            elif isinstance(obj, dict) and isinstance(obj.get("error"), dict):
+                self.ended = True  # the node's error event: nothing follows but `[DONE]`
         return self.ended
 
     def whole(self, body: bytes) -> None:

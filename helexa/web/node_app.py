@@ -116,28 +116,18 @@ async def _answer(node: Node, request: Request, parse: Callable[[Any], Parsed]) 
         client = request.client.host if request.client else None
         principal = principal_of(request.headers, trusted, client)
         budget = budget_of(request.headers, trusted)
+        how = {
+            "principal": principal,
+            "budget": budget,
+            "echo": echo,
+            "notes": notes,
+            "exchange": exchange,
+        }
         if req.stream:
-            run = await serving.admit(
-                node,
-                req,
-                principal=principal,
-                budget=budget,
-                echo=echo,
-                notes=notes,
-                exchange=exchange,
-            )
+            run = await serving.admit(node, req, **how)
             streaming = True  # the run ends the exchange when its stream ends
             return Stream(run.stream(), media_type="text/event-stream", headers=SSE_HEADERS)
-        whole = serving.complete(
-            node,
-            req,
-            principal=principal,
-            budget=budget,
-            echo=echo,
-            notes=notes,
-            exchange=exchange,
-        )
-        return await _unless_disconnected(request, whole)
+        return await _unless_disconnected(request, serving.complete(node, req, **how))
     finally:
         if exchange is not None and not streaming:
             exchange.end(NOTHING_RAN)  # a no-op when its run has ended it

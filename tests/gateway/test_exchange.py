@@ -390,3 +390,15 @@ def test_an_error_envelope_that_ran_the_model_is_booked_from_its_usage():
     ex2 = Exchange(MODEL, prompt_estimate=40)
     ex2.tally.whole(b'{"error": {"message": "bad", "type": "x", "code": null}}')
     assert settled_counts(ex2) == (0, 0, 0, 0)
+
+
+def test_a_streams_end_is_its_done_or_its_error_event_however_its_bytes_are_split():
+    usage = {"prompt_tokens": 9, "completion_tokens": 4, "total_tokens": 13}
+    error = {"error": {"message": "no call", "type": "x", "code": "y", "usage": usage}}
+    failed = chunk(content="a") + sse_data(error)
+    tally = Tally()
+    assert [tally.feed(failed[:-9]), tally.feed(failed[-9:])] == [False, True]
+    assert (tally.usage, tally.error) == (usage, True)
+    done = chunk(content="a") + b"data: [DONE]\n\n"
+    tally = Tally()
+    assert [tally.feed(done[:-4]), tally.feed(done[-4:])] == [False, True]
