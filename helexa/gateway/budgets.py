@@ -93,6 +93,7 @@ class Budgets:
         self.gateway_id = "gw_" + uuid.uuid4().hex[:24]
         self._live: dict[str, Reservation] = {}  # this gateway's, not yet settled
         self._task: asyncio.Task[None] | None = None
+        self._stopping = False
         self.expired_booked = 0  # reservations of stopped gateways this one booked
 
     # -- reserve and settle --------------------------------------------------------------
@@ -158,7 +159,7 @@ class Budgets:
         """Renew this gateway's lease, and book the reservations of gateways whose lease
         ran out, every quarter lease."""
         host, pid = socket.gethostname()[:200], os.getpid()
-        while True:
+        while not self._stopping:
             try:
                 await self.ledger.write(
                     lambda s: _heartbeat(s, self.gateway_id, host, pid), timeout=self.lease_s
@@ -173,6 +174,7 @@ class Budgets:
             await asyncio.sleep(self.lease_s / 4)
 
     async def stop(self) -> None:
+        self._stopping = True
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)

@@ -315,7 +315,8 @@ class Exchanges:
         if future is None:
             return
         try:
-            await asyncio.wait_for(asyncio.shield(future), self.budgets.timeout_s)
+            async with asyncio.timeout(self.budgets.timeout_s):
+                await asyncio.shield(future)
         except TimeoutError:
             log.warning("ledger row for %s queued: the database is slow or down", ex.id)
         except Exception:

@@ -152,7 +152,10 @@ class Ledger:
         abandoned = kw.get("abandoned")
         future = self.submit(run, keep=False, lock=lock, **kw)
         try:
-            return await asyncio.wait_for(asyncio.shield(future), timeout)
+            # asyncio.timeout, not wait_for: 3.11's wait_for can swallow a cancellation
+            # that lands as the future completes, leaving the caller running on
+            async with asyncio.timeout(timeout):
+                return await asyncio.shield(future)
         except TimeoutError:
             future.cancel()  # the writer skips it, or undoes it if it already ran
             raise DatabaseUnavailable(self.state.last_error or "timed out") from None
@@ -170,7 +173,8 @@ class Ledger:
         False when it is still queued then (it stays in the backlog)."""
         future = self.submit(run, keep=True, lock=lock)
         try:
-            await asyncio.wait_for(asyncio.shield(future), timeout)
+            async with asyncio.timeout(timeout):
+                await asyncio.shield(future)
         except TimeoutError:
             return False
         except Exception:
@@ -293,7 +297,8 @@ class Ledger:
         if self._task is None:
             return
         try:
-            await asyncio.wait_for(asyncio.shield(self._task), timeout)
+            async with asyncio.timeout(timeout):
+                await asyncio.shield(self._task)
         except TimeoutError:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
