@@ -26,19 +26,16 @@ from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from sqlalchemy import bindparam, delete, func, insert, select, update
+from sqlalchemy import Connection, bindparam, delete, func, insert, select, update
 
 from helexa.db.models import ApiKey, GatewayInstance, KeySpend, SpendRecord
 from helexa.db.models import Reservation as ReservationRow
 from helexa.errors import HelexaError, insufficient_quota, rate_limit_exceeded, service_unavailable
-from helexa.gateway.keys import BudgetInfo, KeyInfo
+from helexa.gateway.keys import BudgetInfo, KeyInfo, as_utc
 from helexa.gateway.ledger import (
     DatabaseUnavailable,
-    Executor,
     Ledger,
-    add_key_spend,
     book_row,
-    dialect_of,
 )
 from helexa.protocol.wire import CHARS_PER_TOKEN, cost_usd, output_room
 
@@ -65,7 +62,6 @@ class Reservation:
     cost: float
     max_output: int  # what each choice may generate now (its max_tokens, maybe lowered)
     n: int = 1
-    settled: bool = False
 
 
 @dataclass(slots=True, frozen=True)
@@ -129,10 +125,11 @@ class Budgets:
         self._live[rid] = res
         return res
 
-    def settle_op(self, res: Reservation | None, row: dict[str, Any]) -> Callable[[Executor], Any]:
+    def settle_op(
+        self, res: Reservation | None, row: dict[str, Any]
+    ) -> Callable[[Connection], Any]:
         """The op that replaces the reservation (if any) by the request's ledger row."""
         if res is not None:
-            res.settled = True
             self._live.pop(res.id, None)
             return lambda s: _settle(s, res.id, row)
         return lambda s: book_row(s, row)
@@ -210,23 +207,23 @@ def _reserve_op(
     max_output: int,
     n: int,
     price: tuple[float, float],
-) -> Callable[[Executor], Any]:
-    def run(session: Executor) -> tuple[int, int, float] | _Refused:
+) -> Callable[[Connection], Any]:
+    def run(conn: Connection) -> tuple[int, int, float] | _Refused:
         # the key's row locked (PostgreSQL; SQLite's transaction holds the write lock): no
         # other reservation for it, from any gateway, reads the books until this commits
-        if dialect_of(session) != "sqlite":  # SQLite's BEGIN IMMEDIATE locked everything
-            session.execute(_LOCK_KEY, {"key_id": key.id})
+        if conn.dialect.name != "sqlite":  # SQLite's BEGIN IMMEDIATE locked everything
+            conn.execute(_LOCK_KEY, {"key_id": key.id})
         now = datetime.now(UTC)
         oldest = None
         if budget.window == "rolling" and budget.window_seconds:
             since = now - timedelta(seconds=budget.window_seconds)
-            spent_tokens, spent_cost, oldest = session.execute(
+            spent_tokens, spent_cost, oldest = conn.execute(
                 _SPENT_SINCE, {"key_id": key.id, "since": since}
             ).one()
         else:
-            spent = session.execute(_SPENT, {"key_id": key.id}).one_or_none()
+            spent = conn.execute(_SPENT, {"key_id": key.id}).one_or_none()
             spent_tokens, spent_cost = spent if spent is not None else (0, 0.0)
-        reserved_tokens, reserved_cost = session.execute(_RESERVED, {"key_id": key.id}).one()
+        reserved_tokens, reserved_cost = conn.execute(_RESERVED, {"key_id": key.id}).one()
         tokens_left = cost_left = None
         if budget.cap_tokens is not None:
             tokens_left = budget.cap_tokens - int(spent_tokens) - int(reserved_tokens)
@@ -235,9 +232,9 @@ def _reserve_op(
         room = output_room(prompt_tokens, tokens_left, cost_left, *price)
         out = max_output if room is None else min(max_output, room // n)
         if out < 1:
-            return _Refused(_aware(oldest))
+            return _Refused(None if oldest is None else as_utc(oldest))
         tokens, cost = prompt_tokens + out * n, cost_usd(prompt_tokens, out * n, *price)
-        session.execute(
+        conn.execute(
             _INSERT_RESERVATION,
             [
                 {
@@ -258,10 +255,10 @@ def _reserve_op(
     return run
 
 
-def _settle(session: Executor, rid: str, row: dict[str, Any]) -> bool:
+def _settle(conn: Connection, rid: str, row: dict[str, Any]) -> bool:
     """The reservation replaced by the request's ledger row; False (and nothing written)
     when its lease had run out and another gateway booked it whole already."""
-    if session.execute(_DELETE_RESERVATION, {"rid": rid}).rowcount == 0:
+    if conn.execute(_DELETE_RESERVATION, {"rid": rid}).rowcount == 0:
         log.warning(
             "reservation %s was booked whole when its gateway's lease ran out; its request's "
             "own row (%s tokens) is not booked again",
@@ -269,70 +266,59 @@ def _settle(session: Executor, rid: str, row: dict[str, Any]) -> bool:
             (row.get("prompt_tokens") or 0) + (row.get("completion_tokens") or 0),
         )
         return False
-    book_row(session, row)
+    book_row(conn, row)
     return True
 
 
-def _release(session: Executor, rid: str) -> None:
-    session.execute(delete(ReservationRow).where(ReservationRow.id == rid))
+def _release(conn: Connection, rid: str) -> None:
+    conn.execute(_DELETE_RESERVATION, {"rid": rid})
 
 
-def _heartbeat(session: Executor, gateway_id: str, host: str, pid: int) -> None:
+def _heartbeat(conn: Connection, gateway_id: str, host: str, pid: int) -> None:
     now = datetime.now(UTC)
-    done = session.execute(
+    done = conn.execute(
         update(GatewayInstance).where(GatewayInstance.id == gateway_id).values(heartbeat_at=now)
     )
     if done.rowcount == 0:
-        session.execute(
+        conn.execute(
             insert(GatewayInstance.__table__),
             [{"id": gateway_id, "host": host, "pid": pid, "started_at": now, "heartbeat_at": now}],
         )
 
 
-def _expire(session: Executor, lease_s: float) -> int:
+def _expire(conn: Connection, lease_s: float) -> int:
     """Book every reservation whose gateway's lease ran out as spent, at its reserved
     amount; the count booked."""
     now = datetime.now(UTC)
     stale = now - timedelta(seconds=lease_s)
     live = select(GatewayInstance.id).where(GatewayInstance.heartbeat_at >= stale)
-    rows = session.execute(
+    rows = conn.execute(
         select(ReservationRow.__table__)
         .where(ReservationRow.gateway_id.not_in(live), ReservationRow.created_at < stale)
         .with_for_update(skip_locked=True)
     ).all()
     booked = 0
     for r in rows:
-        if session.execute(delete(ReservationRow).where(ReservationRow.id == r.id)).rowcount:
-            session.execute(
-                insert(SpendRecord.__table__),
-                [
-                    {
-                        "ts": now,
-                        "account_id": r.account_id,
-                        "key_id": r.key_id,
-                        "model": r.model,
-                        "prompt_tokens": r.prompt_tokens,
-                        "completion_tokens": r.output_tokens,
-                        "cost_usd": r.cost_usd,
-                        "status": 0,
-                        "finish_reason": LEASE_EXPIRED,
-                    }
-                ],
-            )
-            add_key_spend(session, r.key_id, r.prompt_tokens + r.output_tokens, r.cost_usd)
+        if conn.execute(_DELETE_RESERVATION, {"rid": r.id}).rowcount:
+            row = {
+                "ts": now,
+                "account_id": r.account_id,
+                "key_id": r.key_id,
+                "model": r.model,
+                "prompt_tokens": r.prompt_tokens,
+                "completion_tokens": r.output_tokens,
+                "cost_usd": r.cost_usd,
+                "status": 0,
+                "finish_reason": LEASE_EXPIRED,
+            }
+            book_row(conn, row)
             booked += 1
     if booked:
         log.warning("booked %d reservations of stopped gateways at their reserved amount", booked)
-    session.execute(
+    conn.execute(
         delete(GatewayInstance).where(GatewayInstance.heartbeat_at < now - INSTANCE_FORGOTTEN_AFTER)
     )
     return booked
-
-
-def _aware(ts: datetime | None) -> datetime | None:
-    if ts is None:
-        return None
-    return ts if ts.tzinfo else ts.replace(tzinfo=UTC)
 
 
 def _over_cap(budget: BudgetInfo, oldest: datetime | None) -> HelexaError:

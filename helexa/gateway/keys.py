@@ -288,12 +288,12 @@ def _info(key: ApiKey, budget: BudgetInfo | None) -> KeyInfo:
         prefix=key.prefix,
         allowed_models=None if models is None else tuple(models),
         budget=budget,
-        created_at=_aware(key.created_at),
-        revoked_at=None if key.revoked_at is None else _aware(key.revoked_at),
+        created_at=as_utc(key.created_at),
+        revoked_at=None if key.revoked_at is None else as_utc(key.revoked_at),
     )
 
 
-def _aware(ts: datetime) -> datetime:
+def as_utc(ts: datetime) -> datetime:
     """SQLite hands back naive datetimes; they were written in UTC."""
     return ts.replace(tzinfo=UTC) if ts.tzinfo is None else ts
 

@@ -28,13 +28,11 @@ from typing import Any
 
 from sqlalchemy import Connection, Engine, event, text
 from sqlalchemy.exc import DBAPIError, OperationalError
-from sqlalchemy.orm import Session
 
 from helexa.db.models import SpendRecord
 from helexa.db.session import make_engine
 
 log = logging.getLogger(__name__)
-Executor = Connection | Session  # what an op writes through (tests may pass a Session)
 _LEDGER = SpendRecord.__table__
 
 MAX_BATCH = 256
@@ -96,10 +94,10 @@ class Ledger:
 
     @classmethod
     def over(cls, shared: Engine) -> Ledger:
-        """The writer for the database `shared` opens, with its own engine: on a SQLite file, connections that open their
-        transactions with BEGIN IMMEDIATE and wait only briefly for another process's lock
-        (the writer retries; callers time out on their own clock). An in-memory SQLite
-        database has one connection: the writer shares it."""
+        """The writer for the database `shared` opens, with its own engine: on a SQLite
+        file, connections that open their transactions with BEGIN IMMEDIATE and wait only
+        briefly for another process's lock (the writer retries; callers time out on their
+        own clock). An in-memory SQLite database has one connection: the writer shares it."""
         if shared.dialect.name != "sqlite":
             return cls(shared)
         database = shared.url.database or ""
@@ -145,12 +143,17 @@ class Ledger:
         return future
 
     async def write(
-        self, run: Callable[[Connection], Any], *, timeout: float, lock: str = "", **kw: Any
+        self,
+        run: Callable[[Connection], Any],
+        *,
+        timeout: float,
+        lock: str = "",
+        abandoned: Callable[[Any], None] | None = None,
     ) -> Any:
         """Run an op that may fail (not kept) and wait for it, at most `timeout` seconds;
-        DatabaseUnavailable when the database did not take it in time."""
-        abandoned = kw.get("abandoned")
-        future = self.submit(run, keep=False, lock=lock, **kw)
+        DatabaseUnavailable when the database did not take it in time. `abandoned` undoes
+        what the op wrote if its caller has gone by the time it commits."""
+        future = self.submit(run, keep=False, lock=lock, abandoned=abandoned)
         try:
             # asyncio.timeout, not wait_for: 3.11's wait_for can swallow a cancellation
             # that lands as the future completes, leaving the caller running on
@@ -165,21 +168,6 @@ class Ledger:
             elif abandoned is not None and not future.cancelled() and not future.exception():
                 abandoned(future.result())  # written just as the caller went: undone
             raise
-
-    async def keep(
-        self, run: Callable[[Connection], Any], *, timeout: float, lock: str = ""
-    ) -> bool:
-        """Queue an op that must not be lost and wait up to `timeout` for it to be durable;
-        False when it is still queued then (it stays in the backlog)."""
-        future = self.submit(run, keep=True, lock=lock)
-        try:
-            async with asyncio.timeout(timeout):
-                await asyncio.shield(future)
-        except TimeoutError:
-            return False
-        except Exception:
-            return True  # refused by the database: logged and dropped by the writer
-        return True
 
     def record(self, **row: Any) -> asyncio.Future[Any]:
         """Queue one ledger row (SpendRecord columns) with nothing else to settle."""
@@ -307,14 +295,14 @@ class Ledger:
             log.error("%d writes to the books could not be made at shutdown", self._queue.kept)
 
 
-def book_row(conn: Executor, row: dict[str, Any]) -> None:
+def book_row(conn: Connection, row: dict[str, Any]) -> None:
     """Insert one ledger row, and add its spend to its key's lifetime total."""
     conn.execute(_LEDGER.insert(), [row])
     key_id = row.get("key_id")
     tokens = int(row.get("prompt_tokens") or 0) + int(row.get("completion_tokens") or 0)
     cost = float(row.get("cost_usd") or 0.0)
     if key_id and (tokens or cost):
-        add_key_spend(conn, key_id, tokens, cost)
+        _add_key_spend(conn, key_id, tokens, cost)
 
 
 # the same statement on SQLite (3.24+) and PostgreSQL, built once
@@ -325,14 +313,8 @@ _ADD_KEY_SPEND = text(
 )
 
 
-def add_key_spend(conn: Executor, key_id: str, tokens: int, cost: float) -> None:
+def _add_key_spend(conn: Connection, key_id: str, tokens: int, cost: float) -> None:
     conn.execute(_ADD_KEY_SPEND, {"key_id": key_id, "tokens": tokens, "cost": cost})
-
-
-def dialect_of(conn: Executor) -> str:
-    if isinstance(conn, Session):
-        return conn.get_bind().dialect.name
-    return conn.dialect.name
 
 
 def _describe(error: BaseException) -> str:

@@ -104,8 +104,8 @@ def test_budgets_recount_a_key_whose_window_changed(sessions):
         "status": 200,
         "prompt_tokens": 90,
     }
-    with sessions.begin() as s:
-        book_row(s, old)  # the ledger row and the key's lifetime total, as the gateway books
+    with sessions.kw["bind"].begin() as conn:
+        book_row(conn, old)  # the ledger row and the key's lifetime total, as the gateway books
 
     async def main():
         books = Ledger.over(sessions.kw["bind"])

@@ -131,9 +131,9 @@ def test_a_rolling_window_counts_only_the_spend_inside_it(db):
     sessions = session_factory(db)
     store = KeyStore(sessions)
     key, _ = store.create("acme", cap_tokens=100, window="rolling:3600")
-    with sessions.begin() as s:
-        book_row(s, _row(key.id, tokens=90, ts=datetime.now(UTC) - timedelta(hours=3)))
-        book_row(s, _row(key.id, tokens=30, ts=datetime.now(UTC) - timedelta(minutes=5)))
+    with db.begin() as conn:
+        book_row(conn, _row(key.id, tokens=90, ts=datetime.now(UTC) - timedelta(hours=3)))
+        book_row(conn, _row(key.id, tokens=30, ts=datetime.now(UTC) - timedelta(minutes=5)))
 
     async def main():
         books = Ledger.over(db)
