@@ -141,11 +141,3 @@ def service_unavailable(
 
 def insufficient_vram(message: str, retry_after: float) -> HelexaError:
     return service_unavailable(message, retry_after, code="insufficient_vram")
-
-
-def client_closed_request() -> HelexaError:
-    """The client left before its answer: 499 (no one reads it; the request log and the
-    ledger say what happened)."""
-    return HelexaError(
-        499, "client_closed_request", "the client closed the request", code="client_closed_request"
-    )

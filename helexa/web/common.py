@@ -10,14 +10,14 @@ import asyncio
 import json
 import logging
 from collections.abc import Awaitable, Callable
-from typing import Any, TypeVar
+from typing import Any
 
 from litestar import Request
 from litestar.exceptions import HTTPException
 from litestar.response import Response
 from litestar.types import Receive, Send
 
-from helexa.errors import HelexaError, client_closed_request, invalid_request
+from helexa.errors import HelexaError, invalid_request
 
 log = logging.getLogger(__name__)
 
@@ -77,22 +77,21 @@ def error_response(request: Request, exc: Exception) -> Response:
     return Response(content=err.to_envelope(), status_code=err.status, headers=err.headers())
 
 
-T = TypeVar("T")
-
-
-async def unless_client_leaves(request: Request, work: Awaitable[T]) -> T:
-    """`work`, cancelled when the client disconnects first (a non-stream answer is long in
-    coming: the node's request is dropped, not finished for nobody)."""
+async def unless_client_leaves(request: Request, work: Awaitable[Response]) -> Response:
+    """`work`'s response, or a bodiless 499 once the client leaves first: the work is
+    cancelled, so a whole answer long in coming is dropped (the node stops generating and
+    frees its KV; the gateway drops the node's request), not finished for nobody."""
     task = asyncio.ensure_future(work)
     gone = asyncio.ensure_future(_disconnected(request.receive))
     try:
         await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
     finally:
         gone.cancel()
-    if not task.done():
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
-        raise client_closed_request()
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+    if task.cancelled():
+        return Response(content=b"", status_code=499)
     return task.result()
 
 

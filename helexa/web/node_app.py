@@ -31,7 +31,12 @@ from helexa.protocol.openai import (
 )
 from helexa.protocol.responses import parse_responses_request
 from helexa.protocol.wire import EXCHANGE_HEADER
-from helexa.web.common import METRICS_CONTENT_TYPE, error_response, parse_json_body
+from helexa.web.common import (
+    METRICS_CONTENT_TYPE,
+    error_response,
+    parse_json_body,
+    unless_client_leaves,
+)
 
 log = logging.getLogger(__name__)
 
@@ -70,28 +75,8 @@ def _exchange(node: Node, request: Request) -> Exchange | None:
     return node.exchanges.begin(value)
 
 
-async def _until_disconnected(request: Request) -> None:
-    while True:
-        message = await request.receive()
-        if message["type"] == "http.disconnect":
-            return
-
-
-async def _unless_disconnected(request: Request, work: Awaitable[dict[str, Any]]) -> Response:
-    """`work`'s answer, or a bodiless 499 once the client leaves: the work is cancelled, so
-    a queued request leaves its queue and a running one stops generating and frees its KV."""
-    task = asyncio.ensure_future(work)
-    gone = asyncio.create_task(_until_disconnected(request))
-    try:
-        await asyncio.wait((task, gone), return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        gone.cancel()
-        if not task.done():
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
-    if task.cancelled():
-        return Response(content=b"", status_code=499)
-    return Response(content=task.result())
+async def _as_response(work: Awaitable[dict[str, Any]]) -> Response:
+    return Response(content=await work)
 
 
 # -- inference ----------------------------------------------------------------------------
@@ -127,7 +112,8 @@ async def _answer(node: Node, request: Request, parse: Callable[[Any], Parsed]) 
             run = await serving.admit(node, req, **how)
             streaming = True  # the run ends the exchange when its stream ends
             return Stream(run.stream(), media_type="text/event-stream", headers=SSE_HEADERS)
-        return await _unless_disconnected(request, serving.complete(node, req, **how))
+        whole = _as_response(serving.complete(node, req, **how))
+        return await unless_client_leaves(request, whole)
     finally:
         if exchange is not None and not streaming:
             exchange.end(NOTHING_RAN)  # a no-op when its run has ended it
