@@ -164,10 +164,6 @@ class Exchange:
     closer: Callable[[], None] | None = None  # drops the node's answer (its connection)
     settled: bool = False
 
-    def usage(self) -> dict[str, Any] | None:
-        """The node's own usage of a whole answer (an error's included)."""
-        return self.tally.usage
-
 
 def usage_counts(usage: dict[str, Any]) -> tuple[int, int, int, int]:
     """(prompt, completion, cached, reasoning) tokens of a chat/completions usage object or
@@ -195,7 +191,7 @@ def settled_counts(ex: Exchange) -> tuple[int, int, int, int]:
     answer; for an answer cut before it, what the node said the exchange used, and never
     fewer completion tokens than generated-text events arrived (nor, with nothing from the
     node, a prompt below its estimate)."""
-    usage = ex.usage()
+    usage = ex.tally.usage  # the node's own, of a whole answer (an error's included)
     if usage:
         return usage_counts(usage)
     events = ex.tally.text_events

@@ -383,7 +383,7 @@ class Exchanges:
         m, tally = self.metrics, ex.tally
         if tally.first_byte is not None and status == 200:
             m.ttft.labels(*labels).observe(tally.first_byte - ex.started)
-        usage = ex.usage()
+        usage = ex.tally.usage
         if not usage or status != 200:
             return
         prompt, completion, _, _ = usage_counts(usage)
