@@ -22,6 +22,7 @@ import torch
 from helexa import kernels
 from helexa.engine.block_manager import BlockManager
 from helexa.engine.engine_args import EngineArgs, available_memory_bytes
+from helexa.engine.grammar import GrammarCompiler
 from helexa.engine.loader.load import (
     LoadedModel,
     bundled_model_path,
@@ -32,7 +33,7 @@ from helexa.engine.parallel import destroy_tensor_parallel, init_tensor_parallel
 from helexa.engine.rank_worker import Followers, PoolSize, RankLostError, cpu_threads, placement
 from helexa.engine.sampling_params import SamplingParams
 from helexa.engine.scheduler import Scheduler, SchedulerConfig
-from helexa.engine.sequence import RequestOutput, Sequence
+from helexa.engine.sequence import RequestOutput, Sequence, stop_token_ids
 from helexa.engine.state_manager import StateManager
 from helexa.protocol.wire import DEFAULT_MAX_OUTPUT_TOKENS
 
@@ -169,6 +170,15 @@ class LLMEngine:
             self.runner.graphs_off_reason = "[engine] cuda_graphs = false"
         self._seqs: dict[str, Sequence] = {}
         self.num_generated_tokens = 0  # every token sampled into a sequence, ever
+        self._grammars: GrammarCompiler | None = None  # built at the first structured request
+
+    @property
+    def grammars(self) -> GrammarCompiler:
+        """Structured output's compiler for this model's vocabulary (the logits' width)."""
+        if self._grammars is None:
+            vocab = self.loaded.config.vocab_size or self.tokenizer.vocab_size
+            self._grammars = GrammarCompiler(self.tokenizer, vocab)
+        return self._grammars
 
     def _size_pool(
         self, model: torch.nn.Module, dtype: torch.dtype, device: torch.device, available: int
@@ -246,7 +256,12 @@ class LLMEngine:
         if room < 1:
             raise ContextLengthExceededError(len(ids), self.max_model_len)
         cap = params.max_tokens if params.max_tokens is not None else DEFAULT_MAX_OUTPUT_TOKENS
-        return Sequence(ids, params, self.tokenizer, request_id, max_tokens=min(cap, room))
+        matcher = None
+        if params.grammar is not None:  # GrammarError (a ValueError) before any work
+            matcher = self.grammars.matcher(params.grammar, stop_token_ids(params, self.tokenizer))
+        return Sequence(
+            ids, params, self.tokenizer, request_id, max_tokens=min(cap, room), matcher=matcher
+        )
 
     def add_request(
         self,

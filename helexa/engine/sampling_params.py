@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from helexa.config import DEBUG_FAULTS
+from helexa.engine.grammar import OutputGrammar
 
 
 class SamplingParamsError(ValueError):
@@ -36,6 +37,7 @@ class SamplingParams:
     logprobs: int | None = None  # None = off; N = chosen token + top-N alternatives
     skip_special_tokens: bool = True
     logit_bias: dict[int, float] | None = None  # token id → added to its logit
+    grammar: OutputGrammar | None = None  # structured output: what the output must match
     # Tests only (HELEXA_DEBUG_FAULT): make this sequence alone fail at that point.
     debug_fault: Literal["sampler", "detokenizer", "nonfinite"] | None = None
 

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from helexa.engine.detokenizer import IncrementalDetokenizer, StopMatcher
+from helexa.engine.grammar import Matcher
 from helexa.engine.sampling_params import SamplingParams
 from helexa.engine.tokenizer import Tokenizer
 
@@ -50,6 +51,18 @@ class RequestOutput:
         return len(self.prompt_token_ids)
 
 
+def stop_token_ids(params: SamplingParams, tokenizer: Tokenizer) -> set[int]:
+    """The tokens that end a sequence: its stop_token_ids, and eos unless ignore_eos."""
+    ids = set(params.stop_token_ids)
+    if not params.ignore_eos:
+        ids |= tokenizer.eos_token_ids
+    return ids
+
+
+class GrammarViolationError(RuntimeError):
+    """A sampled token its grammar does not allow: the bitmask was not applied to its row."""
+
+
 class Sequence:
     """Prompt + generated tokens, KV bookkeeping and stop logic of one request."""
 
@@ -60,6 +73,7 @@ class Sequence:
         tokenizer: Tokenizer,
         request_id: str | None = None,
         max_tokens: int = 16,
+        matcher: Matcher | None = None,
     ) -> None:
         self.seq_id = next(_ids)
         self.request_id = request_id or f"seq-{self.seq_id}"
@@ -96,9 +110,9 @@ class Sequence:
         self.num_emitted_tokens = 0  # for deltas
         self.num_emitted_chars = 0
         self.num_emitted_logprobs = 0
-        self._stop_ids = set(params.stop_token_ids)
-        if not params.ignore_eos:
-            self._stop_ids |= tokenizer.eos_token_ids
+        self._stop_ids = stop_token_ids(params, tokenizer)
+        # structured output: where the output stands in its grammar (None: unconstrained)
+        self.matcher = matcher
 
     # -- sizes ---------------------------------------------------------------------
     @property
@@ -126,6 +140,10 @@ class Sequence:
         """Add a sampled token and decide whether the sequence is done."""
         if self.params.debug_fault == "detokenizer":
             raise RuntimeError("fault injected by HELEXA_DEBUG_FAULT=detokenizer")
+        if self.matcher is not None and not self.matcher.accept(token_id):
+            raise GrammarViolationError(
+                f"token {token_id} does not continue request {self.request_id}'s grammar"
+            )
         self.token_ids.append(token_id)
         if self.logprobs is not None and logprob is not None:
             self.logprobs.append(logprob)
@@ -142,6 +160,10 @@ class Sequence:
                 self._truncate(start + hit[0])
                 self._finish("stop", hit[1])
                 return
+        if self.matcher is not None and self.matcher.is_terminated:  # complete, no stop token
+            self._add_text(self._detok.step(self.token_ids, final=True))
+            self._finish("stop", None)
+            return
         if n_out >= self.max_tokens:
             self._add_text(self._detok.step(self.token_ids, final=True))
             self._finish("length", None)

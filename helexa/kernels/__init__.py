@@ -48,8 +48,10 @@ from .rms_norm import naive_rms_norm, triton_rms_norm
 from .rotary import naive_rotary, triton_rotary
 from .sampling import (
     naive_apply_penalties,
+    naive_apply_token_bitmask,
     naive_sample,
     triton_apply_penalties,
+    triton_apply_token_bitmask,
     triton_sample,
 )
 
@@ -254,6 +256,13 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """SwiGLU's activation: x [..., 2I] (gate | up) -> silu(gate) * up [..., I]."""
     fn = triton_silu_and_mul if uses_triton(x) else naive_silu_and_mul
     return fn(x)
+
+
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
+    """Structured output: in place on logits [N, V], -inf for every token whose bit in
+    bitmask [N, ceil(V / 32)] int32 (bit t % 32 of word t // 32) is clear."""
+    fn = triton_apply_token_bitmask if uses_triton(logits) else naive_apply_token_bitmask
+    fn(logits, bitmask)
 
 
 def apply_penalties(

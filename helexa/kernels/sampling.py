@@ -1,7 +1,11 @@
 """Turning a batch of logits rows into tokens, each row with its own parameters, on the device.
 
-Two steps, each a Triton kernel beside its naive twin:
+Three steps, each a Triton kernel beside its naive twin:
 
+- `apply_token_bitmask`: structured output's constraint: a row's logits set to -inf where its
+  bitmask (int32 words, bit t % 32 of word t // 32, as xgrammar fills it) has a 0 bit, so
+  only the tokens its grammar allows next can be drawn. Rows that are not constrained carry
+  all-ones words and pass unchanged.
 - `apply_penalties`: HF's repetition penalty over the tokens a row has seen (prompt and
   output: a positive logit divided by it, a negative one multiplied), then OpenAI's frequency
   and presence penalties over its output tokens (logit -= frequency * count + presence *
@@ -36,6 +40,16 @@ except ImportError:  # triton is optional: the naive path serves CPU hosts
     triton = None
 
 SEEN = 1 << 30  # the Triton counts' flag for a token in the prompt (the low bits count output)
+
+
+def naive_apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
+    """In place on logits [N, V] (any float dtype): -inf where bitmask [N, ceil(V / 32)]
+    int32 has bit t % 32 of word t // 32 clear."""
+    n, vocab = logits.shape
+    shifts = torch.arange(32, device=bitmask.device, dtype=torch.int32)
+    bits = (bitmask.unsqueeze(-1) >> shifts) & 1  # [N, W, 32]
+    allowed = bits.reshape(n, -1)[:, :vocab].bool()
+    logits.masked_fill_(~allowed, float("-inf"))
 
 
 def naive_apply_penalties(
@@ -114,6 +128,17 @@ def naive_sample(
 if triton is not None:
     _FLT_MAX = tl.constexpr(3.4028234663852886e38)
     _LOG2E = tl.constexpr(1.4426950408889634)
+
+    @triton.jit
+    def _token_bitmask_kernel(logits_ptr, bitmask_ptr, vocab, stride_l, stride_b,
+                              BLOCK: tl.constexpr):  # fmt: skip
+        """Grid (N, V / BLOCK): a tile of a row's logits, -inf where its bit is clear."""
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        ok = cols < vocab
+        words = tl.load(bitmask_ptr + row * stride_b + cols // 32, mask=ok, other=-1)
+        banned = ((words >> (cols % 32)) & 1) == 0
+        tl.store(logits_ptr + row * stride_l + cols, float("-inf"), mask=ok & banned)
 
     @triton.jit
     def _count_tokens_kernel(
@@ -298,6 +323,25 @@ def _check(t: torch.Tensor, name: str) -> torch.Tensor:
     if t.stride(-1) != 1:
         raise ValueError(f"{name} must be contiguous along the vocabulary")
     return t
+
+
+def triton_apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
+    """As naive_apply_token_bitmask, one launch, no host sync: logits [N, V] (rows may be
+    strided), bitmask [N, ceil(V / 32)] int32 on the same device."""
+    if triton is None:
+        raise RuntimeError(
+            "triton_apply_token_bitmask needs triton, which is not installed; "
+            "use naive_apply_token_bitmask"
+        )
+    _check(logits, "logits")
+    _check(bitmask, "bitmask")
+    n, vocab = logits.shape
+    if n == 0:
+        return
+    block = min(triton.next_power_of_2(vocab), 4096)
+    _token_bitmask_kernel[(n, triton.cdiv(vocab, block))](
+        logits, bitmask, vocab, logits.stride(0), bitmask.stride(0), BLOCK=block, num_warps=4
+    )
 
 
 def triton_apply_penalties(

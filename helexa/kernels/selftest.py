@@ -31,6 +31,7 @@ LAYER_KERNELS = (  # layer_cases()
     "rotary",
     "silu_and_mul",
     "apply_penalties",
+    "apply_token_bitmask",
     "sample",
 )
 KERNEL_MODULES = ("causal_conv1d", "gdn_gating", "fused_moe", "gated_delta_rule", "paged_attention")
@@ -256,6 +257,14 @@ def layer_cases(device: str, dtype: torch.dtype) -> list[Case]:
         fn(out, pairs[0], pairs[1], 200, rep, freq, pres)
         return [out]
 
+    words = torch.randint(-(2**31), 2**31, (N, (V + 31) // 32), generator=gen, dtype=torch.int64)
+    bitmask = words.to(torch.int32).to(device)  # random bits; V = 1000 leaves a partial word
+
+    def token_bitmask(triton: bool) -> list[torch.Tensor]:
+        out = logits.clone()
+        (smp.triton_apply_token_bitmask if triton else smp.naive_apply_token_bitmask)(out, bitmask)
+        return [out.isinf().float(), out.nan_to_num(neginf=0.0)]
+
     noise = torch.empty(N, V).exponential_(generator=gen).to(device)
     temperature = torch.tensor([0, 1, 0.7, 1, 1, 1, 0.8, 1, 1.3, 1, 0.5, 1], device=device)
     top_k = torch.tensor([0, 0, 0, 5, 50, 0, 0, 40, 0, 1, 200, 999], device=device)
@@ -273,6 +282,7 @@ def layer_cases(device: str, dtype: torch.dtype) -> list[Case]:
         Case("rotary", f"q[{T},{Hq},{D}] k[{T},{Hk},{D}] rot{R}", rotary),
         Case("silu_and_mul", f"x[{T},{2 * I}]", silu_and_mul),
         Case("apply_penalties", f"logits[{N},{V}] pairs[300]", penalties, tight=True),
+        Case("apply_token_bitmask", f"logits[{N},{V}] bitmask", token_bitmask, tight=True),
         Case("sample", f"logits[{N},{V}]", sample, tight=True),
     ]
 

@@ -160,6 +160,7 @@ def make_seqs(rows: list[dict], seed: int = 0) -> list[SimpleNamespace]:
                 token_ids=ids,
                 num_prompt_tokens=prompt.numel(),
                 output_token_ids=ids[prompt.numel() :],
+                matcher=None,
             )
         )
     return seqs

@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from helexa import kernels
+from helexa.engine.grammar import fill_bitmask
 from helexa.engine.sampling_params import SamplingParams
 from helexa.engine.sequence import Sequence, TokenLogprob
 
@@ -64,6 +65,16 @@ def _apply_logit_bias(logits: torch.Tensor, seqs: list[Sequence]) -> None:
     if pos:  # one add per (row, token): the same sums in any order
         dev = logits.device
         logits.view(-1).index_add_(0, _to(pos, torch.long, dev), _to(values, logits.dtype, dev))
+
+
+def _apply_grammars(logits: torch.Tensor, matchers: list) -> None:
+    """Structured output: the tokens each constrained row's grammar forbids next set to -inf.
+    The matchers fill the bitmask on the host (on CUDA while the device still runs the
+    forward: nothing before this waited for it), one copy takes it to the device."""
+    bitmask = fill_bitmask(matchers, logits.shape[-1], pin=logits.is_cuda)
+    if logits.is_cuda:
+        bitmask = bitmask.to(logits.device, non_blocking=True)
+    kernels.apply_token_bitmask(logits, bitmask)
 
 
 def _noise(logits: torch.Tensor, seqs: list[Sequence], greedy: list[bool]) -> torch.Tensor:
@@ -143,13 +154,17 @@ class Sampler:
         params = [s.params for s in seqs]
         given = logits
         logits = logits.float()
-        if any(p.has_penalties or p.logit_bias for p in params):
+        matchers = [s.matcher for s in seqs]
+        constrained = any(m is not None for m in matchers)
+        if constrained or any(p.has_penalties or p.logit_bias for p in params):
             if logits is given:  # .float() made no copy: make one to modify
                 logits = logits.clone(memory_format=torch.contiguous_format)
             logits = logits.contiguous()
             if any(p.has_penalties for p in params):
                 _apply_penalties(logits, seqs)
             _apply_logit_bias(logits, seqs)
+            if constrained:  # last: a biased or penalised -inf stays -inf
+                _apply_grammars(logits, matchers)
         greedy = [p.is_greedy for p in params]
         if all(greedy):
             return logits.argmax(-1)
