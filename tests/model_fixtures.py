@@ -68,11 +68,17 @@ AGENT_SCRIPTS = {
     "slip": '<tool_call>\n{"arguments": {"name": "get_weather", "city": "Oslo"}}}}\n</tool_call>',
     "garbage": "<tool_call>\nget_weather(city=Oslo)\n</tool_call>",
     "plain": "I would rather not call a tool.",
-    # continuations of a call the node began in the prompt (tool_choice required/named):
-    # without that beginning, each is not a call at all
-    "forced_any": '{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>',
-    "forced_json": '{"city": "Oslo"}}\n</tool_call>',
-    "forced_xml": "<parameter=city>\nOslo\n</parameter>\n</function>\n</tool_call>",
+    # whole calls in each format, as a model writes them when tool_choice demands one: the
+    # grammar that constrains a demanded call must let each through unchanged
+    "forced_json": '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>',
+    "forced_xml": (
+        "<tool_call>\n<function=get_weather>\n<parameter=city>\nOslo\n</parameter>\n"
+        "</function>\n</tool_call>"
+    ),
+    "think_call": (
+        f"<think>\n{REASONING}\n</think>\n\n<tool_call>\n"
+        '{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
+    ),
 }
 
 
@@ -94,6 +100,8 @@ def agent_models(tmp_path_factory) -> dict[str, str]:
     dirs["coder"] = scripted_model(
         root, "ok", "coder", tokenizer_from=QWEN3, chat_template=QWEN3_CODER_TEMPLATE
     )
+    # no tool-call markers in its vocabulary: a demanded call cannot be constrained
+    dirs["plain_smol"] = scripted_model(root, AGENT_SCRIPTS["plain"], "plain_smol")
     # markers that are *special* tokens (as [THINK] is in Mistral vocabularies)
     dirs["special"] = scripted_model(root, AGENT_SCRIPTS["think"], "special", tokenizer_from=QWEN3)
     tokenizer = json.loads((dirs["special"] / "tokenizer.json").read_text())

@@ -37,11 +37,13 @@ import socket
 import struct
 import sys
 import threading
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import msgspec
 import torch
 
 from helexa.config import LogConfig
+from helexa.engine.grammar import OutputGrammar
 from helexa.engine.llm_engine import EngineArgs, EngineStats, LLMEngine
 from helexa.engine.model_runner import model_memory_mb
 from helexa.engine.rank_worker import RankLostError
@@ -270,6 +272,10 @@ class Worker:
         self._failed: list[Failed] = []
         self._deltas: list[Delta] = []
         self._changed = False
+        # structured output: requests whose grammar compiles on a thread of its own, so the
+        # engine steps meanwhile (a cached grammar comes back at once)
+        self._compiling: dict[str, tuple[Future, Add]] = {}
+        self._compiler = ThreadPoolExecutor(1, thread_name_prefix="helexa-grammar")
 
     def run(self) -> None:
         threading.Thread(target=self._read, name="helexa-worker-reader", daemon=True).start()
@@ -282,6 +288,7 @@ class Worker:
             self._wake.clear()
             if not self._drain():
                 break
+            self._admit_compiled()
             if engine.has_unfinished():
                 self._step()
             if self._changed:
@@ -318,22 +325,43 @@ class Worker:
             except queue.Empty:
                 return True
             self._changed = True
-            if isinstance(cmd, Add):
-                try:
-                    seq = self.engine.make_sequence(cmd.prompt, cmd.params, cmd.request_id)
-                    self.engine.add_request(seq)
-                except Exception as e:
-                    self._failed.append(Failed(cmd.request_id, "invalid", str(e)))
-                else:
-                    self._live.add(cmd.request_id)
+            if isinstance(cmd, Add) and cmd.params.grammar is not None:
+                future = self._compiler.submit(self._compile, cmd.params.grammar)
+                future.add_done_callback(lambda _: self._wake.set())
+                self._compiling[cmd.request_id] = (future, cmd)
+                self._live.add(cmd.request_id)
+            elif isinstance(cmd, Add):
+                self._add(cmd)
             elif isinstance(cmd, Abort):
                 self._abort(cmd.request_id)
             else:
                 return False
 
+    def _add(self, cmd: Add) -> None:
+        try:
+            seq = self.engine.make_sequence(cmd.prompt, cmd.params, cmd.request_id)
+            self.engine.add_request(seq)
+        except Exception as e:
+            self._live.discard(cmd.request_id)
+            self._failed.append(Failed(cmd.request_id, "invalid", str(e)))
+        else:
+            self._live.add(cmd.request_id)
+
+    def _compile(self, grammar: OutputGrammar) -> None:
+        self.engine.grammars.compile(grammar)  # a GrammarError shows again in make_sequence
+
+    def _admit_compiled(self) -> None:
+        """Requests whose grammar is compiled join the engine (or fail, refused by it)."""
+        for request_id, (future, cmd) in list(self._compiling.items()):
+            if future.done():
+                del self._compiling[request_id]
+                self._changed = True
+                self._add(cmd)  # the compiled grammar is cached: make_sequence takes it
+
     def _abort(self, request_id: str) -> None:
         """Stop a request; one still running is reported in the next Step (`aborted_delta`).
         One that finished or failed already is not: the node has that frame, or will."""
+        self._compiling.pop(request_id, None)
         seq = self.engine.abort(request_id)
         if request_id not in self._live:
             return

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
 import logging
 import time
 import uuid
@@ -18,6 +17,7 @@ from typing import Any
 
 from helexa.engine.async_engine import EngineDeadError
 from helexa.engine.chat_template import TemplateRenderError, render_chat
+from helexa.engine.grammar import OutputGrammar
 from helexa.engine.sequence import RequestOutput, TokenLogprob
 from helexa.engine.worker_client import AbortedOutput, WorkerFaultError
 from helexa.errors import (
@@ -33,6 +33,7 @@ from helexa.node.metrics import NodeMetrics
 from helexa.node.registry import RECOVERY_RETRY_AFTER_S, ModelRegistry
 from helexa.node.sampling import choice_params
 from helexa.node.served import ServedModel
+from helexa.node.structured import output_grammar
 from helexa.protocol.assistant_output import AssistantOutput, Pieces
 from helexa.protocol.openai import (
     ChatCompletionRequest,
@@ -54,15 +55,15 @@ _SETTLING: set[asyncio.Task] = set()
 class Prompt:
     ids: list[int]
     opens_reasoning: bool = False  # the template left a reasoning block open
-    # tool_choice "required"/named: the start of the call, put at the end of the prompt
-    # (after its start marker) so the model writes the call rather than deciding to
-    call_prefix: str | None = None
+    # structured output: what the answer must match (helexa.node.structured), None: free
+    grammar: OutputGrammar | None = None
 
 
 def prepare_prompt(served: ServedModel, req: ChatCompletionRequest | CompletionRequest) -> Prompt:
-    """The prompt, checked to fit the context: raises the 400/422 `HelexaError` when it
-    cannot run (too long, images, template error). Runs off the event loop: rendering and
-    tokenizing a long conversation takes a while."""
+    """The prompt, checked to fit the context, and the grammar its answer must match:
+    raises the 400/422 `HelexaError` when it cannot run (too long, images, template error,
+    a schema the grammar engine cannot build). Runs off the event loop: rendering and
+    tokenizing a long conversation, and checking a grammar, take a while."""
     prompt = render_prompt(served, req)
     if len(prompt.ids) >= served.max_model_len:
         raise context_length_exceeded(served.max_model_len, len(prompt.ids))
@@ -73,7 +74,6 @@ def render_prompt(served: ServedModel, req: ChatCompletionRequest | CompletionRe
     """Prompt token ids: the chat template rendered, or the raw prompt encoded."""
     tok = served.tokenizer
     opens = False
-    call_prefix = None
     if isinstance(req, ChatCompletionRequest):
         if has_image_parts(req):
             raise vision_unsupported(served.id)
@@ -88,10 +88,6 @@ def render_prompt(served: ServedModel, req: ChatCompletionRequest | CompletionRe
         except TemplateRenderError as e:
             raise template_render_failed(str(e)) from None
         opens = served.reasoning_markers is not None and served.reasoning_markers.opened_by(text)
-        call_prefix = _forced_call_prefix(served, req, opens)
-        if call_prefix is not None:
-            assert served.tool_call_markers is not None
-            text += served.tool_call_markers.start + call_prefix
         ids = tok.encode(_utf8(text, "messages"))
     elif isinstance(req.prompt, str):
         ids = tok.encode(_utf8(req.prompt, "prompt"), add_special_tokens=True)
@@ -118,21 +114,7 @@ def render_prompt(served: ServedModel, req: ChatCompletionRequest | CompletionRe
             f"(size {vocab})",
             param="logit_bias",
         )
-    return Prompt(ids, opens, call_prefix)
-
-
-def _forced_call_prefix(served: ServedModel, req: ChatCompletionRequest, opens: bool) -> str | None:
-    """How a call `tool_choice` demands begins, in the format the model's template teaches
-    (Qwen XML when it shows `<function=`, else Hermes JSON). None when nothing is forced,
-    or when the model is to reason first: reasoning cannot be skipped over."""
-    markers, forced = served.tool_call_markers, req.forced_tool
-    if markers is None or forced is None or opens or req.wants_reasoning:
-        return None
-    if forced == "*":
-        return "\n"
-    if served.teaches_xml_calls:
-        return f"\n<function={forced}>\n"
-    return '\n{"name": ' + json.dumps(forced, ensure_ascii=False) + ', "arguments": '
+    return Prompt(ids, opens, output_grammar(served, req, opens_reasoning=opens))
 
 
 def _utf8(text: str, param: str) -> str:
@@ -195,6 +177,8 @@ class Generation:
         # of a request cut before its first token: the prompt tokens its engine had computed
         self.num_prompt_computed = 0
         self._params = choice_params(req)
+        if prompt.grammar is not None:
+            self._params = [dataclasses.replace(p, grammar=prompt.grammar) for p in self._params]
         if self.is_chat and served.markers_are_special:
             self._params = [dataclasses.replace(p, skip_special_tokens=False) for p in self._params]
         fault = registry.cfg.node.debug_fault
@@ -451,8 +435,7 @@ def assistant_output(
         tool_schemas(tools),
         in_reasoning=prompt.opens_reasoning,
         include_thinking=req.include_thinking,
-        hold_content=req.forced_tool is not None and served.tool_call_markers is not None,
-        call_prefix=prompt.call_prefix,
+        hold_content=req.forced_tool is not None,
     )
 
 

@@ -218,20 +218,17 @@ def test_without_tools_a_call_is_just_text(client, agent_models):
 
 
 def test_tool_choice_required_without_a_call_is_an_error(client, agent_node, agent_models):
+    """A vocabulary without call markers: the call cannot be constrained, so an answer
+    without one is refused after the fact."""
+    model = agent_models["plain_smol"]
     with pytest.raises(openai.UnprocessableEntityError) as e:
         client.chat.completions.create(
-            model=agent_models["plain"], messages=ASK, tools=TOOLS, tool_choice="required"
+            model=model, messages=ASK, tools=TOOLS, tool_choice="required"
         )
     assert e.value.code == "tool_choice_not_satisfied"
     assert "rather not" in e.value.message
     chunks = _stream_chunks(
-        agent_node,
-        {
-            "model": agent_models["plain"],
-            "messages": ASK,
-            "tools": TOOLS,
-            "tool_choice": "required",
-        },
+        agent_node, {"model": model, "messages": ASK, "tools": TOOLS, "tool_choice": "required"}
     )
     assert chunks[-1]["error"]["code"] == "tool_choice_not_satisfied"
     streamed = "".join(
@@ -240,44 +237,49 @@ def test_tool_choice_required_without_a_call_is_an_error(client, agent_node, age
     assert streamed == ""  # nothing of the refused answer was sent as if it were fine
 
 
-def test_a_named_tool_choice_is_held_to_that_name(client, agent_models):
-    named = {"type": "function", "function": {"name": "search"}}
-    with pytest.raises(openai.UnprocessableEntityError):
-        client.chat.completions.create(
-            model=agent_models["slip"], messages=ASK, tools=TOOLS, tool_choice=named
-        )
+def test_a_demanded_call_is_written_even_by_a_model_that_would_not(client, agent_models):
+    """With call markers the demanded call is constrained: the grammar allows nothing but
+    the call, so even a model scripted to refuse writes it (its name and a body that
+    parses), or runs out of tokens trying."""
+    for choice in ("required", {"type": "function", "function": {"name": "search"}}):
+        r = client.chat.completions.create(
+            model=agent_models["plain"], messages=ASK, tools=TOOLS, tool_choice=choice,
+            max_tokens=64,
+        )  # fmt: skip
+        c = r.choices[0]
+        assert "rather not" not in (c.message.content or "")
+        if c.finish_reason == "tool_calls":
+            names = [call.function.name for call in c.message.tool_calls]
+            assert names and (choice == "required" or set(names) == {"search"})
+            for call in c.message.tool_calls:
+                json.loads(call.function.arguments)
+        else:
+            assert c.finish_reason == "length"
 
 
 @pytest.mark.parametrize(
-    ("model", "tool_choice"),
+    ("model", "tool_choice", "extra"),
     [
-        ("forced_any", "required"),
-        ("forced_json", {"type": "function", "function": {"name": "get_weather"}}),
-        ("forced_xml", {"type": "function", "function": {"name": "get_weather"}}),
+        ("forced_json", "required", {}),
+        ("forced_json", {"type": "function", "function": {"name": "get_weather"}}, {}),
+        ("forced_xml", {"type": "function", "function": {"name": "get_weather"}}, {}),
+        ("forced_xml", "required", {}),
+        ("think_call", "required", {"reasoning_effort": "high"}),
     ],
 )
-def test_a_demanded_call_is_begun_in_the_prompt_so_the_model_writes_it(
-    client, agent_node, agent_models, model, tool_choice
+def test_a_demanded_call_in_the_models_own_format_passes_the_grammar_unchanged(
+    client, agent_node, agent_models, model, tool_choice, extra
 ):
-    body = {"model": agent_models[model], "messages": ASK, "tools": TOOLS}
+    body = {"model": agent_models[model], "messages": ASK, "tools": TOOLS, **extra}
     r = client.chat.completions.create(**body, tool_choice=tool_choice)
     assert r.choices[0].finish_reason == "tool_calls"
     assert _calls(r.choices[0].message.tool_calls) == [("get_weather", {"city": "Oslo"})]
     assert not r.choices[0].message.content
-    # the prompt ends with the call begun: the start marker, and the name when it is known
+    if model == "think_call":  # reasoning before the call stays free
+        assert REASONING in r.choices[0].message.model_extra["reasoning_content"]
+    # the call is the grammar's doing, not a prompt that begins it
     with_call = agent_node.post("/tokenize", {**body, "tool_choice": tool_choice}).json()
-    without = agent_node.post("/tokenize", body).json()
-    assert with_call["tokens"][: without["count"]] == without["tokens"]
-    assert with_call["count"] > without["count"]
-
-
-def test_a_demanded_call_is_not_begun_when_the_model_is_to_reason_first(agent_node, agent_models):
-    body = {"model": agent_models["think"], "messages": ASK, "tools": TOOLS}
-    forced = {**body, "tool_choice": "required", "reasoning_effort": "high"}
-    assert (
-        agent_node.post("/tokenize", forced).json()["count"]
-        == agent_node.post("/tokenize", {**body, "reasoning_effort": "high"}).json()["count"]
-    )
+    assert with_call["tokens"] == agent_node.post("/tokenize", body).json()["tokens"]
 
 
 def test_parallel_tool_calls_false_ends_the_answer_after_the_first_call(client, agent_models):
