@@ -20,6 +20,7 @@ from helexa.protocol.fields import integer as _int
 from helexa.protocol.fields import number as _float
 from helexa.protocol.fields import object_value as _object
 from helexa.protocol.fields import string as _str
+from helexa.protocol.structured import check_schema
 
 # Claude Code's first system block changes with every prompt; it is billing metadata, not
 # instructions, and would defeat the node's prefix cache if rendered into the prompt.
@@ -251,8 +252,9 @@ def _assistant_turn(blocks: list[dict[str, Any]], path: str) -> dict[str, Any]:
 
 
 def _tools(value: list[Any]) -> list[dict[str, Any]]:
-    """Custom tools as OpenAI function tools, schemas passed through untouched; Anthropic's
-    own server and built-in tools (`web_search_…`, `bash_…`) have nothing to run them here."""
+    """Custom tools as OpenAI function tools, schemas passed through untouched (a strict
+    tool's checked to be one the node can enforce); Anthropic's own server and built-in
+    tools (`web_search_…`, `bash_…`) have nothing to run them here."""
     tools = []
     for i, t in enumerate(value):
         path = f"tools[{i}]"
@@ -267,6 +269,9 @@ def _tools(value: list[Any]) -> list[dict[str, Any]]:
         if description is not None:
             function["description"] = description
         function["parameters"] = schema if schema is not None else dict(DEFAULT_SCHEMA)
+        if _bool(d, "strict", prefix=f"{path}."):
+            check_schema(function["parameters"], f"{path}.input_schema")
+            function["strict"] = True
         tools.append({"type": "function", "function": function})
     return tools
 
@@ -305,14 +310,16 @@ def _thinking(value: object) -> bool:
 
 def _response_format(d: dict[str, Any]) -> dict[str, Any] | None:
     """`output_config.format` (or the older `output_format`) with a JSON schema, as OpenAI
-    structured output; the node honours it where it can."""
+    strict structured output, the schema checked to be one the node can enforce."""
     config = d.get("output_config")
-    spec = config.get("format") if isinstance(config, dict) else None
+    spec, path = config.get("format") if isinstance(config, dict) else None, "output_config.format"
     if spec is None:
-        spec = d.get("output_format")
+        spec, path = d.get("output_format"), "output_format"
     if not isinstance(spec, dict) or spec.get("type") != "json_schema":
         return None
     schema = spec.get("schema")
     if not isinstance(schema, dict):
-        _fail("output_config.format.schema", "a JSON schema object", schema)
-    return {"type": "json_schema", "json_schema": {"name": "output", "schema": schema}}
+        _fail(f"{path}.schema", "a JSON schema object", schema)
+    check_schema(schema, f"{path}.schema")
+    spec = {"name": "output", "schema": schema, "strict": True}
+    return {"type": "json_schema", "json_schema": spec}

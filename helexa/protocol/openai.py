@@ -21,6 +21,7 @@ from helexa.protocol.fields import mapping as _dict
 from helexa.protocol.fields import number as _float
 from helexa.protocol.fields import object_value as _object
 from helexa.protocol.fields import string as _str
+from helexa.protocol.structured import ResponseFormat, check_schema, parse_request_format
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 MAX_N = 16
@@ -28,6 +29,7 @@ MAX_STOP = 16
 MAX_TOP_LOGPROBS = 20
 MAX_LOGIT_BIAS = 300  # entries (OpenAI's own bound)
 MAX_TOP_K = 2**31 - 1  # any larger value means "off" anyway; beyond int64 breaks tensors
+EMPTY_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}
 _SEED_RANGE = (-(2**63), 2**64 - 1)
 FLOAT_FIELDS = (
     "temperature",
@@ -62,6 +64,12 @@ class Tool:
     name: str
     description: str | None = None
     parameters: dict[str, Any] | None = None
+    strict: bool = False  # calls must match `parameters` exactly
+
+    @property
+    def parameters_schema(self) -> dict[str, Any]:
+        """The arguments' JSON schema: `parameters`, or an empty object's when none was given."""
+        return self.parameters if self.parameters is not None else dict(EMPTY_PARAMETERS)
 
 
 @dataclass(slots=True)
@@ -88,6 +96,8 @@ class _Sampling:
     skip_special_tokens: bool = True
     user: str | None = None
     logit_bias: dict[int, float] | None = None  # token id → bias added to its logit
+    # response_format, guided_json or structured_outputs; None or type "text": unconstrained
+    response_format: ResponseFormat | None = None
 
 
 @dataclass(slots=True)
@@ -100,7 +110,6 @@ class ChatCompletionRequest(_Sampling):
     tool_choice: str | dict[str, Any] = "auto"  # "none"|"auto"|"required"|{type, function}
     parallel_tool_calls: bool = True
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
-    response_format: dict[str, Any] | None = None
     reasoning_effort: str | None = None
     # `x-include-thinking: true`: reasoning inline in the content, inside its markers
     include_thinking: bool = False
@@ -165,7 +174,6 @@ def parse_chat_request(body: object) -> ChatCompletionRequest:
     req.tool_choice = _tool_choice(d.get("tool_choice"), req.tools)
     req.parallel_tool_calls = _bool(d, "parallel_tool_calls", True)
     req.chat_template_kwargs = _dict(d, "chat_template_kwargs") or {}
-    req.response_format = _dict(d, "response_format")
     req.reasoning_effort = _str(d, "reasoning_effort")
     return req
 
@@ -247,6 +255,7 @@ def _parse_sampling(d: dict[str, Any], req: _Sampling) -> None:
     req.skip_special_tokens = _bool(d, "skip_special_tokens", True)
     req.user = _str(d, "user")
     req.logit_bias = _logit_bias(_dict(d, "logit_bias"))
+    req.response_format = parse_request_format(d)
 
 
 def _message(value: object, path: str) -> ChatMessage:
@@ -330,12 +339,20 @@ def _tool_call(value: object, path: str) -> ToolCall:
 
 
 def _tool(value: object, path: str) -> Tool:
+    """A function tool; a strict one's schema is checked to be one the grammar engine can
+    enforce exactly. (A forced tool that is not strict is held to its schema as far as the
+    engine can: agents' tools use `propertyNames` and the like, and refusing them would
+    refuse the agent's forced calls.)"""
     _, function, fp = _function_entry(value, path)
-    return Tool(
+    tool = Tool(
         name=_str(function, "name", required=True, prefix=fp),
         description=_str(function, "description", prefix=fp),
         parameters=_dict(function, "parameters", fp),
+        strict=_bool(function, "strict", False, fp),
     )
+    if tool.strict:
+        check_schema(tool.parameters_schema, f"{fp}parameters")
+    return tool
 
 
 def _tool_choice(value: object, tools: list[Tool]) -> str | dict[str, Any]:
@@ -427,6 +444,7 @@ __all__ = [
     "ChatMessage",
     "CompletionRequest",
     "HelexaError",
+    "ResponseFormat",
     "Tool",
     "ToolCall",
     "has_image_parts",

@@ -6,10 +6,13 @@
 assistant turn, a reasoning item rides on the assistant turn that follows it.
 `instructions` is the system message. Stored conversations do not exist here, so
 `previous_response_id` is refused with `chained_conversation_not_supported`.
+`text.format` (flat: `{type: "json_schema", name, schema, strict}`) becomes the chat
+`response_format`; errors in it, or in a function tool, name the Responses field path.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,6 +21,9 @@ from helexa.protocol.openai import ChatCompletionRequest, parse_chat_request
 
 _ROLES = ("user", "system", "developer", "assistant")
 _TEXT_PARTS = ("input_text", "output_text", "text", "summary_text", "reasoning_text")
+# Chat paths with a Responses twin: response_format[.json_schema].X, tools[i].function.X
+_RESPONSE_FORMAT = re.compile(r"\bresponse_format(?:\.json_schema)?")
+_TOOL = re.compile(r"\btools\[(\d+)\](?:\.function)?")
 # Fields of the chat request that carry over from the Responses body under the same name.
 _SAME_NAME = ("model", "stream", "temperature", "top_p", "user", "parallel_tool_calls", "seed")
 
@@ -48,9 +54,12 @@ def parse_responses_request(body: object) -> ResponsesRequest:
     chat["messages"] = messages
     if body.get("max_output_tokens") is not None:
         chat["max_tokens"] = body["max_output_tokens"]
-    tools = _tools(body.get("tools"))
+    tools, tool_indices = _tools(body.get("tools"))
     if tools:
         chat["tools"] = tools
+    response_format = _text_format(body.get("text"))
+    if response_format is not None:
+        chat["response_format"] = response_format
     if body.get("tool_choice") is not None:
         chat["tool_choice"] = _tool_choice(body["tool_choice"])
     reasoning = body.get("reasoning")
@@ -64,6 +73,8 @@ def parse_responses_request(body: object) -> ResponsesRequest:
     try:
         req = parse_chat_request(chat)
     except HelexaError as e:
+        _rename(e, _RESPONSE_FORMAT, lambda m: "text.format")
+        _rename(e, _TOOL, lambda m: f"tools[{tool_indices[int(m[1])]}]")
         e.param = _responses_param(e.param)
         raise
     req.include_usage = True
@@ -81,6 +92,14 @@ def parse_responses_request(body: object) -> ResponsesRequest:
         "user": body.get("user"),
     }
     return ResponsesRequest(req, echo)
+
+
+def _rename(e: HelexaError, pattern: re.Pattern[str], new: Any) -> None:
+    """Chat field paths in `e`'s message and param put in Responses terms by `new`."""
+    e.message = pattern.sub(new, e.message)
+    e.args = (e.message,)
+    if e.param is not None:
+        e.param = pattern.sub(new, e.param)
 
 
 def _responses_param(param: str | None) -> str | None:
@@ -198,25 +217,41 @@ def _field(item: dict[str, Any], key: str, path: str, *, allow_empty: bool = Fal
     return value
 
 
-def _tools(value: object) -> list[dict[str, Any]]:
-    """Function tools in chat shape; built-in tools (web_search, …) cannot run here and
-    are left out rather than refused."""
+def _tools(value: object) -> tuple[list[dict[str, Any]], list[int]]:
+    """Function tools in chat shape, and each one's index among the Responses tools;
+    built-in tools (web_search, …) cannot run here and are left out rather than refused."""
     if value is None:
-        return []
+        return [], []
     if not isinstance(value, list):
         raise invalid_request("tools: expected an array", "tools")
-    out = []
+    out, indices = [], []
     for i, tool in enumerate(value):
         if not isinstance(tool, dict):
             raise invalid_request(f"tools[{i}]: expected an object", f"tools[{i}]")
         if tool.get("type") != "function":
             continue
         function = {"name": _field(tool, "name", f"tools[{i}]")}
-        for key in ("description", "parameters"):
+        for key in ("description", "parameters", "strict"):
             if tool.get(key) is not None:
                 function[key] = tool[key]
         out.append({"type": "function", "function": function})
-    return out
+        indices.append(i)
+    return out, indices
+
+
+def _text_format(text: object) -> dict[str, Any] | None:
+    """`text.format` as the chat `response_format`: a flat `json_schema` format gets its
+    fields nested under `json_schema`; the rest (text, json_object, junk) the chat parser
+    judges as they are."""
+    if text is None:
+        return None
+    if not isinstance(text, dict):
+        raise invalid_request("text: expected an object", "text")
+    spec = text.get("format")
+    if not isinstance(spec, dict) or spec.get("type") != "json_schema":
+        return spec
+    keys = ("name", "schema", "strict", "description")
+    return {"type": "json_schema", "json_schema": {k: spec[k] for k in keys if k in spec}}
 
 
 def _tool_choice(value: object) -> Any:

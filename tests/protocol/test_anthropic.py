@@ -189,7 +189,7 @@ def test_sampling_fields_stream_and_structured_output_are_carried_over():
     assert (body["top_p"], body["top_k"], body["stream"]) == (0.9, 40, True)
     assert body["response_format"] == {
         "type": "json_schema",
-        "json_schema": {"name": "output", "schema": schema},
+        "json_schema": {"name": "output", "schema": schema, "strict": True},
     }
     assert t.stream and t.stop_sequences == ["END"]
 
