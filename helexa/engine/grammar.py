@@ -21,11 +21,12 @@ import logging
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
 from helexa.protocol.reasoning import ReasoningMarkers
+from helexa.protocol.structured import FORMAT_PATTERNS
 from helexa.protocol.tool_calls import ToolCallMarkers
 
 if TYPE_CHECKING:
@@ -40,6 +41,10 @@ GrammarKind = Literal["json_schema", "json_object", "structural_tag"]
 # blanks does not run to max_tokens.
 MAX_JSON_WHITESPACE = 32
 BITS = 32  # tokens per bitmask word (int32, as xgrammar lays it out)
+# json_object: any object (xgrammar's built-in JSON grammar admits any value, arrays too;
+# and a bare {"type": "object"} is read strictly, as no property allowed)
+ANY_OBJECT: dict[str, Any] = {"type": "object", "additionalProperties": True}
+ANY_OBJECT_TEXT = json.dumps(ANY_OBJECT)
 
 
 class GrammarError(ValueError):
@@ -49,18 +54,97 @@ class GrammarError(ValueError):
 @dataclass(frozen=True, slots=True)
 class OutputGrammar:
     """What a sequence's output must match. `source` is JSON text: the schema
-    (json_schema), "" (json_object: any object), or the structural tag (structural_tag)."""
+    (json_schema), "" (json_object: any JSON object), or the structural tag
+    (structural_tag)."""
 
     kind: GrammarKind
     source: str = ""
 
     @classmethod
     def json_schema(cls, schema: dict | bool) -> OutputGrammar:
-        return cls("json_schema", _canonical(schema))
+        return cls("json_schema", _canonical(json_safe(schema)))
 
     @classmethod
     def structural_tag(cls, tag: dict) -> OutputGrammar:
         return cls("structural_tag", _canonical(tag))
+
+
+# xgrammar 0.2.8 writes a string with minLength/maxLength as `[^"\\\r\n]{min,max}`, which lets
+# raw control characters (U+0000-U+001F other than CR, LF) into it: not JSON. As a pattern it
+# is matched as a JSON string's text, control characters excluded (mlc-ai/xgrammar#800), and
+# UTF-16 surrogates too: xgrammar takes their UTF-8 form (ED A0-BF xx) for a character, which
+# decodes to three U+FFFD and breaks the bound.
+_SAFE_CHAR = r'[^"\\\u0000-\u001f\ud800-\udfff]'
+_CONTAINERS = ("properties", "$defs", "definitions")
+_SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+
+
+def json_safe(schema: Any) -> Any:
+    """`schema` as the engine enforces it exactly: each length-bounded string (no pattern,
+    format, enum or const) as the equivalent pattern over characters a JSON string holds
+    unescaped, so the grammar never lets a raw control character in; each format of
+    `FORMAT_PATTERNS` as its pattern (calendar dates, hostname label lengths: xgrammar's own
+    grammars are looser than validators). Length bounds beside a pattern or format are
+    dropped: `check_schema` accepted them only where the pattern implies them. The strings
+    it allows still satisfy the schema as given: this only narrows them."""
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    for key in _CONTAINERS:
+        if isinstance(out.get(key), dict):
+            out[key] = {k: json_safe(v) for k, v in out[key].items()}
+    for key in _SUBSCHEMA_LISTS:
+        if isinstance(out.get(key), list):
+            out[key] = [json_safe(v) for v in out[key]]
+    for key in ("items", "additionalProperties"):
+        if isinstance(out.get(key), dict):
+            out[key] = json_safe(out[key])
+    if any(k in out for k in ("enum", "const")):
+        return out
+    fmt = out.get("format")
+    if "pattern" not in out and isinstance(fmt, str) and fmt in FORMAT_PATTERNS:
+        del out["format"]
+        out["pattern"] = FORMAT_PATTERNS[fmt]
+    if isinstance(out.get("pattern"), str):
+        out["pattern"] = xgrammar_regex(out["pattern"])
+    bounded = "minLength" in out or "maxLength" in out
+    if bounded and any(k in out for k in ("pattern", "format")):
+        out.pop("minLength", None)
+        out.pop("maxLength", None)
+    elif bounded:
+        low = int(out.pop("minLength", 0))
+        high = out.pop("maxLength", None)
+        out["pattern"] = f"^{_SAFE_CHAR}{{{low},{'' if high is None else int(high)}}}$"
+    return out
+
+
+def xgrammar_regex(pattern: str) -> str:
+    """`pattern` with each group's `?` written `{0,1}`: xgrammar 0.2.8 matches a JSON
+    string's pattern wrongly when an optional group holds a repetition (`^a(?:x[0-9]+)?Z$`
+    takes "a1Z": the group's first piece becomes skippable on its own); `{0,1}` is matched
+    right. Escapes and character classes are left as they are."""
+    out: list[str] = []
+    i, n = 0, len(pattern)
+    while i < n:
+        c = pattern[i]
+        if c == "\\":  # an escape: two characters as they are
+            out.append(pattern[i : i + 2])
+            i += 2
+        elif c == "[":  # a class: to the first ] that is not its first member
+            j = i + 1
+            j += pattern[j : j + 1] == "^"
+            j += pattern[j : j + 1] == "]"
+            while j < n and pattern[j] != "]":
+                j += 2 if pattern[j] == "\\" else 1
+            out.append(pattern[i : j + 1])
+            i = j + 1
+        elif c == ")" and pattern[i + 1 : i + 2] == "?":
+            out.append("){0,1}")
+            i += 2
+        else:
+            out.append(c)
+            i += 1
+    return "".join(out)
 
 
 def _canonical(value: object) -> str:
@@ -178,11 +262,10 @@ class GrammarCompiler:
                 self._cache.move_to_end(grammar)
                 return hit
         try:
-            if grammar.kind == "json_object":
-                compiled = self._compiler.compile_builtin_json_grammar()
-            elif grammar.kind == "json_schema":
+            if grammar.kind in ("json_object", "json_schema"):
+                source = grammar.source if grammar.kind == "json_schema" else ANY_OBJECT_TEXT
                 compiled = self._compiler.compile_json_schema(
-                    grammar.source, max_whitespace_cnt=MAX_JSON_WHITESPACE
+                    source, max_whitespace_cnt=MAX_JSON_WHITESPACE
                 )
             else:
                 compiled = self._compiler.compile_structural_tag(grammar.source)
