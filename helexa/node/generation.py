@@ -171,8 +171,8 @@ class Generation:
         # completions `echo`: the prompt as text, put before each choice's text
         self.echo_text = ""
         if isinstance(req, CompletionRequest) and req.echo:
-            prompt = req.prompt
-            self.echo_text = prompt if isinstance(prompt, str) else served.tokenizer.decode(prompt)
+            given = req.prompt
+            self.echo_text = given if isinstance(given, str) else served.tokenizer.decode(given)
         self.num_cached_tokens = 0
         # of a request cut before its first token: the prompt tokens its engine had computed
         self.num_prompt_computed = 0

@@ -22,13 +22,18 @@ import functools
 import json
 from typing import Any
 
-from helexa.engine.grammar import MAX_JSON_WHITESPACE, GrammarError, OutputGrammar, check
+from helexa.engine.grammar import (
+    ANY_OBJECT,
+    MAX_JSON_WHITESPACE,
+    GrammarError,
+    OutputGrammar,
+    check,
+    json_safe,
+)
 from helexa.errors import invalid_request
 from helexa.node.served import ServedModel
 from helexa.protocol.openai import ChatCompletionRequest, CompletionRequest, Tool
 from helexa.protocol.structured import ResponseFormat
-
-ANY_OBJECT: dict[str, Any] = {"type": "object"}
 
 
 def output_grammar(
@@ -54,7 +59,7 @@ def _build(
     fmt = req.response_format
     if fmt is None or fmt.type == "text":
         return None, ""
-    json_format: dict[str, Any] = {"type": "json_schema", "json_schema": _schema_of(fmt)}
+    json_format: dict[str, Any] = {"type": "json_schema", "json_schema": json_safe(_schema_of(fmt))}
     json_format["max_whitespace_cnt"] = MAX_JSON_WHITESPACE
     if served.reasoning_markers is None or not (opens or req.wants_reasoning):
         return _json_grammar(fmt), "response_format"
@@ -105,7 +110,12 @@ def _tool_calls(
             return {
                 "type": "tag",
                 "begin": f"{markers.start}\n<function={tool.name}>\n",
-                "content": {"type": "json_schema", "json_schema": schema, "style": "qwen_xml"},
+                "content": {
+                    "type": "json_schema",
+                    "json_schema": json_safe(schema),
+                    "style": "qwen_xml",
+                    "max_whitespace_cnt": MAX_JSON_WHITESPACE,
+                },
                 "end": f"</function>\n{markers.end}",
             }
         name = json.dumps(tool.name, ensure_ascii=False)
@@ -114,7 +124,7 @@ def _tool_calls(
             "begin": f'{markers.start}\n{{"name": {name}, "arguments": ',
             "content": {
                 "type": "json_schema",
-                "json_schema": schema,
+                "json_schema": json_safe(schema),
                 "max_whitespace_cnt": MAX_JSON_WHITESPACE,
             },
             "end": f"}}\n{markers.end}",
@@ -123,11 +133,19 @@ def _tool_calls(
     if forced is not None and forced != "*":
         named = next(t for t in tools if t.name == forced)
         return tag(named)
-    return {
+    if forced == "*":  # calls only, one after another as the template writes them
+        return {
+            "type": "tags_with_separator",
+            "tags": [tag(t) for t in tools],
+            "separator": "\n",
+            "at_least_one": True,
+            "stop_after_first": not req.parallel_tool_calls,
+        }
+    return {  # free text, each call it opens held to its tool's schema
         "type": "triggered_tags",
         "triggers": [markers.start],
         "tags": [tag(t) for t in tools],
-        "at_least_one": forced == "*",
+        "at_least_one": False,
         "stop_after_first": not req.parallel_tool_calls,
     }
 

@@ -176,7 +176,12 @@ def test_unknown_fields_betas_and_headers_are_never_refused(gw):
     }
     r = httpx.post(gw.base_url + "/v1/messages?beta=true", json=body, headers=headers, timeout=60)
     assert r.status_code == 200, r.text
-    assert r.json()["content"][0]["text"] == SCRIPT
+    # the empty schema admits any JSON value: the scripted model is held to one
+    answer = r.json()
+    if answer["stop_reason"] == "end_turn":
+        json.loads(answer["content"][0]["text"])  # raises unless it is JSON
+    else:
+        assert answer["stop_reason"] == "max_tokens"
 
 
 # -- tools and thinking (the scripted models speak through the Qwen3 vocabulary) -------------
@@ -238,9 +243,9 @@ def test_streamed_tool_use_arrives_as_input_json_deltas_the_sdk_assembles(
 
 
 def test_tool_choice_any_holds_the_model_to_a_call(client, agent_models):
-    with pytest.raises(anthropic.UnprocessableEntityError) as e:
+    with pytest.raises(anthropic.UnprocessableEntityError) as e:  # no call markers: refused
         client.messages.create(
-            model=agent_models["plain"],
+            model=agent_models["plain_smol"],
             max_tokens=100,
             messages=ASK,
             tools=TOOLS,
@@ -249,7 +254,7 @@ def test_tool_choice_any_holds_the_model_to_a_call(client, agent_models):
     assert e.value.body["type"] == "error"
     assert e.value.body["error"]["type"] == "invalid_request_error"
     msg = client.messages.create(
-        model=agent_models["forced_json"],  # writes the call the node begins in the prompt
+        model=agent_models["forced_json"],  # writes the call the grammar holds it to
         max_tokens=500,
         messages=ASK,
         tools=TOOLS,

@@ -162,8 +162,8 @@ def test_malformed_bodies_are_400s_naming_the_field(node, scripted_id, body, par
 
 
 def test_a_tool_choice_the_model_ignores_fails_the_stream_visibly(agent_node, agent_models):
-    body = {
-        "model": agent_models["plain"],
+    body = {  # a vocabulary without call markers: the call cannot be constrained
+        "model": agent_models["plain_smol"],
         "input": "go",
         "tools": FUNCTIONS,
         "tool_choice": "required",
