@@ -312,6 +312,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_node_arguments(node_bench)
     node_bench.set_defaults(func=bench_node)
+    grammar_bench = bench_sub.add_parser(
+        "grammar", help="xgrammar vs llguidance: compile, mask and decode cost of JSON schemas"
+    )
+    _add_config_arg(grammar_bench)
+    from helexa.bench.grammar import add_arguments as add_grammar_arguments
+    from helexa.bench.grammar import main as bench_grammar
+
+    add_grammar_arguments(grammar_bench)
+    grammar_bench.set_defaults(func=bench_grammar)
 
     serve = sub.add_parser("serve", help="run the node's or the gateway's HTTP service")
     _add_config_arg(serve)
