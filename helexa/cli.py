@@ -313,7 +313,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_node_arguments(node_bench)
     node_bench.set_defaults(func=bench_node)
     grammar_bench = bench_sub.add_parser(
-        "grammar", help="xgrammar vs llguidance: compile, mask and decode cost of JSON schemas"
+        "grammar", help="llguidance vs xgrammar: compile, mask and decode cost of JSON schemas"
     )
     _add_config_arg(grammar_bench)
     from helexa.bench.grammar import add_arguments as add_grammar_arguments

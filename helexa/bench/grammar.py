@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
+import importlib.util
 import json
 import math
 import random
@@ -44,7 +45,8 @@ if TYPE_CHECKING:
 
 # The CLI builds every bench's parser at start: the engine and pydantic load when one runs.
 
-LIBRARIES = ("xgrammar", "llguidance")
+# llguidance is the engine's; xgrammar, the comparison, comes with the test extra
+LIBRARIES = tuple(n for n in ("xgrammar", "llguidance") if importlib.util.find_spec(n))
 _REPO = Path(__file__).resolve().parents[2]
 QWEN3_DIRS = (
     _REPO / "shared/fixtures/models/Qwen3-0.6B",
@@ -78,8 +80,10 @@ TOPICS = (
     "musical instruments", "sports", "vegetables", "car brands", "board games", "trees",
     "birds", "metals", "dances", "spices",
 )  # fmt: skip
-# JSON whitespace between tokens, at most 32 in a row: helexa.engine.grammar.MAX_JSON_WHITESPACE
-LLG_WHITESPACE = r"[\x20\x0A\x0D\x09]{0,32}"
+TRAFFIC_DIRS = (
+    _REPO / "shared/fixtures/traffic/claude-code",
+    _REPO / "../shared/fixtures/traffic/claude-code",
+)
 TRAINING_TEXT = (
     "The quick brown fox jumps over the lazy dog. A grammar engine masks the tokens that a "
     "schema forbids, so the answer is always a JSON object with the keys it asks for. "
@@ -101,6 +105,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--decode-tokens", type=int, default=128, help="new tokens per sequence (default 128)")
     add("--decode-repeats", type=int, default=3, help="interleaved runs per mode (default 3)")
     add("--seed", type=int, default=0, help="seed of the random walks")
+    add("--traffic", metavar="DIR", help="captured Claude Code requests (default: the fixtures)")
     add("--json", metavar="FILE", help="write every figure here")
 
 
@@ -178,20 +183,50 @@ def byte_fallback_vocab(vocab_size: int = 400) -> Vocab:
 
 
 # -- the two libraries, one interface ------------------------------------------------------
+def xgrammar_tokenizer_info(tokenizer: Tokenizer, vocab_size: int) -> Any:
+    """The vocabulary as xgrammar reads it, `vocab_size` wide: byte-level, byte-fallback or
+    raw token strings from the tokenizer's decoder; special tokens left empty (never text)
+    but for the reasoning and tool-call markers a grammar names."""
+    import xgrammar as xgr
+
+    from helexa.engine.grammar import vocab_type
+    from helexa.protocol.reasoning import ReasoningMarkers
+    from helexa.protocol.tool_calls import ToolCallMarkers
+
+    pairs = (ReasoningMarkers.from_vocab(tokenizer), ToolCallMarkers.from_vocab(tokenizer))
+    markers = {t for pair in pairs if pair is not None for t in (pair.start, pair.end)}
+    backend, special = tokenizer.backend, tokenizer.special_ids()
+    words = []
+    for i in range(min(vocab_size, backend.get_vocab_size(with_added_tokens=True))):
+        token = backend.id_to_token(i)
+        words.append("" if token is None or (i in special and token not in markers) else token)
+    kind = {
+        "byte_level": xgr.VocabType.BYTE_LEVEL,
+        "byte_fallback": xgr.VocabType.BYTE_FALLBACK,
+        "raw": xgr.VocabType.RAW,
+    }[vocab_type(tokenizer)]
+    stops = sorted(t for t in tokenizer.eos_token_ids if t < vocab_size)
+    return xgr.TokenizerInfo(
+        words,
+        kind,
+        vocab_size=vocab_size,
+        stop_token_ids=stops,
+        add_prefix_space=kind == xgr.VocabType.BYTE_FALLBACK,
+    )
+
+
 class XGrammar:
-    """xgrammar as the engine drives it: `helexa.engine.grammar.tokenizer_info`, the same
-    compile options, a matcher per sequence that ends on the stop tokens."""
+    """xgrammar as vLLM drives it: each schema as given (its own formats), whitespace bounded
+    as the engine bounds it, a matcher per sequence that ends on the stop tokens."""
 
     name = "xgrammar"
 
     def __init__(self, vocab: Vocab, threads: int) -> None:
         import xgrammar as xgr
 
-        from helexa.engine.grammar import tokenizer_info
-
         self.xgr, self.vocab, self.threads = xgr, vocab, threads
         t0 = time.perf_counter()
-        self.info = tokenizer_info(vocab.tokenizer, vocab.size)
+        self.info = xgrammar_tokenizer_info(vocab.tokenizer, vocab.size)
         self.setup_s = time.perf_counter() - t0
         self._compiler = self._new_compiler()
         self._batch = xgr.BatchGrammarMatcher(max_threads=threads)
@@ -202,11 +237,16 @@ class XGrammar:
         )
 
     def compile(self, schema: dict, *, cold: bool) -> Any:
-        from helexa.engine.grammar import MAX_JSON_WHITESPACE, OutputGrammar
+        from helexa.engine.grammar import MAX_JSON_WHITESPACE
 
         compiler = self._new_compiler() if cold else self._compiler
-        source = OutputGrammar.json_schema(schema).source
-        return compiler.compile_json_schema(source, max_whitespace_cnt=MAX_JSON_WHITESPACE)
+        return compiler.compile_json_schema(
+            json.dumps(schema), max_whitespace_cnt=MAX_JSON_WHITESPACE
+        )
+
+    def compile_tag(self, tag: dict, *, cold: bool) -> Any:
+        compiler = self._new_compiler() if cold else self._compiler
+        return compiler.compile_structural_tag(json.dumps(tag))
 
     def matcher(self, compiled: Any) -> Any:
         return self.xgr.GrammarMatcher(compiled, override_stop_tokens=self.vocab.stop_ids)
@@ -237,63 +277,67 @@ class XGrammar:
 
 
 class LLGuidance:
-    """llguidance from the tokenizer's own tokenizer.json (it reads byte-level and
-    byte-fallback vocabularies itself), a matcher per sequence. Its JSON options are the
-    defaults but for whitespace, bounded as the engine bounds xgrammar's: the same language."""
+    """llguidance as the engine drives it (`helexa.engine.grammar`): its vocabulary from the
+    tokenizer's own tokenizer.json, schemas as `OutputGrammar.json_schema` writes them, a
+    matcher per sequence copied from one built before (warm), the batch filled in parallel."""
 
     name = "llguidance"
 
     def __init__(self, vocab: Vocab, threads: int) -> None:
-        import llguidance
-        import llguidance.torch
+        from helexa.engine.grammar import GrammarCompiler
 
-        self.llg, self.vocab = llguidance, vocab
+        self.vocab = vocab
         t0 = time.perf_counter()
-        self.tokenizer = llguidance.LLTokenizer(
-            vocab.tokenizer.backend.to_str(), n_vocab=vocab.size, eos_token=vocab.stop_ids
-        )
+        self._compiler = GrammarCompiler(vocab.tokenizer, vocab.size)
         self.setup_s = time.perf_counter() - t0
-        self._executor = llguidance.LLExecutor(threads)
-        self._built: dict[str, Any] = {}  # schema → a matcher at its start, to copy
+
+    def _build(self, grammar: OutputGrammar, *, cold: bool) -> Any:
+        from llguidance import LLMatcher
+
+        from helexa.engine.grammar import Matcher, llg_grammar
+
+        if not cold:
+            return self._compiler.matcher(grammar)
+        built = LLMatcher(self._compiler.tokenizer, llg_grammar(grammar), log_level=0)
+        if built.is_error():
+            raise ValueError(f"llguidance refused the grammar: {built.get_error()}")
+        return Matcher(built, self.vocab.size)
 
     def compile(self, schema: dict, *, cold: bool) -> Any:
-        """A matcher at the start of the grammar: there is no separate compiled form (the
-        lexer is built lazily, as masks need it). Warm: a copy of one built before."""
-        if not cold:
-            key = json.dumps(schema)
-            if key not in self._built:
-                self._built[key] = self.compile(schema, cold=True)
-            return self._built[key].deep_copy()
-        grammar = self.llg.LLMatcher.grammar_from_json_schema(
-            schema, overrides={"whitespace_pattern": LLG_WHITESPACE}
-        )
-        m = self.llg.LLMatcher(self.tokenizer, grammar)
-        if m.is_error():
-            raise ValueError(f"llguidance refused the schema: {m.get_error()}")
-        return m
+        """A matcher at the start of the grammar: llguidance has no separate compiled form
+        (its lexer is built lazily, as masks need it)."""
+        from helexa.engine.grammar import OutputGrammar
+
+        return self._build(OutputGrammar.json_schema(schema), cold=cold)
+
+    def compile_grammar(self, grammar: OutputGrammar, *, cold: bool) -> Any:
+        return self._build(grammar, cold=cold)
 
     def matcher(self, compiled: Any) -> Any:
-        return compiled.deep_copy()
+        from helexa.engine.grammar import Matcher
+
+        return Matcher(compiled._m.deep_copy(), self.vocab.size)
 
     def fill(self, matchers: list, bitmask: torch.Tensor) -> None:
         for row, m in enumerate(matchers):
-            self.llg.torch.fill_next_token_bitmask(m, bitmask, row)
+            m.fill(bitmask, row)
 
     def fill_batch(self, matchers: list, bitmask: torch.Tensor) -> None:
-        pairs = [(m, row) for row, m in enumerate(matchers)]
-        self.llg.torch.fill_next_token_bitmask_par(self._executor, pairs, bitmask)
+        from helexa.engine.grammar import fill_rows
+
+        fill_rows(matchers, bitmask)
 
     def accept(self, m: Any, token: int) -> bool:
-        return m.consume_token(token)
+        return m.accept(token)
 
     def is_done(self, m: Any) -> bool:
-        return m.is_stopped()
+        return m.is_terminated
 
     def token_bytes(self, ids: list[int]) -> bytes:
-        return self.tokenizer.decode_bytes(ids)
+        return self._compiler.tokenizer.decode_bytes(ids)
 
     def reset(self, m: Any) -> None:
-        m.reset()
+        m._m.reset()
 
 
 Library = XGrammar | LLGuidance
@@ -333,6 +377,95 @@ def compile_times(lib: Library, schema: dict, repeats: int) -> CompileTimes:
         warm.append(t3 - t2)
     ms = [1e3 * statistics.median(x) for x in (cold, warm, first)]
     return CompileTimes(*ms)
+
+
+# -- a coding agent's tool set -------------------------------------------------------------
+@dataclass(slots=True)
+class ToolsetTimes:
+    tools: int
+    write_ms: float  # the grammar written and checked (llguidance: the node's side)
+    build_ms: float  # built for the vocabulary, cold
+    first_mask_ms: float
+
+
+def agent_tools(path: str | None) -> tuple[str, list[Any]] | None:
+    """The tools of the captured Claude Code request that offers the most, as the node
+    parses them (from Anthropic's shape, like the gateway); None without the fixtures."""
+    from helexa.protocol.anthropic import to_openai_chat
+    from helexa.protocol.openai import parse_chat_request
+
+    dirs = [Path(path)] if path else [d for d in TRAFFIC_DIRS if d.is_dir()]
+    best: tuple[str, dict] | None = None
+    for f in sorted(dirs[0].glob("*.json")) if dirs else ():
+        body = json.loads(f.read_text()).get("body")
+        if isinstance(body, dict) and len(body.get("tools") or ()) > len(
+            (best[1].get("tools") or ()) if best else ()
+        ):
+            best = (f.name, body)
+    if best is None:
+        return None
+    translated = to_openai_chat({**best[1], "tool_choice": {"type": "any"}})
+    return best[0], parse_chat_request(translated.body).tools or []
+
+
+def _xgrammar_calls(tools: list[Any], xml: bool) -> dict:
+    """tool_choice "required" as an xgrammar structural tag: the calls, one after another,
+    Hermes JSON or Qwen XML (its qwen_xml style types the parameters)."""
+    tags = []
+    for t in tools:
+        schema = t.parameters or {"type": "object"}
+        if xml:
+            begin, end = f"<tool_call>\n<function={t.name}>\n", "</function>\n</tool_call>"
+            content = {"type": "json_schema", "json_schema": schema, "style": "qwen_xml"}
+        else:
+            begin = '<tool_call>\n{"name": ' + json.dumps(t.name) + ', "arguments": '
+            end, content = "}\n</tool_call>", {"type": "json_schema", "json_schema": schema}
+        tags.append({"type": "tag", "begin": begin, "content": content, "end": end})
+    fmt = {
+        "type": "tags_with_separator",
+        "tags": tags,
+        "separator": "\n",
+        "at_least_one": True,
+        "stop_after_first": False,
+    }
+    return {"type": "structural_tag", "format": fmt}
+
+
+def toolset_times(lib: Library, tools: list[Any], *, xml: bool) -> ToolsetTimes:
+    """tool_choice "required" over `tools`: writing the grammar, building it cold, and its
+    first mask. llguidance's grammar is the node's own (`helexa.node.structured`)."""
+    from types import SimpleNamespace
+
+    from helexa.protocol.openai import ChatCompletionRequest
+    from helexa.protocol.reasoning import ReasoningMarkers
+    from helexa.protocol.tool_calls import ToolCallMarkers
+
+    tok = lib.vocab.tokenizer
+    bitmask = new_bitmask(1, lib.vocab.size)
+    t0 = time.perf_counter()
+    if isinstance(lib, XGrammar):
+        tag = _xgrammar_calls(tools, xml)
+        lib.xgr.Grammar.from_structural_tag(json.dumps(tag))  # the check a node would make
+        t1 = time.perf_counter()
+        compiled = lib.compile_tag(tag, cold=True)
+    else:
+        from helexa.node.structured import output_grammar
+
+        served = SimpleNamespace(
+            tokenizer=tok,
+            tool_call_markers=ToolCallMarkers.from_vocab(tok),
+            reasoning_markers=ReasoningMarkers.from_vocab(tok),
+            teaches_xml_calls=xml,
+        )
+        req = ChatCompletionRequest(model="bench", messages=[], tools=tools, tool_choice="required")
+        grammar = output_grammar(served, req, opens_reasoning=False)  # type: ignore[arg-type]
+        assert grammar is not None
+        t1 = time.perf_counter()
+        compiled = lib.compile_grammar(grammar, cold=True)
+    t2 = time.perf_counter()
+    lib.fill([lib.matcher(compiled)], bitmask)
+    t3 = time.perf_counter()
+    return ToolsetTimes(len(tools), *(1e3 * x for x in (t1 - t0, t2 - t1, t3 - t2)))
 
 
 # -- masks at batch N ----------------------------------------------------------------------
@@ -647,6 +780,20 @@ def compile_table(compile_ms: dict[str, dict[str, dict[str, CompileTimes]]], set
     return "\n".join(lines)
 
 
+def toolset_table(toolsets: dict[str, dict[str, ToolsetTimes]]) -> str:
+    lines = [
+        "| tool set | library | write + check | build (cold) | first mask |",
+        "|---|---|---|---|---|",
+    ]
+    for label, by_lib in toolsets.items():
+        for name, t in by_lib.items():
+            lines.append(
+                f"| {label} | {name} | {t.write_ms:.1f} | {t.build_ms:.1f} | "
+                f"{t.first_mask_ms:.1f} |"
+            )
+    return "\n".join(lines)
+
+
 def mask_table(masks: dict[str, list[MaskTimes]], batch: int) -> str:
     lines = [
         f"| vocabulary | library, fill | mean µs/step (batch {batch}) | p99 µs/step | "
@@ -757,6 +904,17 @@ def main(args: argparse.Namespace, cfg: Config) -> int:
                 )
     busy["compile and mask"] = sum(meter.read().values())
 
+    toolsets: dict[str, dict[str, ToolsetTimes]] = {}
+    found = agent_tools(args.traffic)
+    qwen3 = next((v for v in vocabs if v.name == "Qwen3"), None)
+    if found is not None and qwen3 is not None:
+        libs = [library(name, qwen3, args.threads) for name in LIBRARIES]
+        for xml in (False, True):
+            label = f"{found[0]}: {len(found[1])} tools, {'Qwen XML' if xml else 'Hermes JSON'}"
+            for lib in libs:
+                toolsets.setdefault(label, {})[lib.name] = toolset_times(lib, found[1], xml=xml)
+                print(f"  [tools] {label} {lib.name}: {toolsets[label][lib.name]}", flush=True)
+
     meter = CpuMeter()
     walks: dict[str, dict[str, WalkCheck]] = {}
     bf = byte_fallback_vocab()
@@ -778,7 +936,7 @@ def main(args: argparse.Namespace, cfg: Config) -> int:
     print()
     print(
         f"machine: {machine['cpu']}, {machine['logical_cpus']} logical CPUs, {args.threads} "
-        f"threads; xgrammar {machine['xgrammar']}, llguidance {machine['llguidance']}; "
+        f"threads; {', '.join(f'{n} {machine[n]}' for n in LIBRARIES)}; "
         f"helexa {machine['helexa_git'] or '(not a git checkout)'}"
     )
     worst = max(busy.values())
@@ -789,6 +947,9 @@ def main(args: argparse.Namespace, cfg: Config) -> int:
     )
     print(f"\ncompile, ms (cold / warm / to the first mask; median of {args.repeats}):\n")
     print(compile_table(compile_ms, setup))
+    if toolsets:
+        print("\na coding agent's tools, tool_choice \"required\", Qwen3's vocabulary, ms:\n")
+        print(toolset_table(toolsets))
     print(
         f"\nbitmask fill per step, {args.batch} matchers on valid instances, {args.steps} steps:\n"
     )
@@ -821,6 +982,7 @@ def main(args: argparse.Namespace, cfg: Config) -> int:
                 for v, libs in compile_ms.items()
             },
             "mask": {v: {m.mode: m.summary() for m in ms} for v, ms in masks.items()},
+            "toolsets": {k: {n: asdict(t) for n, t in v.items()} for k, v in toolsets.items()},
             "byte_fallback": {
                 v: {lib: asdict(c) | {"passed": c.passed} for lib, c in cs.items()}
                 for v, cs in walks.items()

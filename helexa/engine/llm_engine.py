@@ -33,7 +33,7 @@ from helexa.engine.parallel import destroy_tensor_parallel, init_tensor_parallel
 from helexa.engine.rank_worker import Followers, PoolSize, RankLostError, cpu_threads, placement
 from helexa.engine.sampling_params import SamplingParams
 from helexa.engine.scheduler import Scheduler, SchedulerConfig
-from helexa.engine.sequence import RequestOutput, Sequence, stop_token_ids
+from helexa.engine.sequence import RequestOutput, Sequence
 from helexa.engine.state_manager import StateManager
 from helexa.protocol.wire import DEFAULT_MAX_OUTPUT_TOKENS
 
@@ -258,7 +258,7 @@ class LLMEngine:
         cap = params.max_tokens if params.max_tokens is not None else DEFAULT_MAX_OUTPUT_TOKENS
         matcher = None
         if params.grammar is not None:  # GrammarError (a ValueError) before any work
-            matcher = self.grammars.matcher(params.grammar, stop_token_ids(params, self.tokenizer))
+            matcher = self.grammars.matcher(params.grammar)
         return Sequence(
             ids, params, self.tokenizer, request_id, max_tokens=min(cap, room), matcher=matcher
         )

@@ -260,7 +260,8 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
     """Structured output: in place on logits [N, V], -inf for every token whose bit in
-    bitmask [N, ceil(V / 32)] int32 (bit t % 32 of word t // 32) is clear."""
+    bitmask [N, >= ceil(V / 32)] int32 (bit t % 32 of word t // 32) is clear; words past
+    the logits' width are not read."""
     fn = triton_apply_token_bitmask if uses_triton(logits) else naive_apply_token_bitmask
     fn(logits, bitmask)
 

@@ -3,7 +3,7 @@
 Three steps, each a Triton kernel beside its naive twin:
 
 - `apply_token_bitmask`: structured output's constraint: a row's logits set to -inf where its
-  bitmask (int32 words, bit t % 32 of word t // 32, as xgrammar fills it) has a 0 bit, so
+  bitmask (int32 words, bit t % 32 of word t // 32, as llguidance fills it) has a 0 bit, so
   only the tokens its grammar allows next can be drawn. Rows that are not constrained carry
   all-ones words and pass unchanged.
 - `apply_penalties`: HF's repetition penalty over the tokens a row has seen (prompt and

@@ -10,8 +10,6 @@ path before anything runs, never a constraint silently dropped.
 from __future__ import annotations
 
 import json
-import re
-import re._parser as re_parser  # the widths of patterns
 from dataclasses import dataclass
 from typing import Any, Literal
 from urllib.parse import unquote
@@ -34,11 +32,12 @@ SUPPORTED_FORMATS = (
     "uri",
     "uri-reference",
 )
-# Formats the engine enforces as these patterns rather than its own grammars, which are
-# looser than the validators clients check answers with: calendar dates (29 February only in
-# leap years; no year 0000), times without leap seconds, hostname labels of 1-63 characters
-# and 253 in all (up to 4 labels of any length, or 5-8 labels of up to 30), IPv4 octets
-# without leading zeros. Each admits only strings the format allows; none is wider.
+# Formats the engine enforces as these patterns rather than the grammar engine's own, which
+# are looser than the validators clients check answers with (or, in a Qwen XML call's raw
+# parameters, absent): calendar dates (29 February only in leap years; no year 0000), times
+# without leap seconds, hostname labels of 1-63 characters and 253 in all (up to 4 labels of
+# any length, or 5-8 labels of up to 30), IPv4 octets without leading zeros, UUIDs. Each
+# admits only strings the format allows; none is wider.
 _YEAR = "(?:[1-9][0-9]{3}|0[1-9][0-9]{2}|00[1-9][0-9]|000[1-9])"
 _LEAP_YEAR = "(?:[0-9]{2}(?:0[48]|[2468][048]|[13579][26])|(?:0[48]|[2468][048]|[13579][26])00)"
 _MONTH_DAY = (
@@ -300,12 +299,6 @@ def _features(node: dict[str, Any]) -> list[str]:
     fmt = node.get("format")
     if fmt is not None and fmt not in SUPPORTED_FORMATS:
         found.append(f"'format': {fmt!r}")
-    if isinstance(node.get("pattern"), str) and isinstance(fmt, str):
-        found.append("'pattern' with 'format'")
-    elif not _lengths_hold(node):
-        bounds = " and ".join(repr(k) for k in ("minLength", "maxLength") if k in node)
-        shape = "'pattern'" if "pattern" in node else f"'format': {fmt!r}"
-        found.append(f"{bounds} with {shape} (the engine enforces only the latter)")
     if isinstance(node.get("allOf"), list) and len(node["allOf"]) > 1:
         found.append(f"'allOf' with {len(node['allOf'])} subschemas")
     if isinstance(node.get("items"), list):
@@ -314,40 +307,6 @@ def _features(node: dict[str, Any]) -> list[str]:
     if isinstance(ref, str) and not ref.startswith("#"):
         found.append(f"a remote '$ref' ({ref!r})")
     return found
-
-
-def _lengths_hold(node: dict[str, Any]) -> bool:
-    """Whether a string's minLength/maxLength hold for every string its `pattern` or
-    `format` admits: the engine enforces the pattern or format alone, so bounds are
-    accepted only where they say nothing more (widths from Python's regex parser)."""
-    low, high = node.get("minLength"), node.get("maxLength")
-    if not isinstance(low, int) and not isinstance(high, int):
-        return True
-    pattern = node.get("pattern")
-    if not isinstance(pattern, str):
-        fmt = node.get("format")
-        if not isinstance(fmt, str):
-            return True  # a plain bounded string: enforced as it is
-        pattern = FORMAT_PATTERNS.get(fmt)
-    width = _width(pattern) if pattern is not None else (0, _UNBOUNDED)
-    if width is None:
-        return False
-    return (not isinstance(low, int) or low <= width[0]) and (
-        not isinstance(high, int) or width[1] <= high
-    )
-
-
-_UNBOUNDED = 1 << 62
-
-
-def _width(pattern: str) -> tuple[int, int] | None:
-    """The fewest and most characters a full match of `pattern` has (anchors are
-    zero-width); None when Python cannot parse it."""
-    try:
-        low, high = re_parser.parse(pattern).getwidth()
-    except (re.error, OverflowError, RecursionError, ValueError):
-        return None
-    return low, min(high, _UNBOUNDED)
 
 
 def _check_values(node: dict[str, Any], path: str) -> None:

@@ -188,18 +188,11 @@ def _json_type(value: Any) -> str:
     return "array" if isinstance(value, list) else "object"
 
 
-# A string parameter held to one of these has no leading or trailing whitespace of its own:
-# a constrained XML call may put blanks around it (xgrammar's qwen_xml style allows them).
-_SHAPED_STRING = ("enum", "const", "pattern", "format", "minLength", "maxLength")
-
-
 def coerce_value(raw: str, schema: Any) -> Any:
-    """`raw` as the first type its schema allows that it fits; else `raw` unchanged (but
-    for the blanks around an enum, a const or a pattern, format or length-bounded string)."""
+    """`raw` as the first type its schema allows that it fits; else `raw` unchanged."""
     types = _declared_types(schema)
     if not types or "string" in types[:1]:
-        shaped = isinstance(schema, Mapping) and any(k in schema for k in _SHAPED_STRING)
-        return raw.strip() if shaped else raw
+        return raw
     text = raw.strip()
     for t in types:
         if t == "string":

@@ -10,12 +10,15 @@ import pytest
 from helexa.bench.grammar import (
     LIBRARIES,
     UNICODE_SCHEMA,
+    agent_tools,
     byte_fallback_vocab,
     compile_times,
     library,
     mask_times,
+    qwen3_vocab,
     random_walk_check,
     smollm2_vocab,
+    toolset_times,
 )
 from helexa.bench.schemas import CITY, EXAMPLES, HAND_SCHEMAS
 from helexa.engine.grammar import vocab_type
@@ -112,3 +115,17 @@ def test_a_walk_whose_text_does_not_parse_fails_the_check(byte_fallback):
     assert not check.passed
     assert check.num_same_text == 2 and check.num_valid == 0
     assert all("not JSON" in f or "invalid" in f for f in check.failures)
+
+
+@pytest.mark.parametrize("lib_name", LIBRARIES)
+@pytest.mark.parametrize("xml", [False, True], ids=["hermes", "xml"])
+def test_a_tool_set_is_built_and_masked_by_each_library(lib_name, xml):
+    vocab = qwen3_vocab(None)
+    if vocab is None:
+        pytest.skip("shared fixtures absent")
+    found = agent_tools(None)
+    assert found is not None, "the captured Claude Code requests are in the fixtures"
+    name, tools = found
+    assert len(tools) > 10, name
+    times = toolset_times(library(lib_name, vocab, threads=1), tools[:3], xml=xml)
+    assert times.tools == 3 and min(times.write_ms, times.build_ms, times.first_mask_ms) > 0
