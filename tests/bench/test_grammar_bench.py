@@ -129,3 +129,27 @@ def test_a_tool_set_is_built_and_masked_by_each_library(lib_name, xml):
     assert len(tools) > 10, name
     times = toolset_times(library(lib_name, vocab, threads=1), tools[:3], xml=xml)
     assert times.tools == 3 and min(times.write_ms, times.build_ms, times.first_mask_ms) > 0
+
+
+def test_the_decode_overhead_is_the_median_of_each_rounds_own_ratio():
+    from helexa.bench.grammar import DecodeRun, decode_summary
+
+    def run(mode, tok_s, sample_s=0.0, accept_s=0.0):
+        r = DecodeRun(mode, full_tokens=int(tok_s * 10), full_s=10.0, all_s=10.0, num_steps=100)
+        r.num_output_tokens, r.sample_s, r.accept_s = [128], sample_s, accept_s
+        return r
+
+    # the machine drifts from round to round; within a round, constrained is 5% slower
+    runs = []
+    for base in (100.0, 80.0, 120.0):
+        runs += [
+            run("unconstrained", base, sample_s=0.1),
+            run("json_schema", base * 0.95, sample_s=0.3, accept_s=0.05),
+            run("json_object", base * 0.9, sample_s=0.2),
+        ]
+    summary = decode_summary(runs)
+    assert summary["json_schema"]["overhead_pct"] == pytest.approx(5.0)
+    assert summary["json_object"]["overhead_pct"] == pytest.approx(10.0)
+    # per step: (0.3 - 0.1) s of sampling and 0.05 s of accepting over 100 steps of 0.1 s
+    assert summary["json_schema"]["grammar_ms_per_step"] == pytest.approx(2.5)
+    assert summary["json_schema"]["grammar_pct_of_step"] == pytest.approx(2.5)

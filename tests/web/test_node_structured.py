@@ -391,3 +391,28 @@ def test_smollm2_answers_the_capital_of_france_as_the_json_asked_for(tmp_path):
         assert json.loads(choice["message"]["content"]) == {"city": "Paris"}
     finally:
         node.stop()
+
+
+def test_a_strict_xml_parameter_with_a_format_the_engine_cannot_spell_raw_is_a_400(
+    tool_node, tool_models
+):
+    """Qwen XML writes strings raw: `email` has no raw pattern here, so a strict tool asking
+    for one is refused, naming it; the same tool in Hermes JSON is held to it."""
+    schema = {
+        "type": "object",
+        "properties": {"to": {"type": "string", "format": "email"}},
+        "required": ["to"],
+        "additionalProperties": False,
+    }
+    body = {
+        "messages": [{"role": "user", "content": "Mail Bob."}],
+        "tools": [function_tool("send", schema, strict=True)],
+        "tool_choice": "required",
+        "max_tokens": 8,
+    }
+    r = tool_node.post("/v1/chat/completions", {"model": tool_models["xml"], **body})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == "tools" and "format 'email'" in error["message"], error
+    r = tool_node.post("/v1/chat/completions", {"model": tool_models["hermes"], **body})
+    assert r.status_code == 200, r.text
