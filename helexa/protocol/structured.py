@@ -36,8 +36,9 @@ SUPPORTED_FORMATS = (
 # are looser than the validators clients check answers with (or, in a Qwen XML call's raw
 # parameters, absent): calendar dates (29 February only in leap years; no year 0000), times
 # without leap seconds, hostname labels of 1-63 characters and 253 in all (up to 4 labels of
-# any length, or 5-8 labels of up to 30), IPv4 octets without leading zeros, UUIDs. Each
-# admits only strings the format allows; none is wider.
+# any length, or 5-8 labels of up to 30), IPv4 octets without leading zeros, UUIDs, e-mail
+# addresses as dot-atoms at a hostname, RFC 3986 URIs and references (IP-literal hosts left
+# out). Each admits only strings the format allows; none is wider.
 _YEAR = "(?:[1-9][0-9]{3}|0[1-9][0-9]{2}|00[1-9][0-9]|000[1-9])"
 _LEAP_YEAR = "(?:[0-9]{2}(?:0[48]|[2468][048]|[13579][26])|(?:0[48]|[2468][048]|[13579][26])00)"
 _MONTH_DAY = (
@@ -59,6 +60,25 @@ _HOSTNAME = (
     f"|{_label(30)}(?:\\.{_label(30)}){{4,7}})"
 )
 _OCTET = "(?:25[0-5]|2[0-4][0-9]|1[0-9]{2}|[1-9]?[0-9])"
+# RFC 5322's dot-atom local part (no quoted strings) at a hostname
+_ATOM = "[A-Za-z0-9!#$%&'*+/=?^_`{|}~-]+"
+_EMAIL = f"{_ATOM}(?:\\.{_ATOM})*@{_label(63).replace('a-z', 'A-Za-z')}" + (
+    f"(?:\\.{_label(63).replace('a-z', 'A-Za-z')})*"
+)
+# RFC 3986 (IP-literal hosts left out): a URI, and a reference that may also be relative
+_PCT = "%[0-9A-Fa-f]{2}"
+_PCHAR = f"(?:[A-Za-z0-9._~!$&'()*+,;=:@-]|{_PCT})"
+_NC_PCHAR = f"(?:[A-Za-z0-9._~!$&'()*+,;=@-]|{_PCT})"  # no colon: a relative path's start
+_QUERY = f"(?:\\?(?:{_PCHAR}|[/?])*)?(?:#(?:{_PCHAR}|[/?])*)?"
+_AUTHORITY = (
+    f"//(?:(?:[A-Za-z0-9._~!$&'()*+,;=:-]|{_PCT})*@)?(?:[A-Za-z0-9._~!$&'()*+,;=-]|{_PCT})*"
+    f"(?::[0-9]*)?(?:/{_PCHAR}*)*"
+)
+_ABSOLUTE_PATH = f"/(?:{_PCHAR}+(?:/{_PCHAR}*)*)?"
+_URI = (
+    f"[A-Za-z][A-Za-z0-9+.-]*:(?:{_AUTHORITY}|{_ABSOLUTE_PATH}|{_PCHAR}+(?:/{_PCHAR}*)*)?" + _QUERY
+)
+_RELATIVE = f"(?:{_AUTHORITY}|{_ABSOLUTE_PATH}|{_NC_PCHAR}+(?:/{_PCHAR}*)*)?{_QUERY}"
 FORMAT_PATTERNS = {
     "date": f"^{_DATE}$",
     "time": f"^{_TIME}$",
@@ -66,6 +86,9 @@ FORMAT_PATTERNS = {
     "hostname": f"^{_HOSTNAME}$",
     "ipv4": f"^{_OCTET}(?:\\.{_OCTET}){{3}}$",
     "uuid": "^[0-9a-fA-F]{8}(?:-[0-9a-fA-F]{4}){3}-[0-9a-fA-F]{12}$",
+    "email": f"^{_EMAIL}$",
+    "uri": f"^{_URI}$",
+    "uri-reference": f"^(?:{_URI}|{_RELATIVE})$",
 }
 SUPPORTED_KEYWORDS = (
     "type",

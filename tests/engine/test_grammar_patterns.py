@@ -130,14 +130,14 @@ def test_formats_become_their_patterns():
             "type": "object",
             "properties": {
                 "d": {"type": "string", "format": "date", "maxLength": 10},
-                "e": {"type": "string", "format": "email"},
+                "e": {"type": "string", "format": "ipv6"},
                 "p": {"type": "string", "format": "date", "pattern": "^2"},
             },
         }
     )
     d, e, p = (schema["properties"][k] for k in "dep")
     assert d == {"type": "string", "pattern": FORMAT_PATTERNS["date"], "maxLength": 10}
-    assert e == {"type": "string", "format": "email"}  # the grammar engine's own
+    assert e == {"type": "string", "format": "ipv6"}  # the grammar engine's own
     assert p == {"type": "string", "pattern": "^2", "allOf": [{"pattern": FORMAT_PATTERNS["date"]}]}
 
 
@@ -146,3 +146,29 @@ def test_a_grammar_the_engine_cannot_build_is_a_grammar_error():
         check(_string({"pattern": "("}))
     with pytest.raises(GrammarError):
         check(OutputGrammar.lark("start: nowhere\n"))
+
+
+@pytest.mark.parametrize("fmt", list(FORMAT_PATTERNS))
+def test_every_string_a_format_pattern_admits_is_that_format(fmt):
+    """The patterns only narrow: what they admit passes jsonschema's own format checker
+    (its format extra: fqdn, rfc3339-validator, rfc3987)."""
+    import jsonschema
+
+    checker = jsonschema.Draft202012Validator.FORMAT_CHECKER
+    assert fmt in checker.checkers, f"no checker for {fmt}: install jsonschema[format]"
+
+    @settings(
+        max_examples=200, derandomize=True, deadline=None, suppress_health_check=list(HealthCheck)
+    )
+    @given(st.from_regex(FORMAT_PATTERNS[fmt], fullmatch=True))
+    def check_draws(text: str) -> None:
+        assert checker.conforms(text, fmt), f"{fmt} pattern admits {text!r}"
+
+    check_draws()
+
+
+def test_every_format_the_protocol_accepts_the_engine_builds():
+    from helexa.protocol.structured import SUPPORTED_FORMATS
+
+    for fmt in SUPPORTED_FORMATS:
+        check(_string({"format": fmt}))

@@ -396,11 +396,11 @@ def test_smollm2_answers_the_capital_of_france_as_the_json_asked_for(tmp_path):
 def test_a_strict_xml_parameter_with_a_format_the_engine_cannot_spell_raw_is_a_400(
     tool_node, tool_models
 ):
-    """Qwen XML writes strings raw: `email` has no raw pattern here, so a strict tool asking
+    """Qwen XML writes strings raw: `ipv6` has no raw pattern here, so a strict tool asking
     for one is refused, naming it; the same tool in Hermes JSON is held to it."""
     schema = {
         "type": "object",
-        "properties": {"to": {"type": "string", "format": "email"}},
+        "properties": {"to": {"type": "string", "format": "ipv6"}},
         "required": ["to"],
         "additionalProperties": False,
     }
@@ -413,6 +413,6 @@ def test_a_strict_xml_parameter_with_a_format_the_engine_cannot_spell_raw_is_a_4
     r = tool_node.post("/v1/chat/completions", {"model": tool_models["xml"], **body})
     assert r.status_code == 400, r.text
     error = r.json()["error"]
-    assert error["param"] == "tools" and "format 'email'" in error["message"], error
+    assert error["param"] == "tools" and "format 'ipv6'" in error["message"], error
     r = tool_node.post("/v1/chat/completions", {"model": tool_models["hermes"], **body})
     assert r.status_code == 200, r.text
