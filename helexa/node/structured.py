@@ -33,7 +33,7 @@ from helexa.engine.grammar import ANY_OBJECT, GrammarError, OutputGrammar, check
 from helexa.errors import invalid_request
 from helexa.node.served import ServedModel
 from helexa.protocol.openai import ChatCompletionRequest, CompletionRequest, Tool
-from helexa.protocol.structured import FORMAT_PATTERNS, ResponseFormat
+from helexa.protocol.structured import FORMAT_PATTERNS, ResponseFormat, ref_target
 
 PARAMETER_END = "\n</parameter>\n"
 
@@ -255,17 +255,16 @@ def _free_string(lark: _Lark) -> str:
 
 
 def _resolve(root: dict[str, Any], schema: Any) -> Any:
-    """`schema` with its local `$ref` followed (a few levels: a ref to a ref)."""
+    """`schema` with its local `$ref` followed (a few levels: a ref to a ref). A strict
+    tool's refs were checked (`check_schema`); a lenient one's may point nowhere."""
     for _ in range(8):
         if not (isinstance(schema, dict) and isinstance(schema.get("$ref"), str)):
             return schema
         ref = schema["$ref"]
-        node: Any = root
-        for token in ref.lstrip("#/").split("/") if ref != "#" else []:
-            token = token.replace("~1", "/").replace("~0", "~")
-            node = node.get(token) if isinstance(node, dict) else None
-        if node is None:
-            raise GrammarError(f"{ref!r} points nowhere in the schema")
+        try:
+            node = ref_target(root, ref)
+        except LookupError:
+            raise GrammarError(f"{ref!r} points nowhere in the schema") from None
         rest = {k: v for k, v in schema.items() if k != "$ref"}
         schema = {**node, **rest} if isinstance(node, dict) else node
     return schema

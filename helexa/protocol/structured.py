@@ -51,8 +51,8 @@ _HOUR_MINUTE = "(?:[01][0-9]|2[0-3]):[0-5][0-9]"
 _TIME = f"{_HOUR_MINUTE}:[0-5][0-9](?:\\.[0-9]{{1,9}})?(?:Z|[+-]{_HOUR_MINUTE})"
 
 
-def _label(most: int) -> str:
-    return f"[a-z0-9](?:[a-z0-9-]{{0,{most - 2}}}[a-z0-9])?"
+def _label(most: int, chars: str = "a-z0-9") -> str:
+    return f"[{chars}](?:[{chars}-]{{0,{most - 2}}}[{chars}])?"
 
 
 _HOSTNAME = (
@@ -62,9 +62,8 @@ _HOSTNAME = (
 _OCTET = "(?:25[0-5]|2[0-4][0-9]|1[0-9]{2}|[1-9]?[0-9])"
 # RFC 5322's dot-atom local part (no quoted strings) at a hostname
 _ATOM = "[A-Za-z0-9!#$%&'*+/=?^_`{|}~-]+"
-_EMAIL = f"{_ATOM}(?:\\.{_ATOM})*@{_label(63).replace('a-z', 'A-Za-z')}" + (
-    f"(?:\\.{_label(63).replace('a-z', 'A-Za-z')})*"
-)
+_DOMAIN_LABEL = _label(63, "A-Za-z0-9")
+_EMAIL = f"{_ATOM}(?:\\.{_ATOM})*@{_DOMAIN_LABEL}(?:\\.{_DOMAIN_LABEL})*"
 # RFC 3986 (IP-literal hosts left out): a URI, and a reference that may also be relative
 _PCT = "%[0-9A-Fa-f]{2}"
 _PCHAR = f"(?:[A-Za-z0-9._~!$&'()*+,;=:@-]|{_PCT})"
@@ -373,6 +372,18 @@ def _resolve(root: dict[str, Any], ref: str, path: str) -> object:
         raise invalid_request(
             f"{path}: {ref!r} is not a '#/...' JSON pointer (anchors are not supported)", path
         )
+    try:
+        node = ref_target(root, ref)
+    except LookupError:
+        raise invalid_request(f"{path}: {ref!r} points nowhere in the schema", path) from None
+    if not isinstance(node, dict | bool):
+        raise invalid_request(f"{path}: {ref!r} points at something that is not a schema", path)
+    return node
+
+
+def ref_target(root: dict[str, Any], ref: str) -> object:
+    """What the local JSON pointer `ref` (`#`, `#/$defs/Name`, percent- and ~-escaped) names
+    in `root`; LookupError when nothing does."""
     node: object = root
     for token in _pointer_tokens(ref):
         if isinstance(node, dict) and token in node:
@@ -380,9 +391,7 @@ def _resolve(root: dict[str, Any], ref: str, path: str) -> object:
         elif isinstance(node, list) and token.isdigit() and int(token) < len(node):
             node = node[int(token)]
         else:
-            raise invalid_request(f"{path}: {ref!r} points nowhere in the schema", path)
-    if not isinstance(node, dict | bool):
-        raise invalid_request(f"{path}: {ref!r} points at something that is not a schema", path)
+            raise LookupError(ref)
     return node
 
 
@@ -424,4 +433,5 @@ __all__ = [
     "check_schema",
     "parse_request_format",
     "parse_response_format",
+    "ref_target",
 ]
