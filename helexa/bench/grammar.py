@@ -314,9 +314,7 @@ class LLGuidance:
         return self._build(grammar, cold=cold)
 
     def matcher(self, compiled: Any) -> Any:
-        from helexa.engine.grammar import Matcher
-
-        return Matcher(compiled._m.deep_copy(), self.vocab.size)
+        return compiled.copy()
 
     def fill(self, matchers: list, bitmask: torch.Tensor) -> None:
         for row, m in enumerate(matchers):
@@ -337,7 +335,7 @@ class LLGuidance:
         return self._compiler.tokenizer.decode_bytes(ids)
 
     def reset(self, m: Any) -> None:
-        m._m.reset()
+        m.reset()
 
 
 Library = XGrammar | LLGuidance

@@ -89,13 +89,12 @@ _SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
 
 
 def json_safe(schema: Any, *, close: bool = True) -> Any:
-    """`schema` closed (an object with `properties` takes no others unless it says so; an
-    array with `prefixItems`, no more items), and each format of `FORMAT_PATTERNS` written
-    as its pattern (calendar dates,
-    times without leap seconds: llguidance's own formats are looser than the validators
-    clients check answers with); beside a pattern of the string's own, in an `allOf`, which
-    llguidance intersects with it. The strings allowed still satisfy the schema as given:
-    this only narrows them."""
+    """`schema` as the engine enforces it: closed (an object with `properties` takes no
+    others unless it says so; an array with `prefixItems`, no more items), and each format
+    of `FORMAT_PATTERNS` written as its pattern (llguidance's own formats are looser than
+    the validators clients check answers with), in an `allOf` beside a pattern the string
+    has of its own, which llguidance intersects with it. What it allows still satisfies the
+    schema as given: this only narrows it."""
     if not isinstance(schema, dict):
         return schema
     out = dict(schema)
@@ -228,9 +227,9 @@ class GrammarCompiler:
 
     def matcher(self, grammar: OutputGrammar) -> Matcher:
         """A fresh matcher for one sequence."""
-        start = self.compile(grammar)
+        start = Matcher(self.compile(grammar), self.vocab_size)
         with self._lock:
-            return Matcher(start.deep_copy(), self.vocab_size)
+            return start.copy()
 
 
 class Matcher:
@@ -239,6 +238,14 @@ class Matcher:
     def __init__(self, matcher: llguidance.LLMatcher, vocab_size: int) -> None:
         self._m = matcher
         self.vocab_size = vocab_size
+
+    def copy(self) -> Matcher:
+        """An independent matcher at the same place."""
+        return Matcher(self._m.deep_copy(), self.vocab_size)
+
+    def reset(self) -> None:
+        """Back to the start of the grammar."""
+        self._m.reset()
 
     def accept(self, token_id: int) -> bool:
         """Advance past `token_id`; False when the grammar forbids it (the matcher is then

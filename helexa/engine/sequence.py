@@ -51,14 +51,6 @@ class RequestOutput:
         return len(self.prompt_token_ids)
 
 
-def stop_token_ids(params: SamplingParams, tokenizer: Tokenizer) -> set[int]:
-    """The tokens that end a sequence: its stop_token_ids, and eos unless ignore_eos."""
-    ids = set(params.stop_token_ids)
-    if not params.ignore_eos:
-        ids |= tokenizer.eos_token_ids
-    return ids
-
-
 class GrammarViolationError(RuntimeError):
     """A sampled token its grammar does not allow: the bitmask was not applied to its row."""
 
@@ -110,7 +102,9 @@ class Sequence:
         self.num_emitted_tokens = 0  # for deltas
         self.num_emitted_chars = 0
         self.num_emitted_logprobs = 0
-        self._stop_ids = stop_token_ids(params, tokenizer)
+        self._stop_ids = set(params.stop_token_ids)
+        if not params.ignore_eos:
+            self._stop_ids |= tokenizer.eos_token_ids
         # structured output: where the output stands in its grammar (None: unconstrained)
         self.matcher = matcher
 
