@@ -46,6 +46,12 @@ def _chat(node, body: dict) -> dict:
     return r.json()
 
 
+def _sampled(model: str, **fields) -> dict:
+    """A chat body asking the random model for N answers at temperature 1."""
+    body = {"model": model, "messages": ASK, "n": N, "max_tokens": MAX_TOKENS, "temperature": 1}
+    return body | fields
+
+
 def _check_choices(choices: list[tuple[str, str]], schema: dict) -> int:
     """Each (finish_reason, text) that stopped validates, the others were cut by length;
     returns how many stopped."""
@@ -65,18 +71,7 @@ def _check_choices(choices: list[tuple[str, str]], schema: dict) -> int:
 @pytest.mark.parametrize("name", list(SCHEMAS))
 def test_json_schema_answers_validate_on_random_weights(node, tiny_id, name):
     schema = SCHEMAS[name]
-    out = _chat(
-        node,
-        {
-            "model": tiny_id,
-            "messages": ASK,
-            "n": N,
-            "max_tokens": MAX_TOKENS,
-            "temperature": 1,
-            "seed": 7,
-            "response_format": response_format(schema),
-        },
-    )
+    out = _chat(node, _sampled(tiny_id, seed=7, response_format=response_format(schema)))
     choices = [(c["finish_reason"], c["message"]["content"]) for c in out["choices"]]
     assert len(choices) == N
     # bounded schemas: a random model finishes most of them
@@ -85,28 +80,14 @@ def test_json_schema_answers_validate_on_random_weights(node, tiny_id, name):
 
 def test_unconstrained_the_random_model_is_gibberish(node, tiny_id):
     """The premise: free, the same model at temperature 1 does not write JSON."""
-    out = _chat(
-        node,
-        {"model": tiny_id, "messages": ASK, "n": N, "max_tokens": 40, "temperature": 1},
-    )
+    out = _chat(node, _sampled(tiny_id, max_tokens=40))
     for c in out["choices"]:
         with pytest.raises(ValueError):
             json.loads(c["message"]["content"])
 
 
 def test_json_object_answers_are_json_objects(node, tiny_id):
-    out = _chat(
-        node,
-        {
-            "model": tiny_id,
-            "messages": ASK,
-            "n": N,
-            "max_tokens": MAX_TOKENS,
-            "temperature": 1,
-            "seed": 3,
-            "response_format": {"type": "json_object"},
-        },
-    )
+    out = _chat(node, _sampled(tiny_id, seed=3, response_format={"type": "json_object"}))
     for c in out["choices"]:
         if c["finish_reason"] == "stop":
             assert isinstance(json.loads(c["message"]["content"]), dict), c
@@ -142,16 +123,7 @@ def test_completions_answers_validate(node, tiny_id, how):
 
 def test_streamed_deltas_concatenate_to_a_valid_answer(node, tiny_id):
     schema = SCHEMAS["nested"]
-    body = {
-        "model": tiny_id,
-        "messages": ASK,
-        "n": N,
-        "max_tokens": MAX_TOKENS,
-        "temperature": 1,
-        "seed": 5,
-        "stream": True,
-        "response_format": response_format(schema),
-    }
+    body = _sampled(tiny_id, seed=5, stream=True, response_format=response_format(schema))
     texts: dict[int, str] = {}
     finishes: dict[int, str] = {}
     with httpx.stream("POST", node.v1 + "/chat/completions", json=body, timeout=120) as r:
