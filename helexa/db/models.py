@@ -1,6 +1,6 @@
 """The gateway's durable state: accounts, keys, budgets, the spend ledger, the catalogue.
 
-Every schema change is an Alembic revision in `migrations/`; tests build the schema with
+Every schema change is an Alembic revision in `helexa/db/migrations/`; tests build the schema with
 `alembic upgrade head`, never `create_all`.
 """
 

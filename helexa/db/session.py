@@ -4,7 +4,8 @@ SQLite (the default) gets WAL, a busy timeout and enforced foreign keys on every
 connection. PostgreSQL is reached through psycopg 3 (`pip install 'helexa[postgres]'`): a
 plain `postgresql://` URL is read as `postgresql+psycopg://`, and connections give up after
 a few seconds when the server cannot be reached. Any other SQLAlchemy URL passes through.
-The schema is Alembic's (`migrations/` at the repository root), run here programmatically.
+The schema is Alembic's (`helexa/db/migrations/`, shipped in the wheel), run here
+programmatically.
 
 Alembic is imported when a migration runs, with its logger at WARNING: it announces each
 of its plugins at INFO on import, which would top every gateway start-up log.
@@ -22,13 +23,12 @@ from sqlalchemy import URL, Connection, Engine, create_engine, event, make_url
 from sqlalchemy.orm import Session, sessionmaker
 from sqlalchemy.pool import StaticPool
 
-import helexa
 from helexa.config import Config
 
 if TYPE_CHECKING:
     from alembic.config import Config as AlembicConfig
 
-MIGRATIONS_DIR = Path(helexa.__file__).resolve().parents[1] / "migrations"
+MIGRATIONS_DIR = Path(__file__).resolve().parent / "migrations"  # in the wheel too
 SQLITE_PRAGMAS = (
     "PRAGMA journal_mode=WAL",  # readers never block the ledger writer
     "PRAGMA busy_timeout=5000",
