@@ -321,6 +321,21 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_grammar_arguments(grammar_bench)
     grammar_bench.set_defaults(func=bench_grammar)
+    from helexa.bench import harness
+
+    run_bench = bench_sub.add_parser(
+        "run",
+        help="the SPEC's scenarios against any OpenAI-compatible server, kept in the database",
+    )
+    _add_config_arg(run_bench)
+    harness.add_run_arguments(run_bench)
+    run_bench.set_defaults(func=harness.main_run)
+    report_bench = bench_sub.add_parser(
+        "report", help="Markdown table of the latest bench figures, with the change per build"
+    )
+    _add_config_arg(report_bench)
+    harness.add_report_arguments(report_bench)
+    report_bench.set_defaults(func=harness.main_report)
 
     serve = sub.add_parser("serve", help="run the node's or the gateway's HTTP service")
     _add_config_arg(serve)

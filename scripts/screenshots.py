@@ -1,8 +1,9 @@
 """`python scripts/screenshots.py`: the admin console's pages as PNGs in docs/screenshots/.
 
 Starts a real node (the bundled SmolLM2-135M) and a real gateway in front of it on a
-temporary database seeded with a few keys and a week of ledger rows, sends a few real
-requests, then photographs every page with Playwright and Debian chromium at desktop width,
+temporary database seeded with a few keys, a week of ledger rows and five builds' worth of
+bench history for two targets, sends a few real requests and runs a real quick `helexa bench
+run` against the node, then photographs every page with Playwright and Debian chromium at desktop width,
 and the Keys and Spend pages at phone width (390 px). Both processes stop at the end.
 """
 
@@ -27,6 +28,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.admin_spend import free_port, insert_ledger_rows  # noqa: E402
+from helexa.bench import history as bh  # noqa: E402
 from helexa.db.session import make_engine, session_factory, upgrade  # noqa: E402
 from helexa.gateway.keys import KeyStore  # noqa: E402
 
@@ -84,13 +86,59 @@ def seed(db: Path) -> None:
             )
         )
     insert_ledger_rows(db, rows)
+    seed_bench(db, rng)
+
+
+def seed_bench(db: Path, rng: random.Random) -> None:
+    """Five builds of a GPU node and of a llama-server beside it, three samples a cell."""
+    engine = make_engine(f"sqlite:///{db}")
+    sessions = session_factory(engine)
+    start = datetime.now(UTC) - timedelta(days=10)
+    for b in range(5):
+        for target, speed in (("gpu-a", 1.0 + 0.08 * b), ("llama-server", 0.95)):
+            sha = f"{rng.getrandbits(160):040x}" if target == "gpu-a" else f"b{4100 + b}"
+            build = bh.Build(sha, False)
+            run = bh.start_run(
+                sessions,
+                target=target,
+                target_url="http://gpu-a:13131/v1",
+                build=build,
+                build_info=None,
+                host="bench",
+                quick=False,
+            )
+            for i in range(3):
+                ts = start + timedelta(days=2 * b, minutes=i)
+                jitter = rng.uniform(0.97, 1.03)
+                for scenario, prompt, c, metrics in (
+                    ("chat-128", 128, 1, {"ttft_ms": 38 / speed, "decode_tok_s": 92 * speed}),
+                    ("chat-4096", 4096, 1, {"ttft_ms": 610 / speed, "decode_tok_s": 85 * speed}),
+                    ("throughput-c16", 128, 16, {"tok_s": 980 * speed, "latency_ms": 2100 / speed}),
+                ):
+                    bh.record_sample(
+                        sessions,
+                        run,
+                        ts=ts,
+                        target=target,
+                        sha=sha,
+                        dirty=False,
+                        model="Qwen/Qwen3-8B",
+                        scenario=scenario,
+                        concurrency=c,
+                        requests=2 * c,
+                        prompt_tokens=prompt,
+                        completion_tokens=256 * c,
+                        wall_s=10.0,
+                        **{k: v * jitter for k, v in metrics.items()},
+                    )
+    engine.dispose()
 
 
 def start(tmp: Path) -> tuple[list[subprocess.Popen], str]:
     node_port, port, mport = free_port(), free_port(), free_port()
     cfg = tmp / "helexa.toml"
     cfg.write_text(
-        f'[node]\nlisten = "127.0.0.1:{node_port}"\nstate_dir = "{tmp}"\n'
+        f'[node]\nlisten = "127.0.0.1:{node_port}"\nstate_dir = "{tmp}"\nper_principal_max = 0\n'
         f"[engine]\nkv_cache_memory_mb = 64\n"
         f'[gateway]\nlisten = "127.0.0.1:{port}"\nmetrics_listen = "127.0.0.1:{mport}"\n'
         f'database_url = "sqlite:///{tmp / "helexa.db"}"\npoll_interval_s = 1.0\n'
@@ -118,6 +166,11 @@ def start(tmp: Path) -> tuple[list[subprocess.Popen], str]:
     raise TimeoutError((tmp / "node.log").read_text()[-2000:] + (tmp / "gateway.log").read_text())
 
 
+def procs_node_url(tmp: Path) -> str:
+    listen = re.search(r'listen = "([^"]+)"', (tmp / "helexa.toml").read_text())[1]
+    return f"http://{listen}/v1"
+
+
 def main() -> int:
     chromium = shutil.which("chromium") or shutil.which("chromium-browser")
     if chromium is None:
@@ -135,6 +188,10 @@ def main() -> int:
                     json={"model": BUNDLED, "messages": [{"role": "user", "content": "Hi"}]},
                     timeout=120,
                 )
+            bench = [sys.executable, "-m", "helexa.cli", "bench", "run", "--quick"]
+            bench += ["--target", procs_node_url(tmp), "--target-name", "gpu-a"]
+            bench += ["--scenario", "chat-128,throughput-c4", "--config", str(tmp / "helexa.toml")]
+            subprocess.run(bench, check=True, timeout=600)
             shoot(chromium, base)
         finally:
             for p in procs:
@@ -175,6 +232,8 @@ def shoot(chromium: str, base: str) -> None:
         if key:
             page.goto(f"/admin/spend?key={key[0]}&since=7d")
             page.screenshot(path=OUT / "spend-filtered.png", full_page=True)
+        page.goto("/admin/bench")
+        page.screenshot(path=OUT / "bench.png", full_page=True)
         page.set_viewport_size({"width": 390, "height": 844})
         page.goto("/admin/spend?since=7d")
         page.screenshot(path=OUT / "spend-phone.png", full_page=True)

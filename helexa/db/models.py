@@ -1,7 +1,8 @@
-"""The gateway's durable state: accounts, keys, budgets, the spend ledger, the catalogue.
+"""The gateway's durable state: accounts, keys, budgets, the spend ledger, the catalogue, bench
+history.
 
-Every schema change is an Alembic revision in `helexa/db/migrations/`; tests build the schema with
-`alembic upgrade head`, never `create_all`.
+Every schema change is an Alembic revision in `helexa/db/migrations/`; tests build the
+schema with `alembic upgrade head`, never `create_all`.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from datetime import UTC, datetime
 from sqlalchemy import (
     JSON,
     BigInteger,
+    Boolean,
     DateTime,
     Float,
     ForeignKey,
@@ -203,3 +205,50 @@ class Setting(Base):
     updated_at: Mapped[datetime] = mapped_column(
         DateTime(timezone=True), default=utcnow, server_default=func.now()
     )
+
+
+class BenchRun(Base):
+    """One `helexa bench run` against one target: the build it found there, and when."""
+
+    __tablename__ = "bench_runs"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    target: Mapped[str] = mapped_column(String(200), index=True)  # --target-name
+    target_url: Mapped[str] = mapped_column(String(1000))
+    sha: Mapped[str] = mapped_column(String(100))  # the target's git sha, or its version
+    dirty: Mapped[bool] = mapped_column(Boolean, default=False)
+    build: Mapped[dict | None] = mapped_column(JSON)  # the target's /version body, as read
+    host: Mapped[str] = mapped_column(String(200))  # the machine that ran the bench
+    quick: Mapped[bool] = mapped_column(Boolean, default=False)
+    started_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    finished_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+
+
+class BenchSample(Base):
+    """One measurement of one scenario: a single streamed chat for the latency scenarios,
+    one round of concurrent requests for the throughput ones. A metric a scenario does not
+    measure is NULL. (target, sha, dirty, model, scenario) is the cell `--samples` counts."""
+
+    __tablename__ = "bench_samples"
+    __table_args__ = (
+        Index("ix_bench_samples_cell", "target", "model", "scenario", "sha", "dirty"),
+    )
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    run_id: Mapped[int] = mapped_column(ForeignKey("bench_runs.id"), index=True)
+    ts: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    target: Mapped[str] = mapped_column(String(200))
+    sha: Mapped[str] = mapped_column(String(100))
+    dirty: Mapped[bool] = mapped_column(Boolean, default=False)
+    model: Mapped[str] = mapped_column(String(500))
+    scenario: Mapped[str] = mapped_column(String(100))
+    concurrency: Mapped[int] = mapped_column(Integer, default=1)
+    requests: Mapped[int] = mapped_column(Integer, default=1)
+    prompt_tokens: Mapped[int] = mapped_column(Integer)  # per request, as the target counted
+    completion_tokens: Mapped[int] = mapped_column(Integer)  # all requests together
+    ttft_ms: Mapped[float | None] = mapped_column(Float)  # median over the requests
+    decode_tok_s: Mapped[float | None] = mapped_column(Float)  # one stream's decode rate
+    tok_s: Mapped[float | None] = mapped_column(Float)  # completion tokens / wall time
+    req_s: Mapped[float | None] = mapped_column(Float)
+    latency_ms: Mapped[float | None] = mapped_column(Float)  # median request latency
+    wall_s: Mapped[float] = mapped_column(Float)

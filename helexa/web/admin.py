@@ -28,6 +28,7 @@ from litestar.template import TemplateConfig
 from helexa.gateway.admin_auth import AdminSession, csrf_ok
 from helexa.gateway.service import Gateway
 from helexa.logs import event
+from helexa.web.admin_bench import BENCH_HANDLERS
 from helexa.web.admin_common import (
     PREFIX,
     STATIC_DIR,
@@ -269,6 +270,7 @@ def admin_router() -> Router:
             *MODEL_HANDLERS,
             *KEY_HANDLERS,
             *SPEND_HANDLERS,
+            *BENCH_HANDLERS,
         ],
         before_request=_gate,
         after_request=_secure_headers,

@@ -4,14 +4,20 @@ model, the ledger, CSRF refusals, escaping, phone width and the keyboard."""
 
 from __future__ import annotations
 
+import json
+import os
 import re
 import shutil
 import signal
+import subprocess
+import sys
 import time
 
 import httpx
 import pytest
 
+from helexa.bench import history as bh
+from helexa.db.session import make_engine, session_factory
 from helexa.passwords import hash_password
 from tests.gateway.gateway_proc import start_gateway
 from tests.web.node_proc import start_node
@@ -334,7 +340,93 @@ def _ledger_rows(page, key_id: str) -> list[str]:
     return rows if len(rows) == 3 and all(key_id in r for r in rows) else []
 
 
-@pytest.mark.parametrize("path", ["/admin/fleet", "/admin/models", "/admin/keys", "/admin/spend"])
+def bench(gw, tmp_path, *argv: str) -> subprocess.CompletedProcess:
+    """`helexa bench …` on the gateway's database, as an operator runs it."""
+    config = tmp_path / "bench.toml"
+    config.write_text(f"[gateway]\ndatabase_url = {json.dumps(gw.database_url)}\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HELEXA_")}
+    cmd = [sys.executable, "-m", "helexa.cli", "bench", *argv, "--config", str(config)]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+
+
+def test_bench_runs_against_the_node_skip_what_they_have_and_the_console_charts_them(
+    page, fleet, scripted_id, tmp_path
+):
+    gw, node = fleet
+    build = node.get("/version").json()
+    label = build["git_sha"][:12] + ("+dirty" if build["git_dirty"] else "")
+    argv = ["run", "--target", node.v1, "--target-name", "n1", "--model", scripted_id]
+    argv += ["--quick", "--scenario", "chat-128,throughput-c4"]
+    first = bench(gw, tmp_path, *argv)
+    assert first.returncode == 0, first.stdout + first.stderr
+    assert f"at build {label}" in first.stdout
+    assert f"chat-128-quick · {scripted_id}: TTFT ms" in first.stdout
+    assert f"(1 of 1 samples at {label})" in first.stdout
+    second = bench(gw, tmp_path, *argv)
+    assert second.returncode == 0, second.stdout + second.stderr
+    for scenario in ("chat-128-quick", "throughput-c4-quick"):
+        assert (
+            f"skip {scenario} · {scripted_id}: 1 of 1 samples at {label} already" in second.stdout
+        )
+    assert "nothing to do" in second.stdout
+    report = bench(gw, tmp_path, "report", "--target-name", "n1")
+    assert report.returncode == 0, report.stderr
+    row = next(line for line in report.stdout.splitlines() if "throughput-c4-quick" in line)
+    assert f"`{label}`" in row and scripted_id in row
+
+    page.goto("/admin/bench")
+    section = page.locator("section[data-scenario='throughput-c4-quick']")
+    chart = section.locator("figure[data-metric='tok_s']")
+    assert chart.locator("circle.point").count() == 1
+    assert label in chart.locator("circle.point title").text_content()
+    assert label in section.locator("table.bench-table tbody tr").inner_text()
+    # a later build of the same node: its point joins the line, the table shows the change
+    engine = make_engine(gw.database_url)
+    try:
+        sessions = session_factory(engine)
+        run = bh.start_run(
+            sessions,
+            target="n1",
+            target_url=node.v1,
+            build=bh.Build("f" * 40, False),
+            build_info=None,
+            host="ci",
+            quick=True,
+        )
+        bh.record_sample(
+            sessions,
+            run,
+            target="n1",
+            sha="f" * 40,
+            dirty=False,
+            model=scripted_id,
+            scenario="throughput-c4-quick",
+            concurrency=4,
+            requests=4,
+            prompt_tokens=128,
+            completion_tokens=64,
+            ttft_ms=1.0,
+            tok_s=1e6,
+            req_s=1.0,
+            latency_ms=1.0,
+            wall_s=1.0,
+        )
+    finally:
+        engine.dispose()
+    page.reload()
+    assert chart.locator("circle.point").count() == 2
+    assert len(chart.locator("polyline").get_attribute("points").split()) == 2
+    cells = section.locator("table.bench-table tbody tr").inner_text()
+    assert "ffffffffffff" in cells and label in cells and "%" in cells
+    page.locator("#b-target").select_option("n1")
+    page.get_by_role("button", name="Filter").click()
+    page.wait_for_url(re.compile(r"target=n1"))
+    assert page.locator("section.bench-scenario").count() == 2
+
+
+@pytest.mark.parametrize(
+    "path", ["/admin/fleet", "/admin/models", "/admin/keys", "/admin/spend", "/admin/bench"]
+)
 def test_every_page_fits_a_phone_without_sideways_scrolling(page, path):
     page.set_viewport_size({"width": 390, "height": 844})
     try:
