@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from helexa.bench import history as bh
-from helexa.bench.scenarios import SCENARIOS, Target, pick_scenarios, quick
 from helexa.bench.history import Build
+from helexa.bench.scenarios import SCENARIOS, Target, pick_scenarios, quick
 from helexa.db.session import make_engine, session_factory, upgrade
 from helexa.web.admin_bench import scenario_views
 
