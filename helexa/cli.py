@@ -89,6 +89,7 @@ def _serve_node(args: argparse.Namespace, cfg: Config) -> int:
 
     from helexa.node.security import exposure_problem, unauthenticated_warning
     from helexa.node.service import build_node
+    from helexa.systemd import notify
     from helexa.web.node_app import create_node_app
     from helexa.web.node_guard import NodeGuard
     from helexa.web.server import serve
@@ -109,6 +110,7 @@ def _serve_node(args: argparse.Namespace, cfg: Config) -> int:
     if warning:
         log.warning(warning)
     service = build_node(cfg)
+    service.on_progress = lambda line: notify(f"STATUS={line}")
     app = create_node_app(service)
     _print_node_banner(host, port, node.default_models)
 
@@ -123,6 +125,7 @@ def _serve_node(args: argparse.Namespace, cfg: Config) -> int:
         http=cfg.http,
         write_timeout_s=node.stream_write_timeout_s,
         on_exit=drain,
+        ready=service.ready,  # READY=1 once the default models' load has ended
     )
 
 
@@ -150,6 +153,10 @@ def cmd_serve(args: argparse.Namespace, cfg: Config) -> int:
         f"  nodes: {', '.join(f'{n.name}={n.endpoint}' for n in cfg.nodes) or 'none configured'}",
         flush=True,
     )
+
+    async def ready() -> str:
+        return f"serving on http://{shown}:{port} (metrics on port {gw.metrics_port})"
+
     return serve(
         api,
         host,
@@ -157,6 +164,7 @@ def cmd_serve(args: argparse.Namespace, cfg: Config) -> int:
         drain_timeout_s=cfg.node.drain_timeout_s,
         http=cfg.http,
         companions=[(metrics_app, gw.metrics_host, gw.metrics_port)],
+        ready=ready,
     )
 
 

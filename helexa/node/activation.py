@@ -34,6 +34,15 @@ class Activation:
         self.in_progress = None
         self.failed.append({"model_id": model_id, "error": error})
 
+    def summary(self) -> str:
+        """One line: how many default models loaded, and which failed."""
+        num_total = len(self.completed) + len(self.failed) + len(self.pending)
+        num_total += self.in_progress is not None
+        line = f"{len(self.completed)} of {num_total} default models loaded"
+        if self.failed:
+            line += "; failed: " + ", ".join(f["model_id"] for f in self.failed)
+        return line
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "state": self.state,

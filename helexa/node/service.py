@@ -10,7 +10,7 @@ import asyncio
 import dataclasses
 import logging
 import time
-from collections.abc import MutableMapping
+from collections.abc import Callable, MutableMapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,6 +39,10 @@ class Node:
     exchanges: Exchanges = field(default_factory=Exchanges)  # final usage of named requests
     started_at: float = field(default_factory=time.time)
     draining: bool = False  # set on SIGTERM: new work is refused, in-flight work finishes
+    # set once load_defaults has ended, however it ended: the node is ready (`ready`)
+    defaults_loaded: asyncio.Event = field(default_factory=asyncio.Event)
+    # told a line as each default model starts loading (the CLI hands it to systemd)
+    on_progress: Callable[[str], None] | None = None
 
     def refuse_if_draining(self, why: str = "the node is shutting down") -> None:
         """503 once draining: the caller should try another node."""
@@ -51,20 +55,34 @@ class Node:
         ids = list(dict.fromkeys(self.cfg.node.default_models)) or [BUNDLED_MODEL_ID]
         activation = self.activation
         activation.start(ids)
-        for model_id in ids:
-            activation.begin(model_id)
-            try:
-                await self.registry.load(LoadOptions(model_id))
-            except HelexaError as e:
-                log.error("default model %s failed to load: %s", model_id, e.message)
-                activation.fail(model_id, e.message)
-            except Exception as e:  # never leave activation stuck in pre_warming
-                log.exception("default model %s failed to load", model_id)
-                activation.fail(model_id, f"{type(e).__name__}: {e}")
-            else:
-                activation.succeed(model_id)
-        failed = len(activation.failed)
-        log.info("ready: %d of %d default models loaded", len(ids) - failed, len(ids))
+        try:
+            for i, model_id in enumerate(ids, 1):
+                activation.begin(model_id)
+                if self.on_progress is not None:
+                    self.on_progress(f"loading {model_id} ({i} of {len(ids)})")
+                await self._load_default(model_id)
+            log.info("ready: %s", activation.summary())
+        finally:
+            self.defaults_loaded.set()
+
+    async def _load_default(self, model_id: str) -> None:
+        activation = self.activation
+        try:
+            await self.registry.load(LoadOptions(model_id))
+        except HelexaError as e:
+            log.error("default model %s failed to load: %s", model_id, e.message)
+            activation.fail(model_id, e.message)
+        except Exception as e:  # never leave activation stuck in pre_warming
+            log.exception("default model %s failed to load", model_id)
+            activation.fail(model_id, f"{type(e).__name__}: {e}")
+        else:
+            activation.succeed(model_id)
+
+    async def ready(self) -> str:
+        """Wait for the default models' load to end; a line saying how it went. A node
+        whose default model failed is ready too: it serves other models."""
+        await self.defaults_loaded.wait()
+        return self.activation.summary()
 
     async def shutdown(self) -> None:
         """Refuse new work and unload every model."""

@@ -22,6 +22,7 @@ from helexa.gateway.catalogue import model_list, nodes_view
 from helexa.gateway.ledger import Ledger
 from helexa.gateway.service import Gateway, build_gateway
 from helexa.logs import event
+from helexa.version import build_info
 from helexa.web.admin import admin_router, admin_static, admin_templates
 from helexa.web.common import (
     METRICS_CONTENT_TYPE,
@@ -129,6 +130,13 @@ async def health(gateway: Gateway) -> dict[str, Any]:
     }
 
 
+@get("/version")
+async def version() -> dict[str, Any]:
+    """What is running: package version, git commit and dirty flag, build time, Python.
+    Open to anyone, like /health (no torch here: the gateway never loads it)."""
+    return build_info()
+
+
 def books_view(ledger: Ledger) -> dict[str, Any]:
     """The books' writer: whether the database takes writes, and what waits for it."""
     state = ledger.state
@@ -168,6 +176,7 @@ def create_gateway_apps(cfg: Config) -> tuple[GatewayASGI, Litestar]:
             count_tokens,
             v1_models,
             health,
+            version,
             root,
             root_head,
             admin_router(),

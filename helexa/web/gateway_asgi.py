@@ -29,6 +29,7 @@ ROUTES = {
     "/v1/messages/count_tokens",
     "/v1/models",
     "/health",
+    "/version",
 }
 # What browser clients of the OpenAI and Anthropic APIs send (the SDKs add `x-stainless-*`
 # ones, which a preflight names and gets back).

@@ -1,6 +1,8 @@
 """Run a Litestar app under uvicorn with helexa's shutdown contract: on SIGTERM/SIGINT stop
 accepting, let in-flight responses finish within `drain_timeout_s`, run the app's shutdown
-(unload models, flush state), and exit 0 rather than die by the signal."""
+(unload models, flush state), and exit 0 rather than die by the signal. Under systemd
+(`Type=notify`) it says READY=1 once every listener is bound and `ready` has returned, and
+STOPPING=1 when a signal starts the drain."""
 
 from __future__ import annotations
 
@@ -8,26 +10,59 @@ import asyncio
 import contextlib
 import logging
 import signal
-from collections.abc import Callable, Generator
+import socket
+from collections.abc import Awaitable, Callable, Generator, Sequence
 from types import FrameType
 
 import uvicorn
 from litestar.types import ASGIApp
 
 from helexa.config import HttpConfig
+from helexa.systemd import notify
 from helexa.web.connection_guard import guarded_protocol
 
 log = logging.getLogger(__name__)
 
 
 class _Server(uvicorn.Server):
-    def __init__(self, config: uvicorn.Config, on_exit: Callable[[], None] | None) -> None:
+    def __init__(
+        self,
+        config: uvicorn.Config,
+        on_exit: Callable[[], None] | None,
+        ready: Callable[[], Awaitable[str | None]] | None = None,
+        companions: Sequence[uvicorn.Server] = (),
+    ) -> None:
         super().__init__(config)
         self._on_exit = on_exit
+        self._ready = ready
+        self._companions = companions  # listeners that must be bound before READY=1
+        self._announcing: asyncio.Task[None] | None = None
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets)
+        if self.started:
+            self._announcing = asyncio.create_task(self._announce())
+
+    async def _announce(self) -> None:
+        """READY=1 once the companions' listeners are bound too and `ready` has returned,
+        with its line as STATUS=."""
+        while not all(c.started for c in self._companions):
+            if self.should_exit:
+                return
+            await asyncio.sleep(0.05)
+        status = await self._ready() if self._ready is not None else None
+        if not self.should_exit:
+            notify("READY=1", *([f"STATUS={status}"] if status else []))
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        if self._announcing is not None:
+            self._announcing.cancel()
+        await super().shutdown(sockets)
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         if not self.should_exit:
             log.info("%s: draining in-flight requests", signal.Signals(sig).name)
+            notify("STOPPING=1", "STATUS=draining in-flight requests")
         super().handle_exit(sig, frame)
         # The drain was the graceful answer to the signal: exit 0, not re-raise it.
         self._captured_signals.clear()
@@ -54,12 +89,16 @@ def serve(
     write_timeout_s: float | None = None,
     on_exit: Callable[[], None] | None = None,
     companions: list[tuple[ASGIApp, str, int]] | None = None,
+    ready: Callable[[], Awaitable[str | None]] | None = None,
 ) -> int:
     """Serve until a signal; returns the process exit code. `http` sets the connection
-    limits; `write_timeout_s` cuts a client that reads nothing for that long."""
+    limits; `write_timeout_s` cuts a client that reads nothing for that long; `ready`,
+    awaited once every listener is bound, says when (and with what status line) to tell
+    systemd READY=1."""
     http = http or HttpConfig()
-    main = _Server(_config(app, host, port, drain_timeout_s, http, write_timeout_s), on_exit)
     others = [_Companion(_config(a, h, p, 1.0, http, None)) for a, h, p in companions or []]
+    config = _config(app, host, port, drain_timeout_s, http, write_timeout_s)
+    main = _Server(config, on_exit, ready, others)
     if not others:
         main.run()
         return 0 if main.started else 1

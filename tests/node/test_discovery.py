@@ -14,8 +14,8 @@ import pytest
 import torch
 
 import helexa
+from helexa import version as ver
 from helexa.node import discovery as disc
-from helexa.node import version as ver
 from helexa.node.discovery import (
     classify_nvidia_smi,
     cuda_unavailable_reason,
@@ -47,10 +47,10 @@ HEALTHY_SMI_OUTPUT = (
 def fresh_caches():
     """Per-process caches cleared around a test that fakes what they remember."""
     cuda_unavailable_reason.cache_clear()
-    build_info.cache_clear()
+    ver.build_info.cache_clear()
     yield
     cuda_unavailable_reason.cache_clear()
-    build_info.cache_clear()
+    ver.build_info.cache_clear()
 
 
 @cpu_only_host
