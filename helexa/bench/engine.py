@@ -21,24 +21,18 @@ import time
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
+
+from helexa.bench import llama_cpp
+from helexa.bench.llama_cpp import LlamaBench
 
 if TYPE_CHECKING:
     from helexa.config import Config
     from helexa.engine import LLMEngine
 
-# Others' figures on this machine (same GGUF, 2 threads): (figure key, source, value).
-REFERENCE = [
-    ("decode@1", "HF transformers fp32", 12.0),
-    ("decode@1", "llama.cpp", 99.0),
-    ("agg_decode@8", "HF transformers fp32", 45.0),
-    ("ttft@1024", "HF transformers fp32", 2.6),
-    ("ttft@1024", "llama.cpp", 4.3),
-    ("agg_decode@16", "llama-server, 16 slots", 158.0),
-]
-REFERENCE_SOURCE = "measured by others on this machine, same file, 2 threads"
 WARMUP_TOKENS = 4
 
 
@@ -64,6 +58,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--hf-decode-tokens", type=int, help="cap HF new tokens per sequence (it is slow)")
     add("--seed", type=int, default=0, help="seed of the random prompts")
     add("--json", metavar="FILE", help="write the raw figures here")
+    add(
+        "--llama-bench",
+        metavar="PATH",
+        help="llama.cpp's llama-bench, run on the same GGUF in the same run as a reference "
+        "(default: llama-bench on PATH, if any)",
+    )
 
 
 # -- prompts and results -------------------------------------------------------------------
@@ -363,31 +363,25 @@ def _rows(args: argparse.Namespace) -> list[tuple[str, str, str]]:
     return rows
 
 
-def _references(args: argparse.Namespace) -> list[tuple[str, str, float]]:
-    """Others' figures apply to the file they were measured on: the bundled SmolLM2."""
-    return REFERENCE if getattr(args, "model", None) is None else []
-
-
-def _reference_cell(key: str, refs: list[tuple[str, str, float]]) -> str:
-    parts = [f"{v:g} ({src})" for k, src, v in refs if k == key]
-    if key.startswith("agg_decode@") and key != "agg_decode@8":
-        parts += [f"{v:g} ({src}, batch 8)" for k, src, v in refs if k == "agg_decode@8"]
-    return "; ".join(parts) or "–"
-
-
-def format_table(results: list[SideResult], args: argparse.Namespace) -> str:
-    """Markdown: a row per figure; the last column is the CPU the rest of the machine took
-    while each side measured it."""
+def format_table(
+    results: list[SideResult], args: argparse.Namespace, llama: LlamaBench | None = None
+) -> str:
+    """Markdown: a row per figure, llama.cpp's (llama-bench, this run) where measured; the
+    last column is the CPU the rest of the machine took while each side measured it."""
     figs = [r.figures() for r in results]
-    head = ["figure", *(r.name for r in results), "reference", "rest of machine (CPUs)"]
+    head = ["figure", *(r.name for r in results)]
+    if llama is not None:
+        head.append(f"llama.cpp {llama.build}")
+    head.append("rest of machine (CPUs)")
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    refs = _references(args)
     for key, label, unit in _rows(args):
-        cells = ["–" if key not in f else f"{f[key]:.{2 if unit == 's' else 1}f}" for f in figs]
+        digits = 2 if unit == "s" else 1
+        cells = ["–" if key not in f else f"{f[key]:.{digits}f}" for f in figs]
+        if llama is not None:
+            value = llama.figures.get(key)
+            cells.append("–" if value is None else f"{value:.{digits}f}")
         busy = " / ".join(f"{_busy(r, key):.2f}" for r in results)
-        lines.append(
-            f"| {label} ({unit}) | {' | '.join(cells)} | {_reference_cell(key, refs)} | {busy} |"
-        )
+        lines.append(f"| {label} ({unit}) | {' | '.join(cells)} | {busy} |")
     return "\n".join(lines)
 
 
@@ -455,6 +449,26 @@ def _weight_format(m: torch.nn.Module) -> str:
     return fmt if dense is None else f"{fmt}+{str(dense.dtype).removeprefix('torch.')}"
 
 
+def _llama_bench(args: argparse.Namespace, model: Path) -> LlamaBench | None:
+    """llama.cpp on the same file, threads and lengths, measured now; None (said why) when
+    there is no llama-bench or no GGUF to give it."""
+    exe = llama_cpp.find(args.llama_bench)
+    if exe is None:
+        print("llama.cpp: no llama-bench on PATH (--llama-bench PATH to compare); no reference")
+        return None
+    if model.suffix != ".gguf":
+        print(f"llama.cpp: {model} is not a .gguf file; no reference")
+        return None
+    print(f"llama.cpp: running {exe} on the same file, {args.threads} threads …", flush=True)
+    try:
+        return llama_cpp.run(
+            exe, str(model), args.threads, args.prompt_lengths, args.decode_tokens, args.repeats
+        )
+    except ValueError as e:
+        print(f"llama.cpp: no reference ({e})")
+        return None
+
+
 # -- entry ---------------------------------------------------------------------------------
 def main(args: argparse.Namespace, cfg: Config) -> int:
     """Load both sides, run every figure, print the table (and --json); 0 on success."""
@@ -477,6 +491,7 @@ def main(args: argparse.Namespace, cfg: Config) -> int:
         kv_cache_memory_mb=args.kv_cache_mb,
         enable_prefix_caching=False,
         max_num_seqs=max(cfg.engine.max_num_seqs, *args.concurrency),
+        autotune_dir=str(cfg.node.state_dir / "autotune"),
     )
     machine = machine_info(args.threads)
     t0 = time.perf_counter()
@@ -515,10 +530,9 @@ def main(args: argparse.Namespace, cfg: Config) -> int:
     for res in results:
         for note in res.notes:
             print(f"{res.name}: {note}")
-    refs = _references(args)
-    print(f"reference: {REFERENCE_SOURCE}" if refs else "reference: none for this model")
+    llama = _llama_bench(args, engine.loaded.path)
     print()
-    print(format_table(results, args))
+    print(format_table(results, args, llama))
 
     if args.json:
         report = {
@@ -526,7 +540,9 @@ def main(args: argparse.Namespace, cfg: Config) -> int:
             "engine": settings,
             "args": {k: v for k, v in vars(args).items() if k != "func"},
             "sides": {r.name: r.raw() for r in results},
-            "reference": [{"figure": k, "source": s, "value": v} for k, s, v in refs],
+            "llama_cpp": None
+            if llama is None
+            else {"build": llama.build, "figures": llama.figures, "raw": llama.raw},
         }
         with open(args.json, "w") as f:
             json.dump(report, f, indent=2, default=str)
