@@ -23,7 +23,9 @@ def _engine_args(cfg: Config, model: str | None):
     from helexa.engine import EngineArgs
 
     model = model or (cfg.node.default_models[0] if cfg.node.default_models else None)
-    return EngineArgs.from_config(cfg.engine, model)
+    return EngineArgs.from_config(
+        cfg.engine, model, autotune_dir=str(cfg.node.state_dir / "autotune")
+    )
 
 
 def cmd_chat(args: argparse.Namespace, cfg: Config) -> int:

@@ -173,7 +173,10 @@ class EngineConfig:
     cuda_graphs: bool = True
     # Hybrid (Gated DeltaNet) models: recurrent-state snapshots kept for the prefix cache.
     max_prefix_snapshots: NonNegativeInt = 8
-    cpu_dense_copy: bool = True
+    cpu_dense_copy: bool = False
+    # CPU: time the packed kernels per weight shape at load (cached in state_dir/autotune)
+    # and run each call the fastest measured way; false: the kernel on all rows, always.
+    autotune: bool = True
     # A model's worker that answers nothing for this long while it has work (a hung step, a
     # hung collective across tensor-parallel ranks) is killed and its model reloaded.
     step_timeout_s: PositiveFloat = 120.0

@@ -38,6 +38,7 @@ class EngineArgs(EngineConfig):
     revision: str | None = None  # hub branch, tag or commit; None → main
     tensor_parallel: int = 1  # ranks (one process each) the model is split across
     devices: list[int] | None = None  # CUDA device of each rank; None → 0..tensor_parallel-1
+    autotune_dir: str | None = None  # where CPU kernel plans are kept; None → measured anew
 
     @classmethod
     def from_config(cls, engine: EngineConfig, model: str | None = None, **kw) -> EngineArgs:

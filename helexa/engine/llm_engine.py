@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import time
 import weakref
 from dataclasses import dataclass
 
@@ -23,6 +24,8 @@ from helexa import kernels
 from helexa.engine.block_manager import BlockManager
 from helexa.engine.engine_args import EngineArgs, available_memory_bytes
 from helexa.engine.grammar import GrammarCompiler
+from helexa.engine.layers.autotune import Autotuner
+from helexa.engine.layers.linear import Linear
 from helexa.engine.loader.load import (
     LoadedModel,
     bundled_model_path,
@@ -168,9 +171,25 @@ class LLMEngine:
             self.runner.capture_graphs(max_num_seqs, self.max_model_len)
         elif device.type == "cuda":
             self.runner.graphs_off_reason = "[engine] cuda_graphs = false"
+        if device.type == "cpu" and args.autotune:
+            self._autotune(args)
         self._seqs: dict[str, Sequence] = {}
         self.num_generated_tokens = 0  # every token sampled into a sequence, ever
         self._grammars: GrammarCompiler | None = None  # built at the first structured request
+
+    def _autotune(self, args: EngineArgs) -> None:
+        """How each CPU-packed Linear runs each row count: measured, or from the cache."""
+        t0 = time.perf_counter()
+        tuner = Autotuner(args.autotune_dir, torch.get_num_threads())
+        tuner.tune(m for m in self.loaded.model.modules() if isinstance(m, Linear))
+        if tuner.measured:
+            where = tuner.path or "not kept: no autotune_dir"
+            log.info(
+                "autotune: %d weight shapes measured in %.1fs (%s)",
+                len(tuner.measured),
+                time.perf_counter() - t0,
+                where,
+            )
 
     @property
     def grammars(self) -> GrammarCompiler:

@@ -431,6 +431,8 @@ def model_memory_mb(model: torch.nn.Module) -> int:
         for v in vars(module).values():
             if isinstance(v, QuantWeight):
                 attrs.extend(v.tensors)
+            elif isinstance(v, torch.nn.Module):  # held, not a submodule (a packed table)
+                attrs.extend(t for t in vars(v).values() if isinstance(t, torch.Tensor))
         for t in (*module.parameters(recurse=False), *module.buffers(recurse=False), *attrs):
             storage = t.untyped_storage()
             storages[storage.data_ptr()] = storage.nbytes()

@@ -131,6 +131,7 @@ def engine_args(cfg: Config, options: LoadOptions) -> EngineArgs:
     source = cfg.sources.get(scheme if sep and "/" in rest else cfg.node.default_source)
     if source is not None and source.cache_dir is not None:
         kw["cache_dir"] = str(source.cache_dir)
+    kw["autotune_dir"] = str(cfg.node.state_dir / "autotune")
     args = EngineArgs.from_config(cfg.engine, ref, **kw)
     try:
         placement(args)  # the engine's own refusals (a GGUF file split across ranks...)

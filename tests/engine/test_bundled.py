@@ -46,3 +46,16 @@ def test_helexa_chat_prints_the_answer():
     )
     assert done.returncode == 0, done.stderr[-2000:]
     assert "Paris" in done.stdout
+
+
+def test_the_weights_hold_at_most_1_3_times_the_gguf_file(smollm2):
+    from helexa.engine.model_runner import model_memory_mb
+
+    engine = smollm2.engine
+    model = engine.loaded.model
+    # the tied embeddings read the lm_head's packed table: no float copy of it
+    assert model.embed_tokens.weight is None and model.embed_tokens.packed is model.lm_head
+    kv = sum(a.k_cache.nbytes + a.v_cache.nbytes for a in engine.runner.attention_layers)
+    weights_mb = model_memory_mb(model) - kv / 2**20
+    file_mb = engine.loaded.path.stat().st_size / 2**20
+    assert weights_mb <= 1.3 * file_mb, (weights_mb, file_mb)

@@ -219,21 +219,37 @@ def add_dense_copy(lin: Linear) -> None:
 
 
 @pytest.mark.parametrize("kind", ["Q4_1", "Q8_0", "int4"])
-def test_a_dense_copy_serves_many_row_calls_with_the_same_weights(kind):
-    from helexa.engine.layers.linear import DENSE_DTYPE, DENSE_MIN_ROWS
+def test_a_dense_copy_serves_the_row_counts_its_plan_gives_it_with_the_same_weights(kind):
+    from helexa.engine.layers.autotune import BUCKETS, DENSE, WHOLE, plan_for_rows
+    from helexa.engine.layers.linear import DENSE_DTYPE
 
     parts = make_linears(kind, [576, 192], with_bias=True)
     for p in parts:
         add_dense_copy(p)
     fused = fuse(parts)
     assert fused.dense is not None and fused.dense.dtype == DENSE_DTYPE
-    few, many = torch.randn(DENSE_MIN_ROWS - 1, 576), torch.randn(DENSE_MIN_ROWS + 20, 576)
+    fused.plans = plan_for_rows([WHOLE if b < 16 else DENSE for b in BUCKETS])
+    few, many = torch.randn(8, 576), torch.randn(36, 576)  # buckets 8 and 64
     for x in (few, many):
         ref = torch.nn.functional.linear(x, fused.dequantize(), fused.bias)
         assert rel_err(fused(x), ref) < 1e-2  # the packed path computes in bf16
-    via_dense = fused(many)
-    fused.dense = None
-    assert rel_err(via_dense, fused(many)) < 1e-2
+
+    def via_dense(x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.linear(x, fused.dense) + fused.bias
+
+    assert torch.equal(fused(many), via_dense(many))  # 36 rows: the f32 copy, as planned
+    assert not torch.equal(fused(few), via_dense(few))  # 8 rows: the packed kernel
+
+
+@pytest.mark.parametrize("kind", ["Q4_1", "Q8_0"])
+def test_rows_run_in_chunks_as_planned_give_what_one_call_gives(kind):
+    from helexa.engine.layers.autotune import BUCKETS, WHOLE, plan_for_rows
+
+    (lin,) = make_linears(kind, [192], with_bias=True)
+    x = torch.randn(100, 576)
+    whole = lin(x)
+    lin.plans = plan_for_rows([WHOLE if b < 8 else (False, 8) for b in BUCKETS])
+    torch.testing.assert_close(lin(x), whole, rtol=0, atol=0)  # 13 calls, same rows
 
 
 def test_a_prefill_step_takes_the_dense_path_whatever_its_row_count():
@@ -249,3 +265,23 @@ def test_a_prefill_step_takes_the_dense_path_whatever_its_row_count():
     finally:
         PREFILL_STEP.reset(token)
     assert not torch.equal(lin(x), exact)
+
+
+@pytest.mark.parametrize("qtype", ["Q4_1", "Q8_0"])
+@pytest.mark.parametrize("out", [64, 1024, 3072])
+def test_single_rows_read_from_the_packing_are_the_rows_of_the_weight(qtype, out):
+    # how a tied embedding looks tokens up in the lm_head's packed table
+    src, ref = quantized(weight(out, 576, seed=out), qtype)
+    lin = loaded(src)
+    assert lin.format == "int4" and lin.can_read_rows()
+    ids = torch.tensor([0, 1, out // 2, out - 1, 5, 5])
+    # the kernel holds scales in bf16: that rounding, and nothing else, separates them
+    assert rel_err(lin.rows(ids), ref[ids]) < 5e-3
+    # dequantize() runs the kernel on an identity, its output rounded to bf16
+    torch.testing.assert_close(lin.rows(ids), lin.dequantize()[ids], rtol=1e-2, atol=2e-3)
+
+
+def test_a_packing_whose_row_layout_is_unknown_is_not_read_by_rows():
+    src, _ = quantized(weight(1040, 576), "Q4_1")  # 1040 rows: a partial interleave block
+    lin = loaded(src)
+    assert lin.format == "int4" and not lin.can_read_rows()

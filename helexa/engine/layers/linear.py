@@ -34,6 +34,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from helexa import kernels
+from helexa.engine.layers import int4_cpu
+from helexa.engine.layers.autotune import WHOLE, Plan
 from helexa.engine.parallel import Shard, all_gather_last, all_reduce, shard_range, tp, vocab_range
 from helexa.kernels.quant_pack import GGUF_KINDS, QuantWeight, cat_rows, naive_dequantize
 
@@ -52,9 +54,6 @@ PACKED_DTYPE = torch.bfloat16  # the only activation dtype the CPU packed kernel
 # SmolLM2's greedy "The capital of France is Paris." into "L'Étoile, ...". f32 costs ~45%
 # more TTFT than bf16 and 4 bytes a weight, and stays right.
 DENSE_DTYPE = torch.float32
-# From bench/linear.py on a 2-core AMX Xeon: at 16 rows f32 GEMM is level with the int4
-# kernel, at 128 rows ~2x faster; at 4 rows and below int4 wins (fewer bytes to read).
-DENSE_MIN_ROWS = 16
 # Set by the model runner for steps that carry prompt tokens: they take the dense path
 # whatever their row count, so a prompt's logits do not depend on how much of it came from
 # the prefix cache (a cold 123-token prefill and an 11-token cached one agree).
@@ -103,6 +102,9 @@ class Linear(nn.Module):
         # decode batches), where a dense GEMM beats the int4 kernel (2x at 128 rows).
         self.dense: torch.Tensor | None = None
         self.qweight: QuantWeight | None = None  # format "quant"
+        # CPU-packed formats: how a call of r rows runs (index r, the last for more rows),
+        # chosen by measurement at load (layers/autotune.py); None: the kernel on all rows
+        self.plans: list[Plan] | None = None
         # Tensor parallel: the rows (column-parallel) or columns (row-parallel) of the
         # checkpoint's weight this rank holds; in/out_features are then the local sizes.
         self.shard: Shard | None = None
@@ -248,22 +250,32 @@ class Linear(nn.Module):
             y = Linear.forward(self, x.reshape(-1, self.in_features))
             return y.reshape(*x.shape[:-1], self.out_features)
         # decode calls this ~200 times a token: every skipped no-op counts
-        if self.dense is not None and (x.shape[0] >= DENSE_MIN_ROWS or PREFILL_STEP.get()):
-            y = F.linear(x.to(DENSE_DTYPE), self.dense)
-            y = y if y.dtype == x.dtype else y.to(x.dtype)
-            return y if self.bias is None else y + self.bias
-        scales = self.scales
-        h = x if x.dtype == scales.dtype else x.to(scales.dtype)
-        h = h.contiguous()
-        if self.format == "int8":
-            y = torch.ops.aten._weight_int8pack_mm(h, self.weight, scales)
+        rows, plans = x.shape[0], self.plans
+        dense, chunk = WHOLE if plans is None else plans[rows] if rows < len(plans) else plans[-1]
+        if self.dense is not None and (dense or PREFILL_STEP.get()):
+            h, run = x.to(DENSE_DTYPE), self.dense_matmul
         else:
-            if self.k_repeat > 1:
-                h = h.repeat(1, self.k_repeat)
-            y = torch.ops.aten._weight_int4pack_mm_for_cpu(h, self.weight, GROUP, scales)
+            h = x if x.dtype == self.scales.dtype else x.to(self.scales.dtype)
+            h, run = h.contiguous(), self.packed_matmul
+        if chunk and rows > chunk:  # smaller calls do better on this machine
+            y = torch.cat([run(part) for part in h.split(chunk)])
+        else:
+            y = run(h)
         if y.dtype != x.dtype:
             y = y.to(x.dtype)
         return y if self.bias is None else y + self.bias
+
+    def dense_matmul(self, h: torch.Tensor) -> torch.Tensor:
+        """The float32 dense copy on h: [rows, in_features] float32."""
+        return F.linear(h, self.dense)
+
+    def packed_matmul(self, h: torch.Tensor) -> torch.Tensor:
+        """torch's packed kernel on h: [rows, in_features], contiguous, in the scales' dtype."""
+        if self.format == "int8":
+            return torch.ops.aten._weight_int8pack_mm(h, self.weight, self.scales)
+        if self.k_repeat > 1:
+            h = h.repeat(1, self.k_repeat)
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(h, self.weight, GROUP, self.scales)
 
     def dequantize(self) -> torch.Tensor:
         """The weight as float32 [out, in], whatever the storage (int4: to bf16 precision)."""
@@ -279,6 +291,21 @@ class Linear(nn.Module):
         w = torch.ops.aten._weight_int4pack_mm_for_cpu(eye, self.weight, GROUP, self.scales)
         w = w.float().t().reshape(self.out_features, self.k_repeat, self.in_features)
         return w.sum(dim=1)
+
+    def can_read_rows(self) -> bool:
+        """Whether `rows` reads single rows of W without dequantizing the rest of it."""
+        if self.format == "int4":
+            return int4_cpu.block_n(self.out_features) is not None
+        return self.format in ("float", "int8")
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` of W as float32 [len(ids), in_features] (a tied embedding's lookup)."""
+        if self.format == "float":
+            return self.weight[ids].float()
+        if self.format == "int8":
+            return self.weight[ids].float() * self.scales[ids].float()[:, None]
+        assert self.format == "int4", f"rows() of a {self.format} weight"
+        return int4_cpu.rows(self.weight, self.scales, ids, self.out_features, self.k_repeat)
 
     @property
     def memory_bytes(self) -> int:

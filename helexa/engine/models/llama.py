@@ -143,36 +143,54 @@ class DecoderLayer(nn.Module):
 
 
 class Embedding(nn.Module):
-    """Token embeddings: a float table, or on an accelerator GGUF blocks kept quantized
-    (`qweight`), of which a step dequantizes only the rows it looks up."""
+    """Token embeddings: a float table; on the CPU, GGUF blocks held packed like a Linear's
+    (`packed`, shared with a tied lm_head), of which a step unpacks only the rows it looks
+    up; on an accelerator, GGUF blocks kept quantized (`qweight`), likewise."""
 
     def __init__(self, vocab_size: int, hidden_size: int) -> None:
         super().__init__()
         self.vocab_size, self.hidden_size = vocab_size, hidden_size
         self.weight: torch.Tensor | None = None
         self.qweight: QuantWeight | None = None
+        self.hold(None)
         self.dtype = torch.float32
+
+    def hold(self, table: Linear | None) -> None:
+        """Look rows up in `table` (a packed Linear). It is kept out of the submodules: a
+        tied lm_head is the same object, and belongs to the model."""
+        self.__dict__["packed"] = table  # past nn.Module.__setattr__, which would register it
 
     def load_weight(self, src: WeightSource, *, dtype: torch.dtype, quant: str | None = None):
         shape = (self.vocab_size, self.hidden_size)
         assert tuple(src.shape) == shape, tuple(src.shape)
         self.dtype = dtype
         quantized = not isinstance(src, torch.Tensor) and src.qtype in GGUF_KINDS
-        if (
-            quantized
-            and kernel_layout(src.data.device)
-            and not kernels.check_shape(src.qtype, shape)
-        ):
-            self.qweight = kernels.pack_gguf(src.data, src.qtype, shape)
-            return
+        if quantized and kernel_layout(src.data.device):
+            if not kernels.check_shape(src.qtype, shape):
+                self.qweight = kernels.pack_gguf(src.data, src.qtype, shape)
+                return
+        elif quantized:
+            table = Linear(self.hidden_size, self.vocab_size)
+            table.load_weight(src, dtype=dtype)
+            if table.format != "float" and table.can_read_rows():
+                self.hold(table)
+                return
         self.weight = as_dense(src).to(dtype).contiguous()
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None:
+            flat = ids.reshape(-1)
+            x = self.packed.rows(flat).to(self.dtype)
+            return x.reshape(*ids.shape, self.hidden_size)
         if self.qweight is None:
             return self.weight[ids]
         return naive_dequantize(self.qweight.rows(ids)).to(self.dtype)
 
     def _apply(self, fn, recurse=True):  # type: ignore[no-untyped-def]
+        if self.packed is not None and fn(torch.empty(0)).device.type != "cpu":
+            # CPU packing cannot follow onto an accelerator: the table as floats goes
+            self.weight = self.packed.rows(torch.arange(self.vocab_size)).to(self.dtype)
+            self.hold(None)
         if self.weight is not None:
             self.weight = fn(self.weight)
         if self.qweight is not None:
@@ -335,6 +353,13 @@ def _share_tied(embed: Embedding, lm_head: Linear) -> None:
     if embed.qweight is not None and lm_head.qweight is not None:
         if embed.qweight.kind == lm_head.qweight.kind:
             lm_head.qweight = embed.qweight
+        return
+    packed = embed.packed
+    if packed is not None and (lm_head.format, lm_head.k_repeat) == (
+        packed.format,
+        packed.k_repeat,
+    ):
+        embed.hold(lm_head)  # the lm_head's table serves the lookups too
         return
     w = lm_head.weight
     if embed.weight is not None and lm_head.format == "float" and _alike(w, embed.weight):

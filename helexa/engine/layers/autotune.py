@@ -1,0 +1,174 @@
+"""How each CPU-packed Linear runs a call of a given number of rows, chosen by measuring
+this machine at load instead of by thresholds fixed on another CPU.
+
+torch's packed int4/int8 kernels are not equally good at every row count: on one CPU a
+16-row call costs as much as a 32-row one, on another the 12-row case falls off a cliff. So
+per weight shape, the kernel (and the float32 dense copy, where `[engine] cpu_dense_copy`
+keeps one) is timed once per row bucket (1, 2, 4 … 128), and each bucket takes the cheapest
+way to cover its rows: either path on all of them, or on chunks of a smaller bucket's size
+(b/c calls of c rows). Any smaller bucket's way is among the candidates, scaled, so more rows
+never lower a call's throughput.
+
+The plans are kept in `<cache_dir>/<machine>.json` (the node: `state_dir/autotune`), keyed
+by the CPU, its flags, torch's version and the thread count, so a restart costs nothing.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import platform
+import time
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+log = logging.getLogger(__name__)
+
+BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
+# A plan: (through the dense copy?, rows per call; 0: all of them at once)
+Plan = tuple[bool, int]
+WHOLE: Plan = (False, 0)
+DENSE: Plan = (True, 0)
+MIN_TIMED_S = 0.003  # each timing repeats the call until this much time has passed
+CACHE_VERSION = 1
+
+
+def machine_key(num_threads: int) -> str:
+    """The CPU (model and flags), torch's version and the thread count, hashed: plans
+    measured under one never serve another."""
+    cpu, flags = platform.processor(), ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            info = dict(line.split(":", 1) for line in f if ":" in line and line[0] != " ")
+        info = {k.strip(): v.strip() for k, v in info.items()}  # the last CPU's lines win
+        cpu, flags = info.get("model name", cpu), info.get("flags", "")
+    except OSError:
+        pass
+    text = f"{cpu}|{flags}|{torch.__version__}|{num_threads}|v{CACHE_VERSION}"
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def shape_key(linear: torch.nn.Module) -> str:
+    """What a plan depends on: the storage format and the kernel's shape."""
+    k = linear.in_features * linear.k_repeat
+    dense = "+dense" if linear.dense is not None else ""
+    return f"{linear.format}{dense}:{linear.out_features}x{k}"
+
+
+def plan_for_rows(plans: list[Plan]) -> list[Plan]:
+    """Per-bucket plans spread over row counts 0 … BUCKETS[-1] (index = rows): a call with
+    r rows takes the plan of the smallest bucket that holds it."""
+    by_rows = [WHOLE] * (BUCKETS[-1] + 1)
+    for rows in range(1, len(by_rows)):
+        i = next(i for i, b in enumerate(BUCKETS) if b >= rows)
+        by_rows[rows] = plans[i]
+    return by_rows
+
+
+def choose(kernel_s: list[float], dense_s: list[float] | None) -> list[Plan]:
+    """Each bucket's cheapest plan from the time of the kernel (and of the dense copy,
+    where held) at every bucket: covering b rows with calls of c costs (b / c) x time(c)."""
+    paths = [(False, kernel_s)] + ([(True, dense_s)] if dense_s is not None else [])
+    plans: list[Plan] = []
+    for i, b in enumerate(BUCKETS):
+        best, best_s = WHOLE, float("inf")
+        for dense, times in paths:
+            for j in range(i + 1):
+                cost = b / BUCKETS[j] * times[j]
+                if cost < best_s:
+                    best, best_s = (dense, 0 if j == i else BUCKETS[j]), cost
+        plans.append(best)
+    return plans
+
+
+def _timed(call: Callable[[], object]) -> float:
+    """Seconds one `call` takes: the better of two runs of enough repeats."""
+    call()  # warm
+    best = float("inf")
+    for _ in range(2):
+        n, t0 = 0, time.perf_counter()
+        while True:
+            call()
+            n += 1
+            elapsed = time.perf_counter() - t0
+            if elapsed >= MIN_TIMED_S:
+                break
+        best = min(best, elapsed / n)
+    return best
+
+
+def measure(linear: torch.nn.Module) -> list[Plan]:
+    """Time `linear`'s kernel (and dense copy) at every bucket; the plans."""
+    gen = torch.Generator().manual_seed(0)
+    kernel_s, dense_s = [], [] if linear.dense is not None else None
+    for b in BUCKETS:
+        x = torch.randn(b, linear.in_features, generator=gen)
+        h = x.to(linear.scales.dtype).contiguous()
+        kernel_s.append(_timed(lambda h=h: linear.packed_matmul(h)))
+        if dense_s is not None:
+            dense_s.append(_timed(lambda x=x: F.linear(x, linear.dense)))
+    return choose(kernel_s, dense_s)
+
+
+class Autotuner:
+    """Plans for every packed Linear of a model, from the cache file or measured now."""
+
+    def __init__(self, cache_dir: str | os.PathLike | None, num_threads: int) -> None:
+        self.path = None
+        if cache_dir is not None:
+            self.path = Path(cache_dir) / f"{machine_key(num_threads)}.json"
+        self.plans: dict[str, list[Plan]] = self._read()
+        self.measured: list[str] = []  # shapes timed by this process, not read from cache
+
+    def _read(self) -> dict[str, list[Plan]]:
+        if self.path is None:
+            return {}
+        try:
+            data = json.loads(self.path.read_text())
+        except (OSError, ValueError):
+            return {}  # absent or damaged: measured again, then written anew
+        if not isinstance(data, dict) or data.get("version") != CACHE_VERSION:
+            return {}
+        plans = {}
+        for key, value in (data.get("plans") or {}).items():
+            try:
+                read = [(bool(dense), int(chunk)) for dense, chunk in value]
+            except (TypeError, ValueError):
+                continue  # a damaged entry is measured again
+            if len(read) == len(BUCKETS) and all(c in (0, *BUCKETS) for _, c in read):
+                plans[key] = read
+        return plans
+
+    def _write(self) -> None:
+        if self.path is None:
+            return
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = self.path.with_suffix(f".tmp{os.getpid()}")
+            body = {"version": CACHE_VERSION, "buckets": list(BUCKETS), "plans": self.plans}
+            tmp.write_text(json.dumps(body, indent=1, sort_keys=True))
+            tmp.replace(self.path)
+        except OSError as e:  # a read-only state_dir costs a re-measure next time, no more
+            log.warning("autotune: cannot keep plans in %s: %s", self.path, e)
+
+    def tune(self, linears: Iterable[torch.nn.Module]) -> None:
+        """Give each packed Linear its plans (measuring each new shape once)."""
+        for linear in linears:
+            if linear.format not in ("int4", "int8"):
+                continue
+            key = shape_key(linear)
+            if key not in self.plans:
+                t0 = time.perf_counter()
+                self.plans[key] = measure(linear)
+                self.measured.append(key)
+                log.debug(
+                    "autotune %s: %s in %.2fs", key, self.plans[key], time.perf_counter() - t0
+                )
+            linear.plans = plan_for_rows(self.plans[key])
+        if self.measured:
+            self._write()
