@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 import time
 from collections.abc import Sequence
@@ -54,12 +55,6 @@ def cmd_chat(args: argparse.Namespace, cfg: Config) -> int:
             file=sys.stderr,
         )
     return 0
-
-
-def cmd_bench(args: argparse.Namespace, cfg: Config) -> int:
-    from helexa.bench.engine import main as bench_engine
-
-    return bench_engine(args, cfg)
 
 
 def _reachable(host: str) -> str:
@@ -277,7 +272,25 @@ def cmd_admin(args: argparse.Namespace, cfg: Config) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
+# `helexa bench SUITE`: (name, help, module, its add-arguments function, its entry point)
+BENCH_SUITES = [
+    ("engine", "TTFT and decode throughput of the in-process engine",
+     "helexa.bench.engine", "add_arguments", "main"),
+    ("gpu", "decode vs memory bandwidth, TTFT and throughput on random Qwen3 weights",
+     "helexa.bench.gpu", "add_arguments", "main"),
+    ("node", "what the node's HTTP layer costs", "helexa.bench.node", "add_arguments", "main"),
+    ("grammar", "llguidance vs xgrammar: compile, mask and decode cost of JSON schemas",
+     "helexa.bench.grammar", "add_arguments", "main"),
+    ("run", "the SPEC's scenarios against any OpenAI-compatible server, kept in the database",
+     "helexa.bench.harness", "add_run_arguments", "main_run"),
+    ("report", "Markdown table of the latest bench figures, with the change per build",
+     "helexa.bench.harness", "add_report_arguments", "main_report"),
+]  # fmt: skip
+
+
+def build_parser(with_bench: bool = True) -> argparse.ArgumentParser:
+    """The command line. `with_bench=False` leaves out the bench suites' own options (their
+    modules import torch, which `helexa serve --role gateway` or `helexa keys` never need)."""
     parser = argparse.ArgumentParser(
         prog="helexa",
         description="Self-hosted serving of open-weight LLMs: inference nodes and a fleet gateway.",
@@ -300,52 +313,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True, metavar="SUITE")
-    eng = bench_sub.add_parser("engine", help="TTFT and decode throughput of the in-process engine")
-    _add_config_arg(eng)
-    from helexa.bench.engine import add_arguments
-
-    add_arguments(eng)
-    eng.set_defaults(func=cmd_bench)
-    gpu_bench = bench_sub.add_parser(
-        "gpu", help="decode vs memory bandwidth, TTFT and throughput on random Qwen3 weights"
-    )
-    _add_config_arg(gpu_bench)
-    from helexa.bench.gpu import add_arguments as add_gpu_arguments
-    from helexa.bench.gpu import main as bench_gpu
-
-    add_gpu_arguments(gpu_bench)
-    gpu_bench.set_defaults(func=bench_gpu)
-    node_bench = bench_sub.add_parser("node", help="what the node's HTTP layer costs")
-    _add_config_arg(node_bench)
-    from helexa.bench.node import add_arguments as add_node_arguments
-    from helexa.bench.node import main as bench_node
-
-    add_node_arguments(node_bench)
-    node_bench.set_defaults(func=bench_node)
-    grammar_bench = bench_sub.add_parser(
-        "grammar", help="llguidance vs xgrammar: compile, mask and decode cost of JSON schemas"
-    )
-    _add_config_arg(grammar_bench)
-    from helexa.bench.grammar import add_arguments as add_grammar_arguments
-    from helexa.bench.grammar import main as bench_grammar
-
-    add_grammar_arguments(grammar_bench)
-    grammar_bench.set_defaults(func=bench_grammar)
-    from helexa.bench import harness
-
-    run_bench = bench_sub.add_parser(
-        "run",
-        help="the SPEC's scenarios against any OpenAI-compatible server, kept in the database",
-    )
-    _add_config_arg(run_bench)
-    harness.add_run_arguments(run_bench)
-    run_bench.set_defaults(func=harness.main_run)
-    report_bench = bench_sub.add_parser(
-        "report", help="Markdown table of the latest bench figures, with the change per build"
-    )
-    _add_config_arg(report_bench)
-    harness.add_report_arguments(report_bench)
-    report_bench.set_defaults(func=harness.main_report)
+    for name, help_text, module, add_name, main_name in BENCH_SUITES:
+        suite = bench_sub.add_parser(name, help=help_text)
+        _add_config_arg(suite)
+        if with_bench:  # their modules import torch: only when a bench command runs
+            mod = importlib.import_module(module)
+            getattr(mod, add_name)(suite)
+            suite.set_defaults(func=getattr(mod, main_name))
 
     serve = sub.add_parser("serve", help="run the node's or the gateway's HTTP service")
     _add_config_arg(serve)
@@ -418,7 +392,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = build_parser(with_bench=argv[:1] == ["bench"]).parse_args(argv)
     try:
         cfg = load_config(getattr(args, "config", None))
     except ConfigError as e:

@@ -57,3 +57,22 @@ def test_bench_engine_prints_its_table(tmp_path):
     assert done.returncode == 0, done.stderr[-2000:]
     assert "| decode, batch 1 (tok/s) |" in done.stdout
     assert (tmp_path / "out.json").exists()
+
+
+def test_commands_that_need_no_model_never_import_torch(tmp_path):
+    # the gateway, keys, spend and db commands: torch costs seconds and memory per process
+    config = tmp_path / "helexa.toml"
+    config.write_text(f'[gateway]\ndatabase_url = "sqlite:///{tmp_path / "h.db"}"\n')
+    probe = (
+        "import sys, runpy; sys.argv = ['helexa', 'keys', 'list', '--config', sys.argv[1]]\n"
+        "import helexa.web.gateway_app\n"
+        "try:\n    runpy.run_module('helexa.cli', run_name='__main__')\n"
+        "except SystemExit as e:\n    assert not e.code, e.code\n"
+        "print('torch' in sys.modules)"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", probe, str(config)], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines()[-1] == "False"
+    assert helexa("bench", "engine", "--help").returncode == 0  # bench commands load theirs

@@ -60,18 +60,19 @@ WEATHER = {"city": "Zürich 🇨🇭", "days": 3}
 
 
 @pytest.fixture(scope="module")
-def node(tmp_path_factory, model_dirs, agent_models):
-    models = [model_dirs["scripted"], model_dirs["tiny"], *agent_models.values()]
+def node(tmp_path_factory, model_dirs):
+    models = [model_dirs["scripted"], model_dirs["tiny"]]
     node = start_node(tmp_path_factory.mktemp("anthropic-node"), models)
     yield node
     node.stop()
 
 
 @pytest.fixture(scope="module")
-def gw(tmp_path_factory, node, scripted_id, tiny_id):
+def gw(tmp_path_factory, node, agent_node, scripted_id, tiny_id):
+    # the agents' scripted models come from the session's agent node (a dozen of them)
     gw = start_gateway(
         tmp_path_factory.mktemp("anthropic-gw"),
-        {"n": node},
+        {"n": node, "agents": agent_node},
         models=[{"id": scripted_id, "cost": {"input": 1.0, "output": 2.0}}, {"id": tiny_id}],
         aliases={"helexa/test": scripted_id},
     )
