@@ -174,8 +174,9 @@ class EngineConfig:
     # Hybrid (Gated DeltaNet) models: recurrent-state snapshots kept for the prefix cache.
     max_prefix_snapshots: NonNegativeInt = 8
     cpu_dense_copy: bool = False
-    # CPU: time the packed kernels per weight shape at load (cached in state_dir/autotune)
-    # and run each call the fastest measured way; false: the kernel on all rows, always.
+    # CPU: time each packed weight shape's paths (int4 kernel, float32 GEMM on the weight
+    # unpacked per call) at load, cached in state_dir/autotune, and run each call the
+    # fastest measured way; false: the kernel on all rows, always.
     autotune: bool = True
     # A model's worker that answers nothing for this long while it has work (a hung step, a
     # hung collective across tensor-parallel ranks) is killed and its model reloaded.

@@ -24,20 +24,21 @@ def cost(plan: tuple[bool, int], i: int, kernel_s: list[float], dense_s) -> floa
 
 def test_a_bucket_where_the_kernel_falls_off_a_cliff_runs_in_smaller_chunks():
     # 16 rows cost as much as 64 would: two calls of 8 are cheaper
-    kernel = [1.0, 1.1, 1.2, 1.5, 8.0, 9.0, 10.0, 20.0]
-    plans = choose(kernel, None)
+    kernel = [1.0, 1.1, 1.2, 1.5, 8.0, 9.0, 10.0, 20.0, 40.0, 80.0]
+    plans = choose(kernel, [1e9] * len(BUCKETS))
     assert plans[:4] == [WHOLE] * 4
     assert plans[4] == (False, 8) and plans[5] == (False, 8)  # 16 and 32 rows: calls of 8
     assert plans[6] == WHOLE and plans[7] == (False, 64)  # 10 for 64 rows beats 8 x 1.5
-    assert choose(kernel, [5.0] * len(BUCKETS))[7] == DENSE  # 5 beats 2 x 10 for 128 rows
-    assert choose(kernel, [1.0] * len(BUCKETS))[7] == DENSE  # and the dense copy's whole
+    dense = [5.0] * len(BUCKETS)
+    assert choose(kernel, dense)[7] == DENSE  # 5 beats 2 x 10 for 128 rows
+    assert choose(kernel, dense)[9] == DENSE
 
 
 @pytest.mark.parametrize("seed", range(20))
 def test_whatever_the_times_throughput_never_falls_as_rows_grow(seed):
     rng = random.Random(seed)
     kernel = [rng.uniform(0.5, 50.0) * b ** rng.uniform(0, 1) for b in BUCKETS]
-    dense = [rng.uniform(1.0, 80.0) * b ** rng.uniform(0, 1) for b in BUCKETS] if seed % 2 else None
+    dense = [rng.uniform(1.0, 80.0) * b ** rng.uniform(0, 1) for b in BUCKETS]
     plans = choose(kernel, dense)
     rows_per_s = [
         b / cost(p, i, kernel, dense) for i, (b, p) in enumerate(zip(BUCKETS, plans, strict=True))
@@ -47,10 +48,12 @@ def test_whatever_the_times_throughput_never_falls_as_rows_grow(seed):
 
 def test_plans_spread_over_row_counts_take_the_smallest_bucket_that_holds_them():
     four, eight = (False, 4), (True, 8)
-    by_rows = plan_for_rows([WHOLE, WHOLE, WHOLE, four, four, eight, eight, DENSE])
+    plans = [WHOLE, WHOLE, WHOLE, four, four, eight, eight, eight, eight, DENSE]
+    by_rows = plan_for_rows(plans)
     assert by_rows[1] == by_rows[4] == WHOLE
     assert by_rows[5] == by_rows[8] == four and by_rows[9] == four and by_rows[16] == four
-    assert by_rows[17] == eight and by_rows[128] == DENSE and len(by_rows) == 129
+    assert by_rows[17] == eight and by_rows[256] == eight and by_rows[257] == DENSE
+    assert len(by_rows) == BUCKETS[-1] + 1 == 513
 
 
 def test_plans_are_measured_once_per_shape_then_read_from_the_machines_cache(tmp_path):
@@ -80,3 +83,12 @@ def test_float_weights_have_nothing_to_tune(tmp_path):
     tuner = Autotuner(tmp_path, 1)
     tuner.tune(lins)
     assert tuner.measured == [] and lins[0].plans is None and not list(tmp_path.iterdir())
+
+
+def test_without_a_cache_directory_a_process_measures_each_shape_once():
+    first = make_linears("Q4_1", [64], with_bias=False)
+    Autotuner(None, 7).tune(first)  # 7 threads: a machine key no other test uses
+    again = Autotuner(None, 7)
+    later = make_linears("Q4_1", [64], with_bias=False)
+    again.tune(later)
+    assert again.measured == [] and later[0].plans == first[0].plans

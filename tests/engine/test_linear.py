@@ -285,3 +285,18 @@ def test_a_packing_whose_row_layout_is_unknown_is_not_read_by_rows():
     src, _ = quantized(weight(1040, 576), "Q4_1")  # 1040 rows: a partial interleave block
     lin = loaded(src)
     assert lin.format == "int4" and not lin.can_read_rows()
+
+
+@pytest.mark.parametrize("kind", ["Q4_1", "Q8_0"])
+def test_without_a_dense_copy_a_float32_plan_dequantizes_the_weight_for_the_call(kind):
+    from helexa.engine.layers.autotune import BUCKETS, DENSE, WHOLE, plan_for_rows
+
+    (lin,) = make_linears(kind, [192], with_bias=False)
+    w = lin.dequantize()
+    ids = torch.tensor([0, 7, 100, 191])
+    assert torch.equal(w[ids], lin.rows(ids))  # the block unpacking and the row reads agree
+    lin.plans = plan_for_rows([WHOLE if b < 64 else DENSE for b in BUCKETS])
+    wide, narrow = torch.randn(100, 576), torch.randn(3, 576)
+    assert lin.dense is None
+    assert torch.equal(lin(wide), torch.nn.functional.linear(wide, w))  # float32, no copy kept
+    assert rel_err(lin(narrow), torch.nn.functional.linear(narrow, w)) < 1e-2  # bf16 kernel

@@ -45,6 +45,7 @@ ENGINE = dict(
     max_prefill_chunk=24,
     num_threads=1,
     seed=0,
+    autotune=False,  # plans measured per process would differ between the runs compared
 )
 GREEDY = SamplingParams(temperature=0, max_tokens=NUM_TOKENS, ignore_eos=True)
 
@@ -75,10 +76,17 @@ def _prompts() -> list[list[int]]:
 
 def _engine(model_dir: Path | str, quant: str | None) -> LLMEngine:
     """An engine over the model as this process's place in the group shards it."""
-    args = EngineArgs(model=str(model_dir), quant=quant, **ENGINE)
+    # a quantized case keeps float copies of its shards: its prompts then run exactly
+    args = EngineArgs(model=str(model_dir), quant=quant, cpu_dense_copy=quant is not None, **ENGINE)
     if not parallel.tp().enabled:
         return LLMEngine(args)
-    loaded = load_model(args.model, device=torch.device("cpu"), dtype=torch.float32, quant=quant)
+    loaded = load_model(
+        args.model,
+        device=torch.device("cpu"),
+        dtype=torch.float32,
+        quant=quant,
+        dense_copies=args.cpu_dense_copy,
+    )
     # An engine refuses to start in a process of a tensor-parallel group (it would shard its
     # model and join the group's collectives beside the group's own engine). Here that is
     # the point: each rank runs its own engine over its own shard, SPMD, the model already

@@ -3,10 +3,12 @@ this machine at load instead of by thresholds fixed on another CPU.
 
 torch's packed int4/int8 kernels are not equally good at every row count: on one CPU a
 16-row call costs as much as a 32-row one, on another the 12-row case falls off a cliff. So
-per weight shape, the kernel (and the float32 dense copy, where `[engine] cpu_dense_copy`
-keeps one) is timed once per row bucket (1, 2, 4 … 128), and each bucket takes the cheapest
-way to cover its rows: either path on all of them, or on chunks of a smaller bucket's size
-(b/c calls of c rows). Any smaller bucket's way is among the candidates, scaled, so more rows
+per weight shape, two paths are timed once per row bucket (1, 2, 4 … 128): the packed kernel
+(bf16 activations) and a float32 GEMM, on the dense copy where `[engine] cpu_dense_copy`
+keeps one, else on the weight dequantized within the call (no memory held: on wide prompt
+chunks the dequantization is a few percent of the GEMM, and a GEMM can beat the packed
+kernel by 2x there). Each bucket takes the cheapest way to cover its rows: either path on
+all of them, or on chunks of a smaller bucket's size (b/c calls of c rows). Any smaller bucket's way is among the candidates, scaled, so more rows
 never lower a call's throughput.
 
 The plans are kept in `<cache_dir>/<machine>.json` (the node: `state_dir/autotune`), keyed
@@ -25,17 +27,19 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 log = logging.getLogger(__name__)
 
-BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
+BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)  # 512: the default prompt chunk
+# past this many seconds a call, a path's time at twice the rows is taken as twice its time
+# (the lm_head at 512 rows would cost seconds of load to time, and says nothing new)
+MAX_TIMED_CALL_S = 0.05
 # A plan: (through the dense copy?, rows per call; 0: all of them at once)
 Plan = tuple[bool, int]
 WHOLE: Plan = (False, 0)
 DENSE: Plan = (True, 0)
 MIN_TIMED_S = 0.003  # each timing repeats the call until this much time has passed
-CACHE_VERSION = 1
+CACHE_VERSION = 3  # 3: the float32 path without a dense copy too; buckets to 512
 
 
 def machine_key(num_threads: int) -> str:
@@ -103,31 +107,41 @@ def _timed(call: Callable[[], object]) -> float:
 
 
 def measure(linear: torch.nn.Module) -> list[Plan]:
-    """Time `linear`'s kernel (and dense copy) at every bucket; the plans."""
+    """Time `linear`'s packed kernel and its float32 GEMM (on the dense copy, or on the
+    weight dequantized within each call) at every bucket; the plans."""
     gen = torch.Generator().manual_seed(0)
-    kernel_s, dense_s = [], [] if linear.dense is not None else None
-    for b in BUCKETS:
+    kernel_s: list[float] = []
+    dense_s: list[float] = []
+    for i, b in enumerate(BUCKETS):
         x = torch.randn(b, linear.in_features, generator=gen)
         h = x.to(linear.scales.dtype).contiguous()
-        kernel_s.append(_timed(lambda h=h: linear.packed_matmul(h)))
-        if dense_s is not None:
-            dense_s.append(_timed(lambda x=x: F.linear(x, linear.dense)))
+        paths = ((kernel_s, linear.packed_matmul, h), (dense_s, linear.dense_matmul, x))
+        for times, run, rows in paths:
+            if i and times[-1] > MAX_TIMED_CALL_S:
+                times.append(times[-1] * b / BUCKETS[i - 1])
+            else:
+                times.append(_timed(lambda run=run, rows=rows: run(rows)))
     return choose(kernel_s, dense_s)
+
+
+# Plans measured by this process where there is no cache directory, per machine key.
+_MEASURED: dict[str, dict[str, list[Plan]]] = {}
 
 
 class Autotuner:
     """Plans for every packed Linear of a model, from the cache file or measured now."""
 
     def __init__(self, cache_dir: str | os.PathLike | None, num_threads: int) -> None:
+        self.machine = machine_key(num_threads)
         self.path = None
         if cache_dir is not None:
-            self.path = Path(cache_dir) / f"{machine_key(num_threads)}.json"
+            self.path = Path(cache_dir) / f"{self.machine}.json"
         self.plans: dict[str, list[Plan]] = self._read()
         self.measured: list[str] = []  # shapes timed by this process, not read from cache
 
     def _read(self) -> dict[str, list[Plan]]:
-        if self.path is None:
-            return {}
+        if self.path is None:  # no cache directory: this process's own measurements
+            return _MEASURED.setdefault(self.machine, {})
         try:
             data = json.loads(self.path.read_text())
         except (OSError, ValueError):
@@ -146,6 +160,7 @@ class Autotuner:
 
     def _write(self) -> None:
         if self.path is None:
+            _MEASURED[self.machine] = self.plans
             return
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)

@@ -61,3 +61,20 @@ def rows(
     zero = sz[..., 1].t().repeat_interleave(GROUP, dim=1)
     w = (q - 8) * scale + zero
     return w.reshape(len(ids), k_repeat, k // k_repeat).sum(dim=1)
+
+
+def dequantize(
+    packed: torch.Tensor, scales: torch.Tensor, num_rows: int, k_repeat: int
+) -> torch.Tensor:
+    """The whole weight as float32 [num_rows, K / k_repeat], unpacked block by block (no
+    gathers): what a wide prompt chunk's float32 GEMM takes instead of a copy kept."""
+    bn = block_n(num_rows)
+    assert bn is not None, "dequantize() called on a packing whose layout is unknown"
+    k = scales.shape[0] * GROUP
+    blocks = packed.view(num_rows // bn, k, bn // 2)
+    q = torch.cat([blocks & 0x0F, blocks >> 4], dim=2)  # [N / bn, k, bn]: rows j, j + bn/2
+    q = q.transpose(1, 2).reshape(num_rows, k // GROUP, GROUP)
+    sz = scales.float().transpose(0, 1)  # [N, k / 32, 2]
+    w = (q.float() - 8).mul_(sz[..., :1]).add_(sz[..., 1:])
+    w = w.reshape(num_rows, k)
+    return w if k_repeat == 1 else w.view(num_rows, k_repeat, k // k_repeat).sum(dim=1)

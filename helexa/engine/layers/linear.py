@@ -54,9 +54,10 @@ PACKED_DTYPE = torch.bfloat16  # the only activation dtype the CPU packed kernel
 # SmolLM2's greedy "The capital of France is Paris." into "L'Étoile, ...". f32 costs ~45%
 # more TTFT than bf16 and 4 bytes a weight, and stays right.
 DENSE_DTYPE = torch.float32
-# Set by the model runner for steps that carry prompt tokens: they take the dense path
-# whatever their row count, so a prompt's logits do not depend on how much of it came from
-# the prefix cache (a cold 123-token prefill and an 11-token cached one agree).
+# Set by the model runner for steps that carry prompt tokens: they take one path whatever
+# their row count (the dense copy where kept, else the widest bucket's plan), so a prompt's
+# logits do not depend on how much of it came from the prefix cache (a cold 123-token
+# prefill and an 11-token cached one agree).
 PREFILL_STEP: ContextVar[bool] = ContextVar("PREFILL_STEP", default=False)
 _HAS_INT4 = hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu")  # torch >= 2.6
 
@@ -250,9 +251,12 @@ class Linear(nn.Module):
             y = Linear.forward(self, x.reshape(-1, self.in_features))
             return y.reshape(*x.shape[:-1], self.out_features)
         # decode calls this ~200 times a token: every skipped no-op counts
-        rows, plans = x.shape[0], self.plans
-        dense, chunk = WHOLE if plans is None else plans[rows] if rows < len(plans) else plans[-1]
-        if self.dense is not None and (dense or PREFILL_STEP.get()):
+        rows, plans, prefill = x.shape[0], self.plans, PREFILL_STEP.get()
+        if plans is None:
+            dense, chunk = WHOLE
+        else:  # a prompt step takes the widest plan whatever its size (see PREFILL_STEP)
+            dense, chunk = plans[rows] if rows < len(plans) and not prefill else plans[-1]
+        if dense or (prefill and self.dense is not None):
             h, run = x.to(DENSE_DTYPE), self.dense_matmul
         else:
             h = x if x.dtype == self.scales.dtype else x.to(self.scales.dtype)
@@ -266,8 +270,9 @@ class Linear(nn.Module):
         return y if self.bias is None else y + self.bias
 
     def dense_matmul(self, h: torch.Tensor) -> torch.Tensor:
-        """The float32 dense copy on h: [rows, in_features] float32."""
-        return F.linear(h, self.dense)
+        """A float32 GEMM on h: [rows, in_features] float32, with the dense copy where one is
+        kept, else with the weight dequantized for this call (it pays on wide calls)."""
+        return F.linear(h, self.dense if self.dense is not None else self.dequantize())
 
     def packed_matmul(self, h: torch.Tensor) -> torch.Tensor:
         """torch's packed kernel on h: [rows, in_features], contiguous, in the scales' dtype."""
@@ -285,6 +290,8 @@ class Linear(nn.Module):
             return naive_dequantize(self.qweight)
         if self.format == "int8":
             return self.weight.float() * self.scales.float()[:, None]
+        if self.can_read_rows():  # unpacked directly: milliseconds, and exact to the scales
+            return int4_cpu.dequantize(self.weight, self.scales, self.out_features, self.k_repeat)
         # run the kernel on an identity: row k of the output is column k of W
         k = self.in_features * self.k_repeat
         eye = torch.eye(k, dtype=self.scales.dtype, device=self.weight.device)

@@ -133,7 +133,7 @@ def load_model(
     quant: str | None = None,
     max_position: int | None = None,
     cache_dir: str | None = None,
-    dense_copies: bool = True,
+    dense_copies: bool = False,
     gguf_quant: str | None = None,
     revision: str | None = None,
 ) -> LoadedModel:
