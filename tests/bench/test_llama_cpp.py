@@ -1,0 +1,46 @@
+"""llama.cpp as `helexa bench engine`'s reference: llama-bench's JSON (a real run's output,
+trimmed, in llama_bench_output.json) read into the engine bench's figures."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from helexa.bench import llama_cpp
+
+OUTPUT = Path(__file__).with_name("llama_bench_output.json")
+
+
+def test_prompt_rates_become_ttft_and_the_generation_rate_batch_1_decode():
+    tests = json.loads(OUTPUT.read_text())
+    bench = llama_cpp.parse(OUTPUT.read_text(), new_tokens=128)
+    assert bench.build == "b1 (0c1e570)"
+    pp1024 = next(t for t in tests if t["n_prompt"] == 1024)
+    assert bench.figures["ttft@1024"] == pytest.approx(1024 / pp1024["avg_ts"])
+    assert bench.figures["decode@1"] == pytest.approx(
+        next(t["avg_ts"] for t in tests if t["n_gen"] == 128)
+    )
+    assert set(bench.figures) == {"ttft@128", "ttft@1024", "decode@1"}
+    # a generation run of another length is not batch-1 decode of this bench's length
+    assert "decode@1" not in llama_cpp.parse(OUTPUT.read_text(), new_tokens=64).figures
+
+
+def test_the_command_asks_for_the_same_file_threads_and_lengths():
+    cmd = llama_cpp.command("llama-bench", "m.gguf", 2, [128, 1024], 128, 3)
+    assert cmd == ["llama-bench", "-m", "m.gguf", "-t", "2", "-p", "128,1024", "-n", "128",
+                   "-r", "3", "-o", "json"]  # fmt: skip
+
+
+def test_a_missing_or_failing_llama_bench_says_why(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no such executable"):
+        llama_cpp.find(str(tmp_path / "llama-bench"))
+    failing = tmp_path / "llama-bench"
+    failing.write_text("#!/bin/sh\necho 'error: failed to load model' >&2\nexit 1\n")
+    failing.chmod(0o755)
+    assert llama_cpp.find(str(failing)) == str(failing)
+    with pytest.raises(ValueError, match="exited 1: error: failed to load model"):
+        llama_cpp.run(str(failing), "m.gguf", 2, [128], 16, 1)
+    with pytest.raises(ValueError, match="printed no tests"):
+        llama_cpp.parse("[]", 128)
