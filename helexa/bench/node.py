@@ -74,7 +74,15 @@ class Sample:
 
 
 async def http_request(client: httpx.AsyncClient, url: str, body: dict[str, Any]) -> Sample:
-    """One streaming chat request, its SSE parsed by hand."""
+    """One streaming chat request, its SSE parsed by hand; sent again once when the server
+    closed the kept-alive connection under it (llama-server closes each after a stream)."""
+    try:
+        return await _http_request(client, url, body)
+    except httpx.RemoteProtocolError:
+        return await _http_request(client, url, body)
+
+
+async def _http_request(client: httpx.AsyncClient, url: str, body: dict[str, Any]) -> Sample:
     t0 = time.perf_counter()
     ttft, num_tokens, num_prompt_tokens = None, 0, 0
     async with client.stream("POST", url, json=body) as resp:
