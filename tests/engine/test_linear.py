@@ -300,3 +300,13 @@ def test_without_a_dense_copy_a_float32_plan_dequantizes_the_weight_for_the_call
     assert lin.dense is None
     assert torch.equal(lin(wide), torch.nn.functional.linear(wide, w))  # float32, no copy kept
     assert rel_err(lin(narrow), torch.nn.functional.linear(narrow, w)) < 1e-2  # bf16 kernel
+
+
+@pytest.mark.parametrize("qtype", ["Q4_1", "Q8_0"])
+def test_rows_read_with_the_unrounded_scales_are_the_gguf_rows(qtype):
+    from helexa.engine.layers.linear import int4_scales
+
+    src, ref = quantized(weight(1024, 576, seed=3), qtype)
+    lin = loaded(src)
+    ids = torch.tensor([0, 3, 512, 1023])
+    torch.testing.assert_close(lin.rows(ids, int4_scales(src)), ref[ids], rtol=1e-6, atol=1e-7)

@@ -454,6 +454,12 @@ def test_a_client_that_leaves_a_non_streaming_request_stops_the_nodes_work(gw, n
     print(f"non-stream client left: node idle {stopped_after:.2f} s later, {generated} tokens")
 
 
+def _busy(node) -> bool:
+    """Whether a model on `node` still has a request in flight or queued."""
+    models = node.get("/health").json()["models"]
+    return any(m["in_flight"] or m["queue_depth"] for m in models)
+
+
 def test_a_node_that_stops_or_dies_mid_stream_ends_the_stream_with_an_error_event(tmp_path, models):
     lone = start_node(tmp_path / "node", [models["long"]], node={"per_principal_max": 0})
     gw = _gateway(tmp_path / "gw", lone, {"long": models["long"]}, upstream_idle_timeout_s=2.0)
@@ -487,8 +493,8 @@ def test_a_node_that_stops_or_dies_mid_stream_ends_the_stream_with_an_error_even
                 assert 1.5 < ended_after < 10  # the idle timeout, not forever
                 lone.proc.send_signal(signal.SIGCONT)
                 deadline = time.monotonic() + 30  # polled up again
-                while gw.get("/health").json()["nodes_up"] != 1:
-                    assert time.monotonic() < deadline
+                while gw.get("/health").json()["nodes_up"] != 1 or _busy(lone):
+                    assert time.monotonic() < deadline  # up, and the cut stream let go
                     time.sleep(0.1)
             assert gw.get("/health").json()["budget_reserved_tokens"] == 0
             print(f"{how.name}: stream ended with an error event {ended_after:.2f} s later")

@@ -54,10 +54,11 @@ PACKED_DTYPE = torch.bfloat16  # the only activation dtype the CPU packed kernel
 # SmolLM2's greedy "The capital of France is Paris." into "L'Étoile, ...". f32 costs ~45%
 # more TTFT than bf16 and 4 bytes a weight, and stays right.
 DENSE_DTYPE = torch.float32
-# Set by the model runner for steps that carry prompt tokens: they take one path whatever
-# their row count (the dense copy where kept, else the widest bucket's plan), so a prompt's
-# logits do not depend on how much of it came from the prefix cache (a cold 123-token
-# prefill and an 11-token cached one agree).
+# Set by the model runner for steps that carry prompt tokens: they run in float32 (the
+# dense copy, else the weight unpacked for the call) whatever their row count. Through the
+# bf16 kernel, SmolLM2's prompt "What is the capital of France?" got "L'Étoile, la
+# Marseillaise…" instead of "Paris"; and a prompt's logits then do not depend on how much
+# of it came from the prefix cache (a cold 123-token prefill and an 11-token cached one agree).
 PREFILL_STEP: ContextVar[bool] = ContextVar("PREFILL_STEP", default=False)
 _HAS_INT4 = hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu")  # torch >= 2.6
 
@@ -251,12 +252,14 @@ class Linear(nn.Module):
             y = Linear.forward(self, x.reshape(-1, self.in_features))
             return y.reshape(*x.shape[:-1], self.out_features)
         # decode calls this ~200 times a token: every skipped no-op counts
-        rows, plans, prefill = x.shape[0], self.plans, PREFILL_STEP.get()
-        if plans is None:
+        rows, plans = x.shape[0], self.plans
+        if PREFILL_STEP.get():  # prompts in float32 whatever their size (see PREFILL_STEP)
+            dense, chunk = True, 0
+        elif plans is None:
             dense, chunk = WHOLE
-        else:  # a prompt step takes the widest plan whatever its size (see PREFILL_STEP)
-            dense, chunk = plans[rows] if rows < len(plans) and not prefill else plans[-1]
-        if dense or (prefill and self.dense is not None):
+        else:
+            dense, chunk = plans[rows] if rows < len(plans) else plans[-1]
+        if dense:
             h, run = x.to(DENSE_DTYPE), self.dense_matmul
         else:
             h = x if x.dtype == self.scales.dtype else x.to(self.scales.dtype)
@@ -305,14 +308,16 @@ class Linear(nn.Module):
             return int4_cpu.block_n(self.out_features) is not None
         return self.format in ("float", "int8")
 
-    def rows(self, ids: torch.Tensor) -> torch.Tensor:
-        """Rows `ids` of W as float32 [len(ids), in_features] (a tied embedding's lookup)."""
+    def rows(self, ids: torch.Tensor, scales: torch.Tensor | None = None) -> torch.Tensor:
+        """Rows `ids` of W as float32 [len(ids), in_features] (a tied embedding's lookup);
+        `scales` replaces an int4 weight's bf16 (scale, zero) pairs with unrounded ones."""
         if self.format == "float":
             return self.weight[ids].float()
         if self.format == "int8":
             return self.weight[ids].float() * self.scales[ids].float()[:, None]
         assert self.format == "int4", f"rows() of a {self.format} weight"
-        return int4_cpu.rows(self.weight, self.scales, ids, self.out_features, self.k_repeat)
+        scales = self.scales if scales is None else scales
+        return int4_cpu.rows(self.weight, scales, ids, self.out_features, self.k_repeat)
 
     @property
     def memory_bytes(self) -> int:
@@ -499,6 +504,19 @@ def _q8_0_as_int4(
     scale = torch.cat([16 * d, d], dim=1)
     zero = torch.cat([torch.zeros_like(d), 8 * d], dim=1)
     return q4, scale, zero
+
+
+def int4_scales(src: GGUFTensor) -> torch.Tensor | None:
+    """The (scale, zero) pairs the int4 packing of a GGUF Q4_0/Q4_1/Q8_0 tensor holds, before
+    their rounding to bf16: float32 [K / 32, out, 2] (None for other qtypes)."""
+    shape = tuple(src.shape)
+    if src.qtype in ("Q4_0", "Q4_1"):
+        _, scale, zero = _q4_as_int4(src.data, src.qtype, shape)
+    elif src.qtype == "Q8_0":
+        _, scale, zero = _q8_0_as_int4(src.data, shape)
+    else:
+        return None
+    return torch.stack([scale.t(), zero.t()], dim=-1).contiguous()
 
 
 def _round_scale(s: torch.Tensor) -> torch.Tensor:
