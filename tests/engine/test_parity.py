@@ -19,12 +19,14 @@ def _prompts(vocab: int) -> list[list[int]]:
     return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in PROMPT_LENGTHS]
 
 
-def _hf_greedy(model, prompt: list[int]) -> tuple[list[int], torch.Tensor]:
+def _hf_greedy(
+    model, prompt: list[int], num_tokens: int = NUM_TOKENS
+) -> tuple[list[int], torch.Tensor]:
     out = model.generate(
         torch.tensor([prompt]),
         attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-        max_new_tokens=NUM_TOKENS,
-        min_new_tokens=NUM_TOKENS,
+        max_new_tokens=num_tokens,
+        min_new_tokens=num_tokens,
         do_sample=False,
         output_logits=True,
         return_dict_in_generate=True,
@@ -32,7 +34,7 @@ def _hf_greedy(model, prompt: list[int]) -> tuple[list[int], torch.Tensor]:
         eos_token_id=None,
     )
     tokens = out.sequences[0, len(prompt) :].tolist()
-    return tokens, torch.cat(out.logits)  # [NUM_TOKENS, vocab]
+    return tokens, torch.cat(out.logits)  # [num_tokens, vocab]
 
 
 def _record_logits(llm: LLM) -> dict[str, list[torch.Tensor]]:
@@ -54,14 +56,16 @@ def record_model_logits(model: torch.nn.Module) -> dict[str, list[torch.Tensor]]
     return seen
 
 
-def assert_matches_transformers(llm: LLM, hf, prompts: list[list[int]], label: str) -> None:
+def assert_matches_transformers(
+    llm: LLM, hf, prompts: list[list[int]], label: str, num_tokens: int = NUM_TOKENS
+) -> None:
     """`prompts` batched through `llm`: logits within 1e-4 of transformers' at every one of
-    NUM_TOKENS greedy steps, and the same tokens."""
+    `num_tokens` greedy steps, and the same tokens."""
     seen = _record_logits(llm)
-    params = SamplingParams(temperature=0, max_tokens=NUM_TOKENS, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=num_tokens, ignore_eos=True)
     outputs = llm.generate(prompts, params)
     for prompt, out in zip(prompts, outputs, strict=True):
-        ref_tokens, ref_logits = _hf_greedy(hf, prompt)
+        ref_tokens, ref_logits = _hf_greedy(hf, prompt, num_tokens)
         ours = torch.stack(seen[out.request_id])
         diff = (ours - ref_logits).abs().max().item()
         assert diff <= 1e-4, f"{label} prompt len {len(prompt)}: max |Δlogits| {diff:.2e}"

@@ -22,8 +22,13 @@ def _auto_backend_after():
     kernels.set_backend("auto")  # the backend is process-wide
 
 
+# the interpreter is slow: short contexts, and 12 decode steps (each a step of the batch,
+# the short prompts decoding while the long ones still prefill)
+NUM_TOKENS = 12
+
+
 def _short_prompts(vocab: int) -> list[list[int]]:
-    return [p[:40] for p in _prompts(vocab)]  # the interpreter is slow: short contexts
+    return [p[:40] for p in _prompts(vocab)]
 
 
 @needs_triton
@@ -39,14 +44,15 @@ def test_dense_model_through_the_triton_kernels_matches_transformers(block_size,
         max_prefill_chunk=12,
     )
     assert llm.engine.runner.use_triton
-    assert_matches_transformers(llm, hf, _short_prompts(hf.config.vocab_size), "qwen3 triton")
+    prompts = _short_prompts(hf.config.vocab_size)
+    assert_matches_transformers(llm, hf, prompts, "qwen3 triton", NUM_TOKENS)
 
 
 @needs_triton
 def test_hybrid_model_through_the_triton_kernels_matches_transformers(tmp_path):
     model_dir, hf = make_tiny_new_family("qwen3_5", tmp_path)
     llm = LLM(str(model_dir), kernels="triton", kv_cache_memory_mb=8, max_prefill_chunk=12)
-    assert_matches_transformers(llm, hf, _short_prompts(512), "qwen3_5 triton")
+    assert_matches_transformers(llm, hf, _short_prompts(512), "qwen3_5 triton", NUM_TOKENS)
 
 
 @needs_triton

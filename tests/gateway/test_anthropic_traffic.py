@@ -38,9 +38,13 @@ def gw(tmp_path_factory, model_dirs):
 def _replay(gw, record: dict) -> httpx.Response | list[tuple[str, dict]]:
     headers = {k: v for k, v in record["headers"].items() if k.lower() not in _DROP}
     url = gw.base_url + record["raw_path"]
-    if not record["body"].get("stream"):
-        return httpx.post(url, json=record["body"], headers=headers, timeout=120)
-    with httpx.stream("POST", url, json=record["body"], headers=headers, timeout=120) as r:
+    body = record["body"]
+    if (body.get("output_config") or {}).get("format"):
+        # the scripted model, held to a schema it does not speak, would fill all 64000
+        body = {**body, "max_tokens": min(body.get("max_tokens", 1024), 1024)}
+    if not body.get("stream"):
+        return httpx.post(url, json=body, headers=headers, timeout=120)
+    with httpx.stream("POST", url, json=body, headers=headers, timeout=120) as r:
         assert r.status_code == 200, r.read()
         assert r.headers["content-type"].startswith("text/event-stream")
         return parse_events(r.iter_lines())
