@@ -27,6 +27,7 @@ from helexa.bench.scenarios import (
     SCENARIOS,
     Calibration,
     RequestFailed,
+    ResendOnClosed,
     Scenario,
     Target,
     list_models,
@@ -85,8 +86,8 @@ async def run(args: argparse.Namespace, sessions: sessionmaker[Session]) -> int:
     if samples < 1:
         raise ValueError("--samples must be at least 1")
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-    limits = httpx.Limits(max_connections=max(s.concurrency for s in scenarios) + 4)
-    async with httpx.AsyncClient(headers=headers, limits=limits) as client:
+    transport = ResendOnClosed(max(s.concurrency for s in scenarios) + 4)
+    async with httpx.AsyncClient(headers=headers, transport=transport) as client:
         build, info, models = await _survey(client, target, args.model, args.sha)
         print(f"bench {target.name} ({target.v1}) at build {build.label}", flush=True)
         if build.sha == "unknown":

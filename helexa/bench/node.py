@@ -29,6 +29,8 @@ from typing import TYPE_CHECKING, Any
 
 import httpx
 
+from helexa.bench.scenarios import ResendOnClosed
+
 if TYPE_CHECKING:
     from helexa.config import Config
     from helexa.engine import AsyncLLM, SamplingParams
@@ -74,15 +76,7 @@ class Sample:
 
 
 async def http_request(client: httpx.AsyncClient, url: str, body: dict[str, Any]) -> Sample:
-    """One streaming chat request, its SSE parsed by hand; sent again once when the server
-    closed the kept-alive connection under it (llama-server closes each after a stream)."""
-    try:
-        return await _http_request(client, url, body)
-    except httpx.RemoteProtocolError:
-        return await _http_request(client, url, body)
-
-
-async def _http_request(client: httpx.AsyncClient, url: str, body: dict[str, Any]) -> Sample:
+    """One streaming chat request, its SSE parsed by hand."""
     t0 = time.perf_counter()
     ttft, num_tokens, num_prompt_tokens = None, 0, 0
     async with client.stream("POST", url, json=body) as resp:
@@ -214,8 +208,8 @@ async def bench_http(
         "stream": True,
         "stream_options": {"include_usage": True},
     }
-    limits = httpx.Limits(max_connections=max(args.concurrency) + 4)
-    async with httpx.AsyncClient(timeout=REQUEST_TIMEOUT_S, limits=limits) as client:
+    transport = ResendOnClosed(max(args.concurrency) + 4)
+    async with httpx.AsyncClient(timeout=REQUEST_TIMEOUT_S, transport=transport) as client:
 
         def one() -> Awaitable[Sample]:
             return http_request(client, url, body)

@@ -68,6 +68,25 @@ def pick_scenarios(names: list[str] | None, is_quick: bool) -> list[Scenario]:
     return [quick(s) for s in picked] if is_quick else picked
 
 
+class ResendOnClosed(httpx.AsyncBaseTransport):
+    """The benches' transport: a request that meets a kept-alive connection the server had
+    already closed (llama-server closes each after a streamed answer) is sent once more, on
+    a fresh connection, instead of failing the sample."""
+
+    def __init__(self, max_connections: int) -> None:
+        limits = httpx.Limits(max_connections=max_connections)
+        self.inner = httpx.AsyncHTTPTransport(limits=limits)
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        try:
+            return await self.inner.handle_async_request(request)
+        except httpx.RemoteProtocolError:
+            return await self.inner.handle_async_request(request)
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
+
+
 # -- the target ----------------------------------------------------------------------------
 @dataclass(frozen=True, slots=True)
 class Target:
@@ -166,12 +185,11 @@ async def prompt_tokens(
     client: httpx.AsyncClient, target: Target, model: str, n_notes: int, pad: int = 0
 ) -> int | None:
     """The prompt tokens the target counts for such a chat (a one-token chat)."""
-    body = chat_body(model, prompt(n_notes, pad), 1, stream=False)
-    url = target.v1 + "/chat/completions"
-    try:
-        r = await client.post(url, json=body, timeout=REQUEST_TIMEOUT_S)
-    except httpx.RemoteProtocolError:  # a kept-alive connection the server had closed
-        r = await client.post(url, json=body, timeout=REQUEST_TIMEOUT_S)
+    r = await client.post(
+        target.v1 + "/chat/completions",
+        json=chat_body(model, prompt(n_notes, pad), 1, stream=False),
+        timeout=REQUEST_TIMEOUT_S,
+    )
     _raise_for(r, f"a one-token chat with {model}")
     count = (r.json().get("usage") or {}).get("prompt_tokens")
     return count if isinstance(count, int) and count > 0 else None
@@ -247,15 +265,6 @@ class Stream:
 
 
 async def stream_chat(client: httpx.AsyncClient, target: Target, body: dict[str, Any]) -> Stream:
-    """One streamed chat; sent again once when the server closed the kept-alive connection
-    under it before answering (llama-server closes each after a stream)."""
-    try:
-        return await _stream_chat(client, target, body)
-    except httpx.RemoteProtocolError:
-        return await _stream_chat(client, target, body)
-
-
-async def _stream_chat(client: httpx.AsyncClient, target: Target, body: dict[str, Any]) -> Stream:
     t0 = time.perf_counter()
     first = last = None
     events, usage = 0, None
