@@ -54,13 +54,8 @@ def rows(
     """
     bn = block_n(num_rows)
     assert bn is not None, "rows() called on a packing whose layout is unknown"
-    k = scales.shape[0] * GROUP
-    q = _nibbles(packed, ids, bn, k).float()  # [n, K]
-    sz = scales[:, ids, :].float()  # [K / 32, n, 2]
-    scale = sz[..., 0].t().repeat_interleave(GROUP, dim=1)  # [n, K]
-    zero = sz[..., 1].t().repeat_interleave(GROUP, dim=1)
-    w = (q - 8) * scale + zero
-    return w.reshape(len(ids), k_repeat, k // k_repeat).sum(dim=1)
+    q = _nibbles(packed, ids, bn, scales.shape[0] * GROUP)  # [n, K]
+    return _weights(q, scales[:, ids, :], k_repeat)
 
 
 def dequantize(
@@ -73,8 +68,14 @@ def dequantize(
     k = scales.shape[0] * GROUP
     blocks = packed.view(num_rows // bn, k, bn // 2)
     q = torch.cat([blocks & 0x0F, blocks >> 4], dim=2)  # [N / bn, k, bn]: rows j, j + bn/2
-    q = q.transpose(1, 2).reshape(num_rows, k // GROUP, GROUP)
-    sz = scales.float().transpose(0, 1)  # [N, k / 32, 2]
-    w = (q.float() - 8).mul_(sz[..., :1]).add_(sz[..., 1:])
-    w = w.reshape(num_rows, k)
-    return w if k_repeat == 1 else w.view(num_rows, k_repeat, k // k_repeat).sum(dim=1)
+    return _weights(q.transpose(1, 2).reshape(num_rows, k), scales, k_repeat)
+
+
+def _weights(q: torch.Tensor, scales: torch.Tensor, k_repeat: int) -> torch.Tensor:
+    """w = (q - 8) * scale + zero, the k_repeat parts summed: q [n, K] of 0..15, scales
+    [K / 32, n, 2] → float32 [n, K / k_repeat]."""
+    n, k = q.shape
+    pairs = scales.float().transpose(0, 1)  # [n, K / 32, 2]
+    w = (q.reshape(n, k // GROUP, GROUP).float() - 8).mul_(pairs[..., :1]).add_(pairs[..., 1:])
+    w = w.reshape(n, k)
+    return w if k_repeat == 1 else w.view(n, k_repeat, k // k_repeat).sum(dim=1)
