@@ -133,6 +133,18 @@ def postgres_url(postgres_cluster: PostgresCluster) -> Iterator[str]:
         postgres_cluster.drop_database(name)
 
 
+@pytest.fixture
+def sessions(tmp_path: Path):
+    """Sessions on a new SQLite file at the migrations' head (gateway and bench tests)."""
+    from helexa.db.session import make_engine, session_factory, upgrade
+
+    url = f"sqlite:///{tmp_path / 'helexa.db'}"
+    upgrade(url)
+    engine = make_engine(url)
+    yield session_factory(engine)
+    engine.dispose()
+
+
 @pytest.fixture(params=["sqlite", "postgres"])
 def db_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
     """Each database helexa supports, in turn: a SQLite file (in a directory that does not

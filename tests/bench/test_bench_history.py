@@ -5,27 +5,16 @@ skip, the report's latest figures and changes per build, and the console's chart
 from __future__ import annotations
 
 from datetime import UTC, datetime, timedelta
-from pathlib import Path
 
 import pytest
 
 from helexa.bench import history as bh
 from helexa.bench.history import Build
 from helexa.bench.scenarios import SCENARIOS, Target, pick_scenarios, quick
-from helexa.db.session import make_engine, session_factory, upgrade
 from helexa.web.admin_bench import scenario_views
 
 OLD, NEW = Build("a" * 40, False), Build("b" * 40, False)
 T0 = datetime(2026, 11, 1, tzinfo=UTC)
-
-
-@pytest.fixture
-def sessions(tmp_path: Path):
-    url = f"sqlite:///{tmp_path / 'helexa.db'}"
-    upgrade(url)
-    engine = make_engine(url)
-    yield session_factory(engine)
-    engine.dispose()
 
 
 def add(sessions, build: Build, scenario: str, minutes: int, target="gpu1", model="m", **m):

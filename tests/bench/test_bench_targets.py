@@ -12,14 +12,12 @@ import threading
 import time
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from pathlib import Path
 from typing import ClassVar
 
 import pytest
 
 from helexa.bench import history as bh
 from helexa.bench.harness import run
-from helexa.db.session import make_engine, session_factory, upgrade
 
 
 class Server(BaseHTTPRequestHandler):
@@ -75,15 +73,6 @@ def server() -> Iterator[type[Server]]:
     yield handler
     httpd.shutdown()
     httpd.server_close()
-
-
-@pytest.fixture
-def sessions(tmp_path: Path):
-    url = f"sqlite:///{tmp_path / 'helexa.db'}"
-    upgrade(url)
-    engine = make_engine(url)
-    yield session_factory(engine)
-    engine.dispose()
 
 
 def bench(sessions, url: str, **kw) -> int:
