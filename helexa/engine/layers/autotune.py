@@ -159,8 +159,7 @@ class Autotuner:
         return plans
 
     def _write(self) -> None:
-        if self.path is None:
-            _MEASURED[self.machine] = self.plans
+        if self.path is None:  # self.plans is this process's table (_read): kept already
             return
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
