@@ -386,11 +386,10 @@ def format_table(
 
 
 def machine_info(threads: int) -> dict[str, Any]:
-    cpu = platform.processor() or "unknown"
-    with contextlib.suppress(OSError), open("/proc/cpuinfo") as f:
-        cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), cpu)
+    from helexa.engine.layers.autotune import cpu_info
+
     info: dict[str, Any] = {
-        "cpu": cpu,
+        "cpu": cpu_info()[0],
         "logical_cpus": os.cpu_count(),
         "threads": threads,
         "torch": torch.__version__,

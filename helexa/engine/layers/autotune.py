@@ -42,10 +42,9 @@ MIN_TIMED_S = 0.003  # each timing repeats the call until this much time has pas
 CACHE_VERSION = 3  # 3: the float32 path without a dense copy too; buckets to 512
 
 
-def machine_key(num_threads: int) -> str:
-    """The CPU (model and flags), torch's version and the thread count, hashed: plans
-    measured under one never serve another."""
-    cpu, flags = platform.processor(), ""
+def cpu_info() -> tuple[str, str]:
+    """(the CPU's model name, its flags) from /proc/cpuinfo; platform's name elsewhere."""
+    cpu, flags = platform.processor() or "unknown", ""
     try:
         with open("/proc/cpuinfo") as f:
             info = dict(line.split(":", 1) for line in f if ":" in line and line[0] != " ")
@@ -53,6 +52,13 @@ def machine_key(num_threads: int) -> str:
         cpu, flags = info.get("model name", cpu), info.get("flags", "")
     except OSError:
         pass
+    return cpu, flags
+
+
+def machine_key(num_threads: int) -> str:
+    """The CPU (model and flags), torch's version and the thread count, hashed: plans
+    measured under one never serve another."""
+    cpu, flags = cpu_info()
     text = f"{cpu}|{flags}|{torch.__version__}|{num_threads}|v{CACHE_VERSION}"
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
