@@ -26,6 +26,7 @@ from urllib.parse import urlsplit, urlunsplit
 import httpx
 
 from helexa.bench.history import Build
+from helexa.protocol.wire import SSEReader
 
 REQUEST_TIMEOUT_S = 900.0  # a 4096-token prefill on a CPU node takes a while
 MIN_DECODE_WINDOW_S = 0.01  # below this the chunks arrived together: no rate to speak of
@@ -274,28 +275,20 @@ async def stream_chat(client: httpx.AsyncClient, target: Target, body: dict[str,
         if r.status_code != 200:
             await r.aread()
             _raise_for(r, body["model"])
-        async for line in r.aiter_lines():
-            if not line.startswith("data:"):
-                continue
-            data = line[5:].strip()
-            if data == "[DONE]":
-                break
-            try:
-                chunk = json.loads(data)
-            except ValueError:
-                raise RequestFailed(
-                    f"{body['model']}: a stream event is not JSON: {data[:200]}"
-                ) from None
-            if "error" in chunk:
-                raise RequestFailed(f"{body['model']}: error mid-stream: {chunk['error']}")
-            if chunk.get("usage"):
-                usage = chunk["usage"]
-            delta = ((chunk.get("choices") or [{}])[0] or {}).get("delta") or {}
-            if any(delta.get(k) for k in ("content", "reasoning_content", "reasoning")):
-                now = time.perf_counter() - t0
-                first = now if first is None else first
-                last = now
-                events += 1
+        reader = SSEReader()
+        async for raw in r.aiter_bytes():
+            for event in reader.feed(raw):
+                if event.data.strip() == "[DONE]":  # the last event: the body ends here
+                    continue
+                chunk = _event_json(event.data, body["model"])
+                if chunk.get("usage"):
+                    usage = chunk["usage"]
+                delta = ((chunk.get("choices") or [{}])[0] or {}).get("delta") or {}
+                if any(delta.get(k) for k in ("content", "reasoning_content", "reasoning")):
+                    now = time.perf_counter() - t0
+                    first = now if first is None else first
+                    last = now
+                    events += 1
     total = time.perf_counter() - t0
     if first is None or last is None:
         raise RequestFailed(f"{body['model']}: the stream ended without a token")
@@ -310,6 +303,19 @@ async def stream_chat(client: httpx.AsyncClient, target: Target, body: dict[str,
         completion_tokens=completion if isinstance(completion, int) else events,
         prompt_tokens=usage.get("prompt_tokens") or 0,
     )
+
+
+def _event_json(data: str, model: str) -> dict[str, Any]:
+    """A stream event's JSON; RequestFailed for one that is not JSON or carries an error."""
+    try:
+        chunk = json.loads(data)
+    except ValueError:
+        raise RequestFailed(f"{model}: a stream event is not JSON: {data[:200]}") from None
+    if not isinstance(chunk, dict):
+        raise RequestFailed(f"{model}: a stream event is not an object: {data[:200]}")
+    if "error" in chunk:
+        raise RequestFailed(f"{model}: error mid-stream: {chunk['error']}")
+    return chunk
 
 
 async def measure(
