@@ -47,7 +47,7 @@ if TYPE_CHECKING:
 
 QUANTS = (None, "int8", "int4", "fp8")
 FLOAT_QTYPES = ("F32", "F16", "BF16")  # GGUF tensors that are plain floats
-GROUP = 32  # int4 group along in_features: one GGUF Q4_0/Q4_1/Q8_0 block
+GROUP = int4_cpu.GROUP  # int4 group along in_features: one GGUF Q4_0/Q4_1/Q8_0 block
 PACK_BLOCK_N = 64  # rows the CPU int4 packing interleaves (AVX512); fuse concatenates whole ones
 PACKED_DTYPE = torch.bfloat16  # the only activation dtype the CPU packed kernels vectorize
 # float32, not bfloat16: a whole prefill in bf16 (weights and activations rounded) turns
