@@ -288,9 +288,11 @@ BENCH_SUITES = [
 ]  # fmt: skip
 
 
-def build_parser(with_bench: bool = True) -> argparse.ArgumentParser:
+def build_parser(with_bench: bool | str = True) -> argparse.ArgumentParser:
     """The command line. `with_bench=False` leaves out the bench suites' own options (their
-    modules import torch, which `helexa serve --role gateway` or `helexa keys` never need)."""
+    modules import torch, which `helexa serve --role gateway` or `helexa keys` never need);
+    a suite's name imports that suite's module alone (`helexa bench gpu` on a GPU host needs
+    neither the database of `bench run` nor the HTTP clients of `bench node`)."""
     parser = argparse.ArgumentParser(
         prog="helexa",
         description="Self-hosted serving of open-weight LLMs: inference nodes and a fleet gateway.",
@@ -316,7 +318,7 @@ def build_parser(with_bench: bool = True) -> argparse.ArgumentParser:
     for name, help_text, module, add_name, main_name in BENCH_SUITES:
         suite = bench_sub.add_parser(name, help=help_text)
         _add_config_arg(suite)
-        if with_bench:  # their modules import torch: only when a bench command runs
+        if with_bench is True or with_bench == name:  # only when a bench command runs
             mod = importlib.import_module(module)
             getattr(mod, add_name)(suite)
             suite.set_defaults(func=getattr(mod, main_name))
@@ -391,9 +393,18 @@ def build_parser(with_bench: bool = True) -> argparse.ArgumentParser:
     return parser
 
 
+def _bench_suite(argv: Sequence[str]) -> bool | str:
+    """Which bench suites `argv` needs: the one it names, every one for `helexa bench`
+    alone (its help lists them all), none for any other command."""
+    if argv[:1] != ["bench"]:
+        return False
+    names = {suite[0] for suite in BENCH_SUITES}
+    return argv[1] if len(argv) > 1 and argv[1] in names else True
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    args = build_parser(with_bench=argv[:1] == ["bench"]).parse_args(argv)
+    args = build_parser(with_bench=_bench_suite(argv)).parse_args(argv)
     try:
         cfg = load_config(getattr(args, "config", None))
     except ConfigError as e:

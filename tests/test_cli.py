@@ -76,3 +76,19 @@ def test_commands_that_need_no_model_never_import_torch(tmp_path):
     assert done.returncode == 0, done.stderr
     assert done.stdout.splitlines()[-1] == "False"
     assert helexa("bench", "engine", "--help").returncode == 0  # bench commands load theirs
+
+
+def test_a_bench_suite_imports_its_own_module_alone():
+    # `helexa bench gpu` on a GPU host: no database (bench run's history), no HTTP clients
+    probe = (
+        "import sys; from helexa.cli import build_parser, _bench_suite\n"
+        "build_parser(with_bench=_bench_suite(['bench', 'gpu', '--quick']))\n"
+        "print(sorted(m for m in ('helexa.bench.gpu', 'helexa.bench.history', "
+        "'helexa.bench.node', 'sqlalchemy') if m in sys.modules))"
+    )
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["['helexa.bench.gpu']"]
+    from helexa.cli import _bench_suite
+
+    assert _bench_suite(["bench", "--help"]) is True and _bench_suite(["serve"]) is False
