@@ -86,7 +86,9 @@ def test_a_bench_suite_imports_its_own_module_alone():
         "print(sorted(m for m in ('helexa.bench.gpu', 'helexa.bench.history', "
         "'helexa.bench.node', 'sqlalchemy') if m in sys.modules))"
     )
-    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, timeout=120
+    )
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == ["['helexa.bench.gpu']"]
     from helexa.cli import _bench_suite
