@@ -168,7 +168,10 @@ def naive_recurrent_gated_delta_rule(
 #                                                        (sequential; parallel over heads, V)
 #   4. o = (q S) exp(g_cum) + (q k^T with decay) v_new                    (parallel over chunks)
 # Intermediates are fp32, token-major like the inputs: [T, Hv, *] and h: [num_chunks, Hv, K, V].
-# tl.dot on fp32 runs as TF32 on the GPU (fla runs these in bf16); the interpreter's is exact.
+# Every tl.dot takes fp32 tiles. PRECISION: TF32 for a half-precision model (fla runs these in
+# bf16), 3xTF32 for a float32 one on the GPU, so that it matches torch to ~1e-6 as the other
+# kernels do (plain TF32 missed the selftest's fp32 bound on an H100: 2.5e-3); exact in the
+# interpreter.
 
 CHUNK_SIZE = 64
 
@@ -186,7 +189,7 @@ if triton is not None:
     def _chunk_wy_kernel(
         k, v, beta, g_cum, w, u, T,
         HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-        C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+        C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PRECISION: tl.constexpr,
     ):  # fmt: skip
         # grid (num_chunks, Hv); k: [T, Hk, K]; v, u: [T, Hv, V]; w: [T, Hv, K]; beta: [T, Hv]
         i_c, i_h = tl.program_id(0), tl.program_id(1)
@@ -200,7 +203,7 @@ if triton is not None:
         for k0 in range(0, K, BK):
             m_k = m_t[:, None] & (k0 + o_k < K)[None, :]
             b_k = tl.load(k + (t[:, None] * HK + i_hk) * K + k0 + o_k[None, :], mask=m_k, other=0.0)
-            b_a += tl.dot(b_k, tl.trans(b_k))
+            b_a += tl.dot(b_k, tl.trans(b_k), input_precision=PRECISION)
         b_gc = tl.load(g_cum + t * HV + i_h, mask=m_t, other=0.0)
         b_beta = tl.load(beta + t * HV + i_h, mask=m_t, other=0.0).to(tl.float32)
         # A[i, j] = beta_i k_i.k_j exp(g_cum_i - g_cum_j), j < i; the exponent is masked before
@@ -220,19 +223,22 @@ if triton is not None:
             m_v = m_t[:, None] & (v0 + o_v < V)[None, :]
             p = (t[:, None] * HV + i_h) * V + v0 + o_v[None, :]
             b_v = tl.load(v + p, mask=m_v, other=0.0).to(tl.float32) * b_beta[:, None]
-            tl.store(u + p, tl.dot(b_x, b_v), mask=m_v)
+            tl.store(u + p, tl.dot(b_x, b_v, input_precision=PRECISION), mask=m_v)
         b_kscale = b_beta * tl.exp(b_gc)
         for k0 in range(0, K, BK):
             m_k = m_t[:, None] & (k0 + o_k < K)[None, :]
             b_k = tl.load(k + (t[:, None] * HK + i_hk) * K + k0 + o_k[None, :], mask=m_k, other=0.0)
             p = (t[:, None] * HV + i_h) * K + k0 + o_k[None, :]
-            tl.store(w + p, tl.dot(b_x, b_k * b_kscale[:, None]), mask=m_k)
+            tl.store(
+                w + p, tl.dot(b_x, b_k * b_kscale[:, None], input_precision=PRECISION), mask=m_k
+            )
 
     @triton.jit
     def _chunk_state_kernel(
         k, w, u, g_cum, h0, h, v_new, ht, T,
         HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
         C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, HAS_H0: tl.constexpr,
+        PRECISION: tl.constexpr,
     ):  # fmt: skip
         # grid (cdiv(V, BV), Hv); h: [num_chunks, Hv, K, V]; h0, ht: [Hv, K, V]; BK >= K
         i_v, i_h = tl.program_id(0), tl.program_id(1)
@@ -254,7 +260,9 @@ if triton is not None:
             m_tv = m_t[:, None] & (o_v < V)[None, :]
             p_tv = (t[:, None] * HV + i_h) * V + o_v[None, :]
             b_w = tl.load(w + (t[:, None] * HV + i_h) * K + o_k[None, :], mask=m_tk, other=0.0)
-            b_vn = tl.load(u + p_tv, mask=m_tv, other=0.0) - tl.dot(b_w, b_h)  # [C, BV]
+            b_vn = tl.load(u + p_tv, mask=m_tv, other=0.0) - tl.dot(
+                b_w, b_h, input_precision=PRECISION
+            )  # [C, BV]
             tl.store(v_new + p_tv, b_vn, mask=m_tv)
 
             # the state at the chunk's end: decayed by the whole chunk, plus each token's
@@ -263,14 +271,14 @@ if triton is not None:
             b_glast = tl.load(g_cum + (tl.minimum(T, i_c * C + C) - 1) * HV + i_h)
             b_k = tl.load(k + (t[:, None] * HK + i_hk) * K + o_k[None, :], mask=m_tk, other=0.0)
             b_k = b_k * tl.exp(tl.where(m_t, b_glast - b_gc, 0.0))[:, None]
-            b_h = b_h * tl.exp(b_glast) + tl.dot(tl.trans(b_k), b_vn)
+            b_h = b_h * tl.exp(b_glast) + tl.dot(tl.trans(b_k), b_vn, input_precision=PRECISION)
         tl.store(ht + i_h * K * V + p_kv, b_h, mask=m_kv)
 
     @triton.jit
     def _chunk_output_kernel(
         q, k, v_new, g_cum, h, o, T, scale,
         HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-        C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+        C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PRECISION: tl.constexpr,
     ):  # fmt: skip
         # grid (cdiv(V, BV), num_chunks, Hv); q, k: [T, Hk, K]; v_new, o: [T, Hv, V]
         i_v, i_c, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -290,8 +298,8 @@ if triton is not None:
             b_k = tl.load(k + p_tk, mask=m_t[:, None] & m_k[None, :], other=0.0)
             p_h = (k0 + o_k[:, None]) * V + o_v[None, :]
             b_h = tl.load(h + p_h, mask=m_k[:, None] & (o_v < V)[None, :], other=0.0)
-            b_qh += tl.dot(b_q, b_h)
-            b_qk += tl.dot(b_q, tl.trans(b_k))
+            b_qh += tl.dot(b_q, b_h, input_precision=PRECISION)
+            b_qk += tl.dot(b_q, tl.trans(b_k), input_precision=PRECISION)
         b_gc = tl.load(g_cum + t * HV + i_h, mask=m_t, other=0.0)
         is_causal = (r[:, None] >= r[None, :]) & m_t[:, None] & m_t[None, :]
         b_decay = tl.exp(tl.where(is_causal, b_gc[:, None] - b_gc[None, :], 0.0))
@@ -300,7 +308,7 @@ if triton is not None:
         m_tv = m_t[:, None] & (o_v < V)[None, :]
         p_tv = (t[:, None] * HV + i_h) * V + o_v[None, :]
         b_vn = tl.load(v_new + p_tv, mask=m_tv, other=0.0)
-        b_o = (b_qh * tl.exp(b_gc)[:, None] + tl.dot(b_qk, b_vn)) * scale
+        b_o = (b_qh * tl.exp(b_gc)[:, None] + tl.dot(b_qk, b_vn, input_precision=PRECISION)) * scale
         tl.store(o + p_tv, b_o.to(o.dtype.element_ty), mask=m_tv)
 
     @triton.jit
@@ -359,6 +367,11 @@ def _chunk_launch(q, k, v, g, beta, initial_state, scale, chunk_size):
     BK_STATE = _pow2(head_k_dim)
     BV_STATE = min(16 if BK_STATE >= 128 else 32, _pow2(head_v_dim))
     dims = dict(HK=num_k_heads, HV=num_v_heads, K=head_k_dim, V=head_v_dim, C=C)
+    if v.dtype != torch.float32:
+        precision = "tf32"
+    else:
+        precision = "tf32x3" if v.is_cuda else "ieee"
+    dims["PRECISION"] = precision
     f32 = dict(device=v.device, dtype=torch.float32)
 
     g_cum = torch.empty(num_tokens, num_v_heads, **f32)

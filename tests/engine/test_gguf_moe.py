@@ -16,7 +16,7 @@ from helexa.engine.layers.linear import Linear
 from helexa.engine.layers.moe import Experts
 from helexa.engine.loader.gguf import load_gguf
 from tests.engine.test_gguf_parity import _gguf_name
-from tests.engine.test_parity import _hf_greedy, _record_logits
+from tests.engine.test_parity import _hf_greedy, _record_logits, assert_same_greedy_run
 from tests.engine.tiny import tiny_hf_model
 
 PROMPT_LENGTHS = (1, 7, 37, 90)
@@ -103,7 +103,7 @@ def _prompts() -> list[list[int]]:
 
 def _run(path: Path) -> tuple[LLM, dict[int, tuple[list[int], torch.Tensor]]]:
     """Greedy tokens and per-step logits of each prompt, batched and prefilled in small chunks."""
-    llm = LLM(str(path), kv_cache_memory_mb=8, block_size=16, max_prefill_chunk=24)
+    llm = LLM(str(path), dtype="float32", kv_cache_memory_mb=8, block_size=16, max_prefill_chunk=24)
     seen = _record_logits(llm)
     prompts = _prompts()
     params = SamplingParams(temperature=0, max_tokens=NUM_TOKENS, ignore_eos=True)
@@ -143,9 +143,7 @@ def test_qwen3moe_gguf_matches_transformers_for_a_mixed_batch(hf, hf_greedy, tmp
     assert llm.engine.runner.model.config.model_type == "qwen3_moe"
     for n, (tokens, logits) in ours.items():
         ref_tokens, ref_logits = hf_greedy[n]
-        diff = (logits - ref_logits).abs().max().item()
-        assert diff <= 1e-4, f"prompt len {n}: max |Δlogits| {diff:.2e}"
-        assert tokens == ref_tokens, f"prompt len {n}"
+        assert_same_greedy_run(tokens, logits, ref_tokens, ref_logits, f"prompt len {n}")
 
 
 def _round_trip(a: np.ndarray, qtype: str) -> np.ndarray:
@@ -173,7 +171,10 @@ def test_quantized_experts_stay_quantized_and_generate_close_to_float(qtype, hf,
     for e in experts:
         assert e.w13 is None  # never widened into the stacked float path
         formats = {lin.format for lin in e.modules() if isinstance(lin, Linear)}
-        assert formats == {"int4"}, formats
+        if e.qw13 is None:  # the CPU's packed int4, per expert
+            assert formats == {"int4"}, formats
+        else:  # an accelerator's blocks as the file holds them, stacked for the fused kernel
+            assert formats == {"quant"} and e.qw13.kind == qtype, (formats, e.qw13.kind)
     assert model.layers[0].mlp.gate.format == "float"  # the router was written F32
 
     # transformers on the weights the file holds, fed our tokens: the int4 kernels reproduce
@@ -207,3 +208,22 @@ def test_an_unsupported_moe_architecture_is_rejected_by_name(tmp_path):
         ValueError, match=r"unsupported GGUF architecture 'qwen2moe'; supported: \[.*'qwen3moe'\]"
     ):
         LLM(str(tmp_path / "qwen2moe.gguf"), kv_cache_memory_mb=8)
+
+
+def test_stacked_quantized_experts_follow_the_model_to_another_device(hf, tmp_path, monkeypatch):
+    # On an accelerator each expert's blocks are stacked into the Experts' qw13/qw2 and the
+    # expert Linears keep none; load_model's model.to(device) must move the stack and leave
+    # those Linears be (it tried to dequantize them: every quantized MoE failed to load on
+    # CUDA, first seen on an H100). Built here in the accelerator's layout on the CPU, where
+    # the naive kernels serve it, then moved to the meta device.
+    import helexa.engine.layers.linear as linear
+    import helexa.engine.models.llama as llama
+
+    for module in (linear, llama):
+        monkeypatch.setattr(module, "kernel_layout", lambda device: True)
+    path = write_qwen3moe_gguf(hf, tmp_path / "moe-Q8_0.gguf", expert_qtype="Q8_0")
+    model = LLM(str(path), kv_cache_memory_mb=8).engine.runner.model
+    experts = [m for m in model.modules() if isinstance(m, Experts)]
+    assert experts and all(e.qw13 is not None and e.qw13.kind == "Q8_0" for e in experts)
+    model.to("meta")
+    assert {t.device.type for e in experts for t in (*e.qw13.tensors, *e.qw2.tensors)} == {"meta"}

@@ -12,6 +12,11 @@ pytestmark = pytest.mark.skipif(not FIXTURE_MODELS.is_dir(), reason="shared fixt
 
 PROMPT_LENGTHS = (1, 7, 16, 37, 90)
 NUM_TOKENS = 32
+# transformers in float32 on the CPU is the reference, and the engine runs float32 too (these
+# tests pin it: CUDA's default is bf16). On the CPU it lands within 1e-4; on CUDA, wherever
+# torch sees one (scripts/gpu-check), its kernels take full-precision dots except the gated
+# delta rule's (TF32, ~3e-4 relative), so 1e-3 there.
+LOGITS_ATOL = 1e-3 if torch.cuda.is_available() else 1e-4
 
 
 def _prompts(vocab: int) -> list[list[int]]:
@@ -49,7 +54,7 @@ def record_model_logits(model: torch.nn.Module) -> dict[str, list[torch.Tensor]]
     def recording(hidden, seqs):
         logits = inner(hidden, seqs)
         for row, seq in zip(logits, seqs, strict=True):
-            seen.setdefault(seq.request_id, []).append(row.clone())
+            seen.setdefault(seq.request_id, []).append(row.detach().float().cpu())
         return logits
 
     model.compute_logits = recording
@@ -59,31 +64,56 @@ def record_model_logits(model: torch.nn.Module) -> dict[str, list[torch.Tensor]]
 def assert_matches_transformers(
     llm: LLM, hf, prompts: list[list[int]], label: str, num_tokens: int = NUM_TOKENS
 ) -> None:
-    """`prompts` batched through `llm`: logits within 1e-4 of transformers' at every one of
-    `num_tokens` greedy steps, and the same tokens."""
+    """`prompts` batched through `llm`: logits within LOGITS_ATOL of transformers' at every
+    one of `num_tokens` greedy steps, and the same tokens."""
     seen = _record_logits(llm)
     params = SamplingParams(temperature=0, max_tokens=num_tokens, ignore_eos=True)
     outputs = llm.generate(prompts, params)
     for prompt, out in zip(prompts, outputs, strict=True):
         ref_tokens, ref_logits = _hf_greedy(hf, prompt, num_tokens)
-        ours = torch.stack(seen[out.request_id])
-        diff = (ours - ref_logits).abs().max().item()
-        assert diff <= 1e-4, f"{label} prompt len {len(prompt)}: max |Δlogits| {diff:.2e}"
-        assert out.token_ids == ref_tokens, f"{label} prompt len {len(prompt)}"
+        assert_same_greedy_run(
+            out.token_ids, torch.stack(seen[out.request_id]), ref_tokens, ref_logits,
+            f"{label} prompt len {len(prompt)}",
+        )  # fmt: skip
+
+
+def assert_same_greedy_run(
+    tokens: list[int], logits: torch.Tensor, ref_tokens: list[int], ref_logits: torch.Tensor,
+    label: str,
+) -> None:  # fmt: skip
+    """Our greedy tokens and per-step logits against the reference's: logits within
+    LOGITS_ATOL and the same tokens. Where the reference's top two logits lie within the
+    tolerance of each other, either pick is right; the runs part there, and what follows
+    is not compared."""
+    steps = len(ref_tokens)
+    for i, (ours, ref) in enumerate(zip(tokens, ref_tokens, strict=True)):
+        if ours != ref:
+            top2 = ref_logits[i].topk(2).values
+            gap = (top2[0] - top2[1]).item()
+            assert gap <= 2 * LOGITS_ATOL, (
+                f"{label}: step {i} picks {ours}, not {ref} (gap {gap:.2e})"
+            )
+            steps = i + 1
+            break
+    diff = (logits[:steps] - ref_logits[:steps]).abs().max().item()
+    print(f"{label}: max |Δlogits| {diff:.2e} over {steps} steps")  # gpu-check logs these
+    assert diff <= LOGITS_ATOL, f"{label}: max |Δlogits| {diff:.2e}"
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_logits_and_greedy_tokens_match_transformers_for_a_mixed_batch(family, tmp_path):
     model_dir, hf = make_tiny_model(family, tmp_path, shard=family == "qwen3")
     # Small chunks and blocks so prompts span several blocks and prefill in pieces.
-    llm = LLM(str(model_dir), kv_cache_memory_mb=8, block_size=16, max_prefill_chunk=24)
+    llm = LLM(
+        str(model_dir), dtype="float32", kv_cache_memory_mb=8, block_size=16, max_prefill_chunk=24
+    )
     assert_matches_transformers(llm, hf, _prompts(hf.config.vocab_size), family)
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_half_precision_runs_close_to_float32(dtype, tmp_path):
     model_dir, _ = make_tiny_model("qwen3", tmp_path)
-    ref = LLM(str(model_dir), kv_cache_memory_mb=8)
+    ref = LLM(str(model_dir), dtype="float32", kv_cache_memory_mb=8)
     half = LLM(str(model_dir), dtype=dtype, kv_cache_memory_mb=8)
     assert half.engine.dtype == getattr(torch, dtype)
     seen_ref, seen_half = _record_logits(ref), _record_logits(half)
@@ -96,13 +126,13 @@ def test_half_precision_runs_close_to_float32(dtype, tmp_path):
 
 def test_unfused_projections_give_the_same_logits(tmp_path, monkeypatch):
     model_dir, _ = make_tiny_model("qwen2", tmp_path)
-    fused = LLM(str(model_dir), kv_cache_memory_mb=8)
+    fused = LLM(str(model_dir), dtype="float32", kv_cache_memory_mb=8)
 
     def refuse(linears):
         raise ValueError("held differently")
 
     monkeypatch.setattr("helexa.engine.models.llama.fuse", refuse)
-    unfused = LLM(str(model_dir), kv_cache_memory_mb=8)
+    unfused = LLM(str(model_dir), dtype="float32", kv_cache_memory_mb=8)
     assert not hasattr(unfused.engine.runner.model.layers[0].self_attn, "qkv_proj")
     seen_f, seen_u = _record_logits(fused), _record_logits(unfused)
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)

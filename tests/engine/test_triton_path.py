@@ -4,7 +4,6 @@ interpreter: the same logits as transformers, so the paths a GPU runs are checke
 from __future__ import annotations
 
 import pytest
-import torch
 
 import helexa.kernels as kernels
 from helexa.engine import LLM, SamplingParams
@@ -39,6 +38,7 @@ def test_dense_model_through_the_triton_kernels_matches_transformers(block_size,
     llm = LLM(
         str(model_dir),
         kernels="triton",
+        dtype="float32",
         kv_cache_memory_mb=8,
         block_size=block_size,
         max_prefill_chunk=12,
@@ -51,7 +51,13 @@ def test_dense_model_through_the_triton_kernels_matches_transformers(block_size,
 @needs_triton
 def test_hybrid_model_through_the_triton_kernels_matches_transformers(tmp_path):
     model_dir, hf = make_tiny_new_family("qwen3_5", tmp_path)
-    llm = LLM(str(model_dir), kernels="triton", kv_cache_memory_mb=8, max_prefill_chunk=12)
+    llm = LLM(
+        str(model_dir),
+        kernels="triton",
+        dtype="float32",
+        kv_cache_memory_mb=8,
+        max_prefill_chunk=12,
+    )
     assert_matches_transformers(llm, hf, _short_prompts(512), "qwen3_5 triton", NUM_TOKENS)
 
 
@@ -82,6 +88,5 @@ def test_graph_buckets_cover_every_batch_size_up_to_the_maximum():
 
 def test_a_cpu_engine_captures_no_graphs(tmp_path):
     model_dir, _ = make_tiny_model("qwen3", tmp_path)
-    llm = LLM(str(model_dir), kv_cache_memory_mb=8)
-    assert llm.engine.runner.graphs is None
-    assert not torch.cuda.is_available() or llm.engine.runner.device.type == "cuda"
+    llm = LLM(str(model_dir), device="cpu", kv_cache_memory_mb=8)
+    assert llm.engine.runner.device.type == "cpu" and llm.engine.runner.graphs is None

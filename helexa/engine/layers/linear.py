@@ -328,8 +328,10 @@ class Linear(nn.Module):
     def _apply(self, fn, recurse=True):  # type: ignore[no-untyped-def]
         if self.qweight is not None:
             self.qweight = self.qweight.map(fn)
-        # model.to(device) lands here; CPU-packed weights cannot follow onto an accelerator
-        elif self.format != "float" and fn(torch.empty(0)).device.type != "cpu":
+        # model.to(device) lands here; CPU-packed weights cannot follow onto an accelerator.
+        # A "quant" Linear without its qweight is an expert whose blocks its Experts stacked
+        # (moe.py): the stack moves with the Experts, and there is nothing here to widen.
+        elif self.format in ("int8", "int4") and fn(torch.empty(0)).device.type != "cpu":
             self._set_float(self.dequantize(), self.dtype)
             self.dense = None
         for name in ("weight", "scales", "bias", "dense"):
