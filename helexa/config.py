@@ -174,6 +174,10 @@ class EngineConfig:
     # Hybrid (Gated DeltaNet) models: recurrent-state snapshots kept for the prefix cache.
     max_prefix_snapshots: NonNegativeInt = 8
     cpu_dense_copy: bool = False
+    # CPU: GGUF Q4_0/Q4_1/Q8_0 weights as the file's blocks, run by helexa's C kernels (built
+    # at first use with the system compiler, -march=native; engine/layers/native.py), "auto";
+    # or torch's packed int4 kernel, "torch". Without a compiler "auto" is "torch" (logged).
+    cpu_kernels: Literal["auto", "torch"] = "auto"
     # CPU: time each packed weight shape's paths (int4 kernel, float32 GEMM on the weight
     # unpacked per call) at load, cached in state_dir/autotune, and run each call the
     # fastest measured way; false: the kernel on all rows, always.

@@ -24,6 +24,7 @@ from helexa import kernels
 from helexa.engine.block_manager import BlockManager
 from helexa.engine.engine_args import EngineArgs, available_memory_bytes
 from helexa.engine.grammar import GrammarCompiler
+from helexa.engine.layers import native
 from helexa.engine.layers.autotune import Autotuner
 from helexa.engine.layers.linear import Linear
 from helexa.engine.loader.load import (
@@ -96,6 +97,7 @@ class LLMEngine:
             threads = None
         torch.manual_seed(args.seed)
         kernels.set_backend(args.kernels)  # process-wide, like the torch thread count
+        native.set_mode(args.cpu_kernels)
         if world == 1:
             self._build(args, device, loaded)
             return

@@ -422,6 +422,7 @@ def _start(conn: Connection, start: Start):
     """Join the group, load this rank's shard, build the runner at rank 0's pool size."""
     from helexa import kernels
     from helexa.engine.engine_args import available_memory_bytes
+    from helexa.engine.layers import native
     from helexa.engine.loader.load import default_dtype
     from helexa.engine.model_runner import ModelRunner, model_memory_mb
     from helexa.engine.parallel import init_tensor_parallel
@@ -434,6 +435,7 @@ def _start(conn: Connection, start: Start):
         torch.cuda.set_device(device)
     torch.manual_seed(args.seed)
     kernels.set_backend(args.kernels)
+    native.set_mode(args.cpu_kernels)
     conn.send(("joining", {"pid": os.getpid()}))
     init_tensor_parallel(
         start.rank, start.world_size, start.init_method, device, args.step_timeout_s

@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from helexa.engine.layers import native
 from helexa.engine.layers.linear import Linear, _q4_as_int4, _q8_0_as_int4, fuse
 from helexa.engine.loader.gguf import GGUFTensor
 
@@ -31,6 +32,23 @@ def weight(out: int, inp: int, seed: int = 0) -> torch.Tensor:
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+@pytest.fixture(params=["auto", "torch"])
+def cpu_kernels(request):
+    """Each GGUF block test under both CPU paths: the native kernels ("auto", where they
+    build) and torch's packed int4; yields the format the blocks are then held in."""
+    native.set_mode(request.param)
+    yield "blocks" if native.enabled() else "int4"
+    native.set_mode("auto")
+
+
+@pytest.fixture
+def torch_int4():
+    """Tests of torch's int4 packing itself: GGUF Q4/Q8 blocks held in it."""
+    native.set_mode("torch")
+    yield
+    native.set_mode("auto")
 
 
 def loaded(src, dtype=torch.float32, quant=None, bias: torch.Tensor | None = None) -> Linear:
@@ -65,10 +83,12 @@ def test_q8_0_blocks_are_exactly_two_int4_halves():
 
 @pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0"])
 @pytest.mark.parametrize(("inp", "out"), [(576, 192), (1536, 64), (576, 1040)])
-def test_gguf_blocks_stay_packed_and_match_the_reference_dequantization(qtype, inp, out):
+def test_gguf_blocks_stay_packed_and_match_the_reference_dequantization(
+    qtype, inp, out, cpu_kernels
+):
     src, ref = quantized(weight(out, inp), qtype)
     lin = loaded(src)
-    assert lin.format == "int4"
+    assert lin.format == cpu_kernels
     for m in (1, 3, 17):
         x = torch.randn(m, inp)
         y = lin(x)
@@ -77,16 +97,18 @@ def test_gguf_blocks_stay_packed_and_match_the_reference_dequantization(qtype, i
     assert rel_err(lin.dequantize(), ref) < BF16_RTOL
 
 
-def test_q4_blocks_stay_int4_whatever_quant_asks():
+def test_q4_blocks_stay_4_bit_whatever_quant_asks(cpu_kernels):
     src, _ = quantized(weight(192, 576), "Q4_0")
-    assert [loaded(src, quant=q).format for q in (None, "int8", "int4")] == ["int4"] * 3
+    assert [loaded(src, quant=q).format for q in (None, "int8", "int4")] == [cpu_kernels] * 3
 
 
-def test_packed_weights_are_a_fraction_of_float():
+def test_packed_weights_are_a_fraction_of_float(cpu_kernels):
     src, _ = quantized(weight(192, 576), "Q4_1")
     lin = loaded(src)
-    # half a byte per weight, plus a bf16 (scale, zero) pair per 32
-    assert lin.memory_bytes == 192 * 576 // 2 + 192 * 576 // 32 * 4
+    if cpu_kernels == "blocks":  # the file's 20 bytes a block of 32, no more
+        assert lin.memory_bytes == src.data.numel() == 192 * 576 // 32 * 20
+    else:  # half a byte per weight, plus a bf16 (scale, zero) pair per 32
+        assert lin.memory_bytes == 192 * 576 // 2 + 192 * 576 // 32 * 4
     assert lin.memory_bytes < loaded(weight(192, 576)).memory_bytes / 5
 
 
@@ -126,9 +148,10 @@ def test_other_qtypes_are_dequantized_to_the_load_dtype(qtype):
     torch.testing.assert_close(lin(x), F.linear(x, ref), rtol=F32_RTOL, atol=1e-5)
 
 
-def test_shapes_the_kernels_reject_fall_back_to_float():
+def test_shapes_the_kernels_reject_fall_back_to_float(cpu_kernels):
     src, ref = quantized(weight(40, 576), "Q4_1")  # 40 rows: int4 packing needs multiples of 16
-    assert loaded(src).format == "float"
+    assert loaded(src).format == ("blocks" if cpu_kernels == "blocks" else "float")
+    native.set_mode("torch")
     assert loaded(src, quant="int8").format == "float"  # Q4 blocks go int4 or nowhere
     assert loaded(weight(64, 48), quant="int8").format == "float"  # in_features not 32-aligned
     x = torch.randn(2, 576)
@@ -201,8 +224,14 @@ def test_fused_equals_separate(kind, with_bias):
 def test_fuse_refuses_what_it_cannot_concatenate():
     with pytest.raises(ValueError, match="held differently"):
         fuse(make_linears(None, [64], False) + make_linears("int8", [64], False))
-    with pytest.raises(ValueError, match="64-row multiples"):
-        fuse(make_linears("Q4_1", [208, 192], False))
+    native.set_mode("torch")  # torch's int4 packing interleaves 64-row blocks
+    try:
+        with pytest.raises(ValueError, match="64-row multiples"):
+            fuse(make_linears("Q4_1", [208, 192], False))
+    finally:
+        native.set_mode("auto")
+    if native.enabled():  # the file's blocks are rows: any count concatenates
+        assert fuse(make_linears("Q4_1", [208, 192], False)).out_features == 400
 
 
 def test_unknown_quant_is_rejected():
@@ -269,7 +298,7 @@ def test_a_prefill_step_takes_the_dense_path_whatever_its_row_count():
 
 @pytest.mark.parametrize("qtype", ["Q4_1", "Q8_0"])
 @pytest.mark.parametrize("out", [64, 1024, 3072])
-def test_single_rows_read_from_the_packing_are_the_rows_of_the_weight(qtype, out):
+def test_single_rows_read_from_the_packing_are_the_rows_of_the_weight(qtype, out, torch_int4):
     # how a tied embedding looks tokens up in the lm_head's packed table
     src, ref = quantized(weight(out, 576, seed=out), qtype)
     lin = loaded(src)
@@ -281,10 +310,20 @@ def test_single_rows_read_from_the_packing_are_the_rows_of_the_weight(qtype, out
     torch.testing.assert_close(lin.rows(ids), lin.dequantize()[ids], rtol=1e-2, atol=2e-3)
 
 
-def test_a_packing_whose_row_layout_is_unknown_is_not_read_by_rows():
+def test_a_packing_whose_row_layout_is_unknown_is_not_read_by_rows(torch_int4):
     src, _ = quantized(weight(1040, 576), "Q4_1")  # 1040 rows: a partial interleave block
     lin = loaded(src)
     assert lin.format == "int4" and not lin.can_read_rows()
+
+
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0"])
+def test_rows_of_the_files_blocks_are_exactly_the_gguf_rows(qtype):
+    src, ref = quantized(weight(100, 576, seed=3), qtype)
+    lin = loaded(src)
+    if lin.format != "blocks":
+        pytest.skip("no native kernels here")
+    ids = torch.tensor([0, 1, 50, 99, 5, 5])
+    assert lin.can_read_rows() and torch.equal(lin.rows(ids), ref[ids])
 
 
 @pytest.mark.parametrize("kind", ["Q4_1", "Q8_0"])

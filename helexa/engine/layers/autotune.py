@@ -67,7 +67,8 @@ def shape_key(linear: torch.nn.Module) -> str:
     """What a plan depends on: the storage format and the kernel's shape."""
     k = linear.in_features * linear.k_repeat
     dense = "+dense" if linear.dense is not None else ""
-    return f"{linear.format}{dense}:{linear.out_features}x{k}"
+    fmt = linear.format if linear.block_kind is None else f"{linear.format}-{linear.block_kind}"
+    return f"{fmt}{dense}:{linear.out_features}x{k}"
 
 
 def plan_for_rows(plans: list[Plan]) -> list[Plan]:
@@ -120,7 +121,7 @@ def measure(linear: torch.nn.Module) -> list[Plan]:
     dense_s: list[float] = []
     for i, b in enumerate(BUCKETS):
         x = torch.randn(b, linear.in_features, generator=gen)
-        h = x.to(linear.scales.dtype).contiguous()
+        h = linear.packed_input(x)
         paths = ((kernel_s, linear.packed_matmul, h), (dense_s, linear.dense_matmul, x))
         for times, run, rows in paths:
             if i and times[-1] > MAX_TIMED_CALL_S:
@@ -179,7 +180,7 @@ class Autotuner:
     def tune(self, linears: Iterable[torch.nn.Module]) -> None:
         """Give each packed Linear its plans (measuring each new shape once)."""
         for linear in linears:
-            if linear.format not in ("int4", "int8"):
+            if linear.format not in ("int4", "int8", "blocks"):
                 continue
             key = shape_key(linear)
             if key not in self.plans:

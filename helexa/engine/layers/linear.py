@@ -1,7 +1,10 @@
 """Linear layers whose weights may arrive as float tensors or as GGUF quantized blocks.
 
-On CPU the weights stay quantized and run through torch's packed kernels:
+On CPU the weights stay quantized:
 
+- GGUF Q4_0 / Q4_1 / Q8_0 → held as the file's blocks (format "blocks") and run by the native
+  kernels (`layers/native.py`: C built at first use, activations quantized to int8 per block
+  of 32 as llama.cpp does), wherever a C compiler builds them; else as below.
 - GGUF Q4_0 / Q4_1, and quant="int4" → `_weight_int4pack_mm_for_cpu`, groups of 32 along the
   input. A GGUF block is one group: the kernel computes w = (q - 8) * scale + zero, so Q4_1's
   w = d*q + m is scale = d, zero = m + 8d, and Q4_0's w = d*(q - 8) is scale = d, zero = 0.
@@ -34,7 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from helexa import kernels
-from helexa.engine.layers import int4_cpu
+from helexa.engine.layers import int4_cpu, native
 from helexa.engine.layers.autotune import WHOLE, Plan
 from helexa.engine.parallel import Shard, all_gather_last, all_reduce, shard_range, tp, vocab_range
 from helexa.kernels.quant_pack import GGUF_KINDS, QuantWeight, cat_rows, naive_dequantize
@@ -82,9 +85,10 @@ class Linear(nn.Module):
     """y = x @ W.T (+ b). W is [out_features, in_features] like torch/HF.
 
     `format` says how W is held: "float" (`weight` in the load dtype), "int8" (`weight` int8
-    [out, in], `scales` [out]) or "int4" (`weight` packed uint8, `scales` [in/32, out, 2] of
-    (scale, zero)) on the CPU, or "quant" (`qweight`, a kernels.QuantWeight) on an
-    accelerator. A Linear made by `fuse` computes several; `split_sizes` cuts its output.
+    [out, in], `scales` [out]), "int4" (`weight` packed uint8, `scales` [in/32, out, 2] of
+    (scale, zero)) or "blocks" (`weight` uint8 [out, in/32 * block bytes], the GGUF blocks of
+    `block_kind`, run by the native kernels) on the CPU, or "quant" (`qweight`, a
+    kernels.QuantWeight) on an accelerator. A Linear made by `fuse` computes several; `split_sizes` cuts its output.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
@@ -95,6 +99,7 @@ class Linear(nn.Module):
         self.format = "float"
         self.dtype = torch.float32  # activation dtype asked for at load
         self.k_repeat = 1  # int4 from Q8_0 reads the input twice (high then low nibbles)
+        self.block_kind: str | None = None  # format "blocks": Q4_0, Q4_1 or Q8_0
         self.split_sizes = [out_features]
         # plain attributes, not buffers: buffer lookups cost ~0.6 µs a call; _apply moves them
         self.weight: torch.Tensor | None = None
@@ -146,7 +151,10 @@ class Linear(nn.Module):
             )
         as_blocks = qtype in ("Q4_0", "Q4_1") or (qtype == "Q8_0" and quant is None)
         kernel = "int4" if as_blocks else quant  # GGUF blocks map onto int4 groups as they are
-        if kernel is None or raw.device.type != "cpu" or not self._can_pack(kernel):
+        native_ok = as_blocks and native.enabled() and self.in_features % native.QK == 0
+        if native_ok and raw.device.type == "cpu":
+            self._set_blocks(raw, qtype)
+        elif kernel is None or raw.device.type != "cpu" or not self._can_pack(kernel):
             self._set_float(as_dense(src), dtype)
         elif qtype in ("Q4_0", "Q4_1"):
             self._set_int4(*_q4_as_int4(raw, qtype, shape))
@@ -217,19 +225,24 @@ class Linear(nn.Module):
         return kernel == "int8" or (_HAS_INT4 and self.out_features % 16 == 0)
 
     def _set_float(self, w: torch.Tensor, dtype: torch.dtype) -> None:
-        self.format, self.k_repeat, self.scales = "float", 1, None
+        self.format, self.k_repeat, self.scales, self.block_kind = "float", 1, None, None
         self.weight = w.to(dtype).contiguous()
 
     def _set_int8(self, q: torch.Tensor, scale: torch.Tensor) -> None:
         # q: int8 [out, in]; scale: [out]
-        self.format, self.k_repeat = "int8", 1
+        self.format, self.k_repeat, self.block_kind = "int8", 1, None
         self.weight, self.scales = q.contiguous(), scale.to(PACKED_DTYPE).contiguous()
+
+    def _set_blocks(self, raw: torch.Tensor, kind: str) -> None:
+        # the file's bytes, a row of in/32 blocks per output feature
+        self.format, self.k_repeat, self.block_kind, self.scales = "blocks", 1, kind, None
+        self.weight = raw.reshape(self.out_features, -1).contiguous()
 
     def _set_int4(
         self, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, k_repeat: int = 1
     ) -> None:
         # q: [out, k] of 0..15; scale, zero: [out, k / 32], with w = (q - 8) * scale + zero
-        self.format, self.k_repeat = "int4", k_repeat
+        self.format, self.k_repeat, self.block_kind = "int4", k_repeat, None
         # innerKTiles (2) only matters to the CUDA layout
         self.weight = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 2)
         self.scales = torch.stack([scale.t(), zero.t()], dim=-1).to(PACKED_DTYPE).contiguous()
@@ -262,8 +275,7 @@ class Linear(nn.Module):
         if dense:
             h, run = x.to(DENSE_DTYPE), self.dense_matmul
         else:
-            h = x if x.dtype == self.scales.dtype else x.to(self.scales.dtype)
-            h, run = h.contiguous(), self.packed_matmul
+            h, run = self.packed_input(x), self.packed_matmul
         if chunk and rows > chunk:  # smaller calls do better on this machine
             y = torch.cat([run(part) for part in h.split(chunk)])
         else:
@@ -277,8 +289,16 @@ class Linear(nn.Module):
         kept, else with the weight dequantized for this call (it pays on wide calls)."""
         return F.linear(h, self.dense if self.dense is not None else self.dequantize())
 
+    def packed_input(self, x: torch.Tensor) -> torch.Tensor:
+        """x as the packed kernel takes it: float32 for the native kernels, else in the
+        scales' dtype (bf16); contiguous."""
+        dtype = torch.float32 if self.format == "blocks" else self.scales.dtype
+        return (x if x.dtype == dtype else x.to(dtype)).contiguous()
+
     def packed_matmul(self, h: torch.Tensor) -> torch.Tensor:
-        """torch's packed kernel on h: [rows, in_features], contiguous, in the scales' dtype."""
+        """The packed kernel on h: [rows, in_features] as `packed_input` makes it."""
+        if self.format == "blocks":
+            return native.matmul(h, self.weight, self.block_kind, self.out_features)
         if self.format == "int8":
             return torch.ops.aten._weight_int8pack_mm(h, self.weight, self.scales)
         if self.k_repeat > 1:
@@ -291,6 +311,8 @@ class Linear(nn.Module):
             return self.weight.float()
         if self.format == "quant":
             return naive_dequantize(self.qweight)
+        if self.format == "blocks":
+            return native.dequantize(self.weight, self.block_kind, self.out_features)
         if self.format == "int8":
             return self.weight.float() * self.scales.float()[:, None]
         if self.can_read_rows():  # unpacked directly: milliseconds, and exact to the scales
@@ -306,7 +328,7 @@ class Linear(nn.Module):
         """Whether `rows` reads single rows of W without dequantizing the rest of it."""
         if self.format == "int4":
             return int4_cpu.block_n(self.out_features) is not None
-        return self.format in ("float", "int8")
+        return self.format in ("float", "int8", "blocks")
 
     def rows(self, ids: torch.Tensor, scales: torch.Tensor | None = None) -> torch.Tensor:
         """Rows `ids` of W as float32 [len(ids), in_features] (a tied embedding's lookup);
@@ -315,6 +337,8 @@ class Linear(nn.Module):
             return self.weight[ids].float()
         if self.format == "int8":
             return self.weight[ids].float() * self.scales[ids].float()[:, None]
+        if self.format == "blocks":
+            return native.dequantize(self.weight[ids], self.block_kind, len(ids))
         assert self.format == "int4", f"rows() of a {self.format} weight"
         scales = self.scales if scales is None else scales
         return int4_cpu.rows(self.weight, scales, ids, self.out_features, self.k_repeat)
@@ -331,7 +355,7 @@ class Linear(nn.Module):
         # model.to(device) lands here; CPU-packed weights cannot follow onto an accelerator.
         # A "quant" Linear without its qweight is an expert whose blocks its Experts stacked
         # (moe.py): the stack moves with the Experts, and there is nothing here to widen.
-        elif self.format in ("int8", "int4") and fn(torch.empty(0)).device.type != "cpu":
+        elif self.format in ("int8", "int4", "blocks") and fn(torch.empty(0)).device.type != "cpu":
             self._set_float(self.dequantize(), self.dtype)
             self.dense = None
         for name in ("weight", "scales", "bias", "dense"):
@@ -342,7 +366,8 @@ class Linear(nn.Module):
     def extra_repr(self) -> str:
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, "
-            f"format={self.format}, bias={self.bias is not None}"
+            f"format={self.format if self.block_kind is None else self.block_kind}, "
+            f"bias={self.bias is not None}"
         )
 
 
@@ -434,6 +459,7 @@ def fuse(linears: Sequence[Linear]) -> Linear:
         raise ValueError(f"packed int4 fuses only {PACK_BLOCK_N}-row multiples; got {sizes}")
     fused = Linear(first.in_features, sum(sizes), any(m.has_bias for m in linears))
     fused.format, fused.dtype, fused.k_repeat = first.format, first.dtype, first.k_repeat
+    fused.block_kind = first.block_kind
     fused.split_sizes = sizes
     fused.weight = torch.cat([m.weight for m in linears])
     if all(m.dense is not None for m in linears):
@@ -449,7 +475,9 @@ def fuse(linears: Sequence[Linear]) -> Linear:
 
 def _held_as(m: Linear) -> str:
     """What a Linear's weight is, for fusing: its dtype, or its quant kind."""
-    return m.qweight.kind if m.qweight is not None else str(m.weight.dtype)
+    if m.qweight is not None:
+        return m.qweight.kind
+    return m.block_kind if m.block_kind is not None else str(m.weight.dtype)
 
 
 def _cat_biases(linears: Sequence[Linear]) -> torch.Tensor | None:

@@ -363,9 +363,10 @@ def _share_tied(embed: Embedding, lm_head: Linear) -> None:
             lm_head.qweight = embed.qweight
         return
     packed = embed.packed
-    if packed is not None and (lm_head.format, lm_head.k_repeat) == (
+    if packed is not None and (lm_head.format, lm_head.k_repeat, lm_head.block_kind) == (
         packed.format,
         packed.k_repeat,
+        packed.block_kind,
     ):
         embed.hold(lm_head)  # the lm_head's table serves the lookups too
         return

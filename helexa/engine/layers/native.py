@@ -1,0 +1,191 @@
+"""The CPU's own GGUF block kernels (native/blocks.c), built with the system C compiler the
+first time a process needs them and loaded with ctypes.
+
+Why C rather than torch: torch's packed int4 kernel dequantizes each weight to bf16 and
+multiplies in floating point; a GGUF Q4 block times activations quantized to int8 is one
+integer multiply-add of 32 bytes (AVX2), and the weights stay exactly the file's bytes.
+`-march=native` fits the build to this CPU, so the library is cached per source, compiler and
+CPU: `$HELEXA_NATIVE_DIR`, else `$CACHE_DIRECTORY/native` (the systemd unit's), else
+`~/.cache/helexa/native`. Where no compiler is found or the build fails, `library()` returns
+None, says why once in the log, and the Linears keep torch's int4 path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+from helexa.engine.layers.autotune import cpu_info
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("native") / "blocks.c"
+KINDS = {"Q4_0": 0, "Q4_1": 1, "Q8_0": 2}  # GGUF block kinds the kernels take
+BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
+QK = 32  # weights a block
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11")
+
+
+def cache_dir() -> Path:
+    if d := os.environ.get("HELEXA_NATIVE_DIR"):
+        return Path(d)
+    if d := os.environ.get("CACHE_DIRECTORY"):  # systemd's CacheDirectory=
+        return Path(d.split(":")[0]) / "native"
+    return Path.home() / ".cache" / "helexa" / "native"
+
+
+def _compiler() -> str | None:
+    for name in (os.environ.get("CC"), "cc", "gcc", "clang"):
+        if name and (path := shutil.which(name)):
+            return path
+    return None
+
+
+def _version(cc: str) -> str:
+    try:
+        return subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return ""
+
+
+def build(cc: str, flags: tuple[str, ...] = FLAGS) -> Path:
+    """The library built from SOURCE with `cc` and `flags`, from the cache when it is there
+    (keyed by the source, the compiler's version, the CPU and the flags). Raises RuntimeError
+    with the compiler's message when the build fails."""
+    cpu, cpu_flags = cpu_info()
+    parts = [SOURCE.read_bytes(), _version(cc).encode(), cpu.encode(), cpu_flags.encode()]
+    key = hashlib.sha256(b"|".join([*parts, *map(str.encode, flags)])).hexdigest()[:16]
+    target = cache_dir() / f"blocks-{key}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        out = Path(tmp) / target.name
+        cmd = [cc, *flags, str(SOURCE), "-o", str(out), "-lm"]
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+        if done.returncode != 0:
+            raise RuntimeError(done.stderr.strip()[-2000:] or f"exit {done.returncode}")
+        os.replace(out, target)  # atomic: concurrent builders agree on one file
+    return target
+
+
+def load(path: Path) -> ctypes.CDLL:
+    """The library at `path` with its functions' signatures set."""
+    lib = ctypes.CDLL(str(path))
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    lib.hx_blocks_matmul.argtypes = [ctypes.c_int, ptr, i64, i64, ptr, i64, ptr, ctypes.c_int]
+    lib.hx_blocks_matmul.restype = ctypes.c_int
+    return lib
+
+
+@functools.cache
+def library() -> ctypes.CDLL | None:
+    """The built kernels, or None (logged once) where they cannot be built here."""
+    cc = _compiler()
+    if cc is None:
+        log.warning(
+            "no C compiler (cc, gcc or clang) on PATH: GGUF Q4/Q8 weights run through "
+            "torch's int4 kernel, slower at decode; install one for the native kernels"
+        )
+        return None
+    try:
+        path = build(cc)
+        lib = load(path)
+    except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+        log.warning("the native CPU kernels did not build with %s: %s", cc, e)
+        return None
+    log.info("native CPU kernels: %s", path)
+    return lib
+
+
+def available() -> bool:
+    """Whether the kernels build (or were built) on this machine."""
+    return library() is not None
+
+
+_MODE = ["auto"]  # set_mode: "auto" (native wherever it builds) or "torch"
+MODES = ("auto", "torch")
+
+
+def set_mode(mode: str) -> None:
+    """`[engine] cpu_kernels`: "auto" holds GGUF Q4_0/Q4_1/Q8_0 weights as blocks for the
+    native kernels wherever they build; "torch" keeps torch's packed int4 kernel. Process-wide,
+    read when weights load."""
+    if mode not in MODES:
+        raise ValueError(f"unknown cpu_kernels {mode!r}; supported: {list(MODES)}")
+    _MODE[0] = mode
+
+
+def enabled() -> bool:
+    """Whether weights loading now are held for the native kernels."""
+    return _MODE[0] == "auto" and library() is not None
+
+
+def matmul(
+    x: torch.Tensor, blocks: torch.Tensor, kind: str, out_features: int, lib=None
+) -> torch.Tensor:
+    """x [M, K] float32 (contiguous) @ W.T → [M, out_features] float32, W as GGUF `kind`
+    blocks: `blocks` uint8 [out_features, K / 32 * block bytes]. `lib`: another build of
+    the kernels (tests)."""
+    lib = lib or library()
+    assert lib is not None, "native kernels unavailable"
+    m, k = x.shape
+    y = torch.empty(m, out_features, dtype=torch.float32)
+    rc = lib.hx_blocks_matmul(
+        KINDS[kind],
+        blocks.data_ptr(),
+        out_features,
+        k,
+        x.data_ptr(),
+        m,
+        y.data_ptr(),
+        torch.get_num_threads(),
+    )
+    if rc != 0:
+        raise RuntimeError(f"native {kind} matmul refused [{m}, {k}] x [{out_features}, {k}]")
+    return y
+
+
+def dequantize(blocks: torch.Tensor, kind: str, out_features: int) -> torch.Tensor:
+    """The weight as float32 [out_features, K] (GGUF's arithmetic)."""
+    bb = BLOCK_BYTES[kind]
+    b = blocks.view(out_features, -1, bb)
+    d = b[..., 0:2].contiguous().view(torch.float16).float()  # [N, nb, 1]
+    if kind == "Q8_0":
+        q = b[..., 2:].contiguous().view(torch.int8).float()
+        return (q * d).reshape(out_features, -1)
+    qs = b[..., 4:] if kind == "Q4_1" else b[..., 2:]
+    q = torch.cat([qs & 0x0F, qs >> 4], dim=-1).float()  # weights 0..15, then 16..31
+    if kind == "Q4_1":
+        m = b[..., 2:4].contiguous().view(torch.float16).float()
+        return (q * d + m).reshape(out_features, -1)
+    return ((q - 8) * d).reshape(out_features, -1)
+
+
+# -- the naive twin ---------------------------------------------------------------------------
+def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] float32 as the kernels quantize it: per block of 32, d = max|x| / 127 and
+    q = round(x * 127 / max|x|) (half to even). Returns (q as float32 [M, K], d [M, K/32])."""
+    m, k = x.shape
+    blocks = x.reshape(m, k // QK, QK)
+    amax = blocks.abs().amax(dim=-1)
+    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    q = torch.round(blocks * inv[..., None])
+    return q.reshape(m, k), amax / 127.0
+
+
+def naive_matmul(x: torch.Tensor, blocks: torch.Tensor, kind: str, out_features: int):
+    """What `matmul` computes, in float64 torch: the activations quantized as the kernels
+    quantize them, times the weight as the blocks hold it."""
+    q, d = quantize_activations(x.float())
+    xq = (q.reshape(*d.shape, QK) * d[..., None]).reshape(q.shape).double()
+    return (xq @ dequantize(blocks, kind, out_features).double().T).float()

@@ -1,0 +1,200 @@
+/* GGUF block matmuls for the CPU: y[M, N] = x[M, K] @ W[N, K]^T, W held as the file holds
+ * it (rows of Q4_0, Q4_1 or Q8_0 blocks of 32 weights), x quantized per block of 32 to int8
+ * (a scale d and, for Q4_1, s = d * sum(q)) as llama.cpp's vec_dot_q4_1_q8_1 does: each
+ * block's dot is then one integer multiply-add of 32 bytes (AVX2 maddubs) and two scalars.
+ *
+ *   Q4_0  [d f16][16 B]        w = d * (q - 8)      q: byte j = weight j (low nibble),
+ *   Q4_1  [d f16][m f16][16 B] w = d * q + m           weight j + 16 (high nibble)
+ *   Q8_0  [d f16][32 x i8]     w = d * q
+ *
+ * Built at first use by helexa/engine/layers/native.py with the system C compiler
+ * (-O3 -march=native -fopenmp) and loaded with ctypes; the OpenMP runtime is torch's own,
+ * already in the process. Threads split the output rows. The scalar loops under #else are
+ * the reference and the path for CPUs without AVX2.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <math.h>
+#ifdef __AVX2__
+#include <immintrin.h>
+#endif
+
+enum { QK = 32, KIND_Q4_0 = 0, KIND_Q4_1 = 1, KIND_Q8_0 = 2, MT = 4 };
+
+static float f16_to_f32(uint16_t h) {
+#ifdef __F16C__
+    return _cvtsh_ss(h);
+#else
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff, bits;
+    if (exp == 0) {
+        if (man == 0) {
+            bits = sign;
+        } else { /* subnormal: normalise */
+            exp = 127 - 15 + 1;
+            while (!(man & 0x400)) { man <<= 1; exp--; }
+            bits = sign | (exp << 23) | ((man & 0x3ff) << 13);
+        }
+    } else if (exp == 31) {
+        bits = sign | 0x7f800000 | (man << 13);
+    } else {
+        bits = sign | ((exp + 127 - 15) << 23) | (man << 13);
+    }
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+#endif
+}
+
+int hx_block_bytes(int kind) { return kind == KIND_Q4_0 ? 18 : kind == KIND_Q4_1 ? 20 : 34; }
+
+/* x [M, K] -> q [M, K] int8, d [M, K/32] and s [M, K/32] (d * the block's sum of q) */
+static void quantize_x(const float *x, int64_t M, int64_t K, int8_t *q, float *d, float *s) {
+    int64_t nb = K / QK;
+    for (int64_t i = 0; i < M * nb; i++) {
+        const float *v = x + i * QK;
+        float amax = 0.f;
+        for (int j = 0; j < QK; j++) amax = fmaxf(amax, fabsf(v[j]));
+        float di = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
+        int sum = 0;
+        for (int j = 0; j < QK; j++) {
+            int qj = (int)lrintf(v[j] * inv);
+            q[i * QK + j] = (int8_t)qj;
+            sum += qj;
+        }
+        d[i] = di;
+        s[i] = di * (float)sum;
+    }
+}
+
+#ifdef __AVX2__
+static inline float hsum8(__m256 v) {
+    __m128 r = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    r = _mm_add_ps(r, _mm_movehl_ps(r, r));
+    r = _mm_add_ss(r, _mm_movehdup_ps(r));
+    return _mm_cvtss_f32(r);
+}
+
+/* the 32 weights of a Q4 block as bytes 0..15, in order */
+static inline __m256i unpack_q4(const uint8_t *qs) {
+    __m128i raw = _mm_loadu_si128((const __m128i *)qs);
+    __m256i both = _mm256_set_m128i(_mm_srli_epi16(raw, 4), raw);
+    return _mm256_and_si256(both, _mm256_set1_epi8(0x0f));
+}
+
+/* sum over the block of u8 w times s8 x, as 8 floats */
+static inline __m256 dot_u8s8(__m256i w, __m256i x) {
+    __m256i p16 = _mm256_maddubs_epi16(w, x);
+    return _mm256_cvtepi32_ps(_mm256_madd_epi16(p16, _mm256_set1_epi16(1)));
+}
+#endif
+
+/* rows [n0, n1) of W against the mt (<= MT) quantized rows of x starting at xq/xd/xs. Always
+ * inlined into `rows_block`'s switch with kind and mt constant, so that each case compiles
+ * to its own loop with the accumulators in registers. */
+static inline __attribute__((always_inline)) void rows_kernel(
+    const int kind, const int mt, const uint8_t *w, int64_t row_bytes, int64_t nb, int64_t n0,
+    int64_t n1, const int8_t *xq, const float *xd, const float *xs, int64_t K, float *y,
+    int64_t N) {
+    const int bb = kind == KIND_Q4_0 ? 18 : kind == KIND_Q4_1 ? 20 : 34;
+    for (int64_t n = n0; n < n1; n++) {
+        const uint8_t *row = w + n * row_bytes;
+        float out[MT] = {0};
+#ifdef __AVX2__
+        __m256 acc[MT];
+        float extra[MT] = {0}; /* Q4_1: the sum of m * s */
+        for (int i = 0; i < mt; i++) acc[i] = _mm256_setzero_ps();
+        for (int64_t b = 0; b < nb; b++) {
+            const uint8_t *blk = row + b * bb;
+            const float dw = f16_to_f32(*(const uint16_t *)blk);
+            __m256i wv, aw;
+            if (kind == KIND_Q8_0) {
+                wv = _mm256_loadu_si256((const __m256i *)(blk + 2));
+                aw = _mm256_sign_epi8(wv, wv);
+            } else {
+                wv = aw = unpack_q4(blk + (kind == KIND_Q4_1 ? 4 : 2));
+            }
+            const float mw = kind == KIND_Q4_1   ? f16_to_f32(*(const uint16_t *)(blk + 2))
+                             : kind == KIND_Q4_0 ? -8.f * dw
+                                                 : 0.f;
+            for (int i = 0; i < mt; i++) {
+                __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + i * K + b * QK));
+                if (kind == KIND_Q8_0) xv = _mm256_sign_epi8(xv, wv);
+                __m256 p = dot_u8s8(aw, xv);
+                acc[i] = _mm256_fmadd_ps(p, _mm256_set1_ps(dw * xd[i * nb + b]), acc[i]);
+                if (kind != KIND_Q8_0) extra[i] += mw * xs[i * nb + b];
+            }
+        }
+        for (int i = 0; i < mt; i++) out[i] = hsum8(acc[i]) + extra[i];
+#else
+        for (int64_t b = 0; b < nb; b++) {
+            const uint8_t *blk = row + b * bb;
+            float dw = f16_to_f32(*(const uint16_t *)blk);
+            for (int i = 0; i < mt; i++) {
+                const int8_t *xb = xq + i * K + b * QK;
+                int sumi = 0;
+                if (kind == KIND_Q8_0) {
+                    const int8_t *qs = (const int8_t *)(blk + 2);
+                    for (int j = 0; j < QK; j++) sumi += qs[j] * xb[j];
+                    out[i] += dw * xd[i * nb + b] * (float)sumi;
+                } else {
+                    const uint8_t *qs = blk + (kind == KIND_Q4_1 ? 4 : 2);
+                    float mw = kind == KIND_Q4_1 ? f16_to_f32(*(const uint16_t *)(blk + 2))
+                                                 : -8.f * dw;
+                    for (int j = 0; j < 16; j++)
+                        sumi += (qs[j] & 0x0f) * xb[j] + (qs[j] >> 4) * xb[j + 16];
+                    out[i] += dw * xd[i * nb + b] * (float)sumi + mw * xs[i * nb + b];
+                }
+            }
+        }
+#endif
+        for (int i = 0; i < mt; i++) y[i * N + n] = out[i];
+    }
+}
+
+#define ROWS_CASE(KIND, MT_)                                                                   \
+    case KIND * 8 + MT_:                                                                       \
+        rows_kernel(KIND, MT_, w, row_bytes, nb, n0, n1, xq, xd, xs, K, y, N);                 \
+        break;
+#define ROWS_KIND(KIND) ROWS_CASE(KIND, 1) ROWS_CASE(KIND, 2) ROWS_CASE(KIND, 3) ROWS_CASE(KIND, 4)
+
+static void rows_block(int kind, const uint8_t *w, int64_t row_bytes, int64_t nb, int64_t n0,
+                       int64_t n1, int mt, const int8_t *xq, const float *xd, const float *xs,
+                       int64_t K, float *y, int64_t N) {
+    switch (kind * 8 + mt) {
+        ROWS_KIND(KIND_Q4_0)
+        ROWS_KIND(KIND_Q4_1)
+        ROWS_KIND(KIND_Q8_0)
+    }
+}
+
+/* y [M, N] = x [M, K] @ W^T; W: N rows of K/32 blocks of `kind`. Returns 0, or -1 on a bad
+ * argument or a failed allocation. */
+int hx_blocks_matmul(int kind, const uint8_t *w, int64_t N, int64_t K, const float *x, int64_t M,
+                     float *y, int num_threads) {
+    if (K % QK || M < 1 || N < 1 || kind < 0 || kind > KIND_Q8_0) return -1;
+    int64_t nb = K / QK, row_bytes = nb * hx_block_bytes(kind);
+    int8_t *xq = malloc((size_t)(M * K));
+    float *xd = malloc((size_t)(M * nb) * sizeof(float));
+    float *xs = malloc((size_t)(M * nb) * sizeof(float));
+    if (!xq || !xd || !xs) {
+        free(xq); free(xd); free(xs);
+        return -1;
+    }
+    quantize_x(x, M, K, xq, xd, xs);
+    /* rows in chunks, so that each thread's share is contiguous and a chunk's weights are
+       read once for up to MT rows of x */
+    const int64_t chunk = 16;
+    int64_t nchunks = (N + chunk - 1) / chunk;
+#pragma omp parallel for schedule(static) num_threads(num_threads)
+    for (int64_t c = 0; c < nchunks; c++) {
+        int64_t n0 = c * chunk, n1 = n0 + chunk < N ? n0 + chunk : N;
+        for (int64_t m0 = 0; m0 < M; m0 += MT) {
+            int mt = M - m0 < MT ? (int)(M - m0) : MT;
+            rows_block(kind, w, row_bytes, nb, n0, n1, mt, xq + m0 * K, xd + m0 * nb,
+                       xs + m0 * nb, K, y + m0 * N, N);
+        }
+    }
+    free(xq); free(xd); free(xs);
+    return 0;
+}

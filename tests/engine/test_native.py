@@ -1,0 +1,99 @@
+"""The native CPU block kernels (layers/native.py, native/blocks.c) against their naive twin,
+the scalar build against the vector one, and what happens where they cannot be built."""
+
+from __future__ import annotations
+
+import logging
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from helexa.engine import LLM, SamplingParams
+from helexa.engine.layers import native
+from helexa.engine.loader.gguf import GGUFTensor
+
+pytestmark = pytest.mark.skipif(not native.available(), reason="no C compiler here")
+KINDS = ("Q4_0", "Q4_1", "Q8_0")
+
+
+def blocks(kind: str, n: int, k: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """(GGUF `kind` blocks of a random [n, k] weight, gguf's own dequantization of them)."""
+    w = np.random.default_rng(seed).standard_normal((n, k)).astype(np.float32) * 0.05
+    qtype = gguf.GGMLQuantizationType[kind]
+    raw = gguf.quants.quantize(w, qtype)
+    ref = torch.from_numpy(gguf.quants.dequantize(raw, qtype).reshape(n, k).copy())
+    return torch.from_numpy(np.ascontiguousarray(raw).view(np.uint8)).reshape(n, -1), ref
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_dequantize_is_ggufs_arithmetic(kind):
+    raw, ref = blocks(kind, 40, 96)
+    assert torch.equal(native.dequantize(raw, kind, 40), ref)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+# rows 1-9 cross the 4-row tiles; 37 outputs end mid-chunk (chunks of 16); 1056 = 33 blocks
+@pytest.mark.parametrize(("m", "n", "k"), [(1, 37, 96), (3, 64, 1056), (4, 16, 32), (9, 37, 576)])
+def test_the_kernel_computes_its_naive_twin(kind, m, n, k):
+    raw, ref = blocks(kind, n, k, seed=m)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(n))
+    x[0, :32] = 0  # an all-zero block of activations: scale 0, no division by it
+    y = native.matmul(x, raw, kind, n)
+    assert y.shape == (m, n) and y.dtype == torch.float32
+    # the same function: int8 activations times the blocks, summed in float32
+    assert rel(y, native.naive_matmul(x, raw, kind, n)) < 2e-6
+    # and close to the float product: int8 activations cost ~0.5%
+    assert rel(y, x @ ref.T) < 1.5e-2
+
+
+def test_the_scalar_build_for_cpus_without_avx2_agrees(tmp_path, monkeypatch):
+    monkeypatch.setenv("HELEXA_NATIVE_DIR", str(tmp_path))
+    cc = native._compiler()
+    flags = tuple(f for f in native.FLAGS if not f.startswith("-march")) + ("-march=x86-64",)
+    scalar = native.load(native.build(cc, flags))
+    for kind in KINDS:
+        raw, _ = blocks(kind, 37, 576)
+        x = torch.randn(5, 576)
+        a = native.matmul(x, raw, kind, 37, lib=scalar)
+        assert rel(a, native.matmul(x, raw, kind, 37)) < 2e-6, kind
+
+
+def test_bad_shapes_are_refused_not_computed():
+    raw, _ = blocks("Q4_1", 8, 64)
+    with pytest.raises(RuntimeError, match="refused"):
+        native.matmul(torch.randn(2, 48), raw, "Q4_1", 8)  # K not a multiple of 32
+
+
+def test_without_a_compiler_the_weights_stay_on_torchs_kernel(monkeypatch, caplog):
+    monkeypatch.setattr(native, "_compiler", lambda: None)
+    native.library.cache_clear()
+    try:
+        with caplog.at_level(logging.WARNING, logger=native.__name__):
+            assert not native.enabled()
+        assert "no C compiler" in caplog.text
+        from helexa.engine.layers.linear import Linear
+
+        raw, _ = blocks("Q4_1", 64, 576)
+        lin = Linear(576, 64)
+        lin.load_weight(GGUFTensor("w", "Q4_1", (64, 576), raw), dtype=torch.float32)
+        assert lin.format == "int4"  # torch's packed kernel, not float
+    finally:
+        native.library.cache_clear()
+
+
+def test_the_bundled_model_runs_on_the_blocks_and_answers_paris():
+    llm = LLM(kv_cache_memory_mb=16)
+    model = llm.engine.runner.model
+    assert model.layers[0].mlp.down_proj.format == "blocks"
+    assert model.layers[0].mlp.down_proj.block_kind == "Q4_1"
+    assert model.lm_head.block_kind == "Q8_0"  # the tied table, shared with the embeddings
+    assert model.embed_tokens.packed is model.lm_head
+    question = [{"role": "user", "content": "What is the capital of France? Answer in one word."}]
+    out = llm.chat(question, SamplingParams(temperature=0, max_tokens=8))[0]
+    assert "Paris" in out.text
