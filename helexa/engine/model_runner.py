@@ -270,6 +270,7 @@ class ModelRunner:
     ) -> None:
         """Torch path: the decode rows' whole blocks, and a mask past each row's length."""
         ctx.decode_blocks = self.tensor(tables)
+        ctx.decode_lens = self.tensor(lengths, torch.int32)
         span = len(tables[0]) * self.block_size
         if any(n != span for n in lengths):
             pos = torch.arange(span)

@@ -97,3 +97,38 @@ def test_the_bundled_model_runs_on_the_blocks_and_answers_paris():
     question = [{"role": "user", "content": "What is the capital of France? Answer in one word."}]
     out = llm.chat(question, SamplingParams(temperature=0, max_tokens=8))[0]
     assert "Paris" in out.text
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen2", "llama3"])  # q/k norms; qkv bias; plain
+def test_native_decode_steps_give_the_torch_paths_logits(family, tmp_path, monkeypatch):
+    from tests.engine.test_parity import _prompts, _record_logits
+    from tests.engine.tiny import FIXTURE_MODELS, make_tiny_model
+
+    if not FIXTURE_MODELS.is_dir():
+        pytest.skip("shared fixtures absent")
+    model_dir, hf = make_tiny_model(family, tmp_path)
+    calls = {"decode_attention": 0, "rms_norm": 0, "silu_mul": 0}
+    for name in calls:
+        real = getattr(native, name)
+
+        def counting(*args, _real=real, _name=name, **kw):
+            calls[_name] += 1
+            return _real(*args, **kw)
+
+        monkeypatch.setattr(native, name, counting)
+    prompts = _prompts(hf.config.vocab_size)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    runs = {}
+    for mode in ("torch", "auto"):
+        native.set_mode(mode)
+        try:
+            llm = LLM(str(model_dir), kv_cache_memory_mb=8, block_size=16, max_prefill_chunk=24)
+            seen = _record_logits(llm)
+            outs = llm.generate(prompts, params)
+        finally:
+            native.set_mode("auto")
+        runs[mode] = [(o.token_ids, torch.stack(seen[o.request_id])) for o in outs]
+    assert all(calls.values()), calls  # every native op ran in the "auto" run
+    for (tokens_t, logits_t), (tokens_n, logits_n) in zip(runs["torch"], runs["auto"], strict=True):
+        assert tokens_n == tokens_t
+        assert (logits_n - logits_t).abs().max().item() < 1e-5

@@ -9,7 +9,8 @@ sequence's context. Two paths, chosen by the model runner for the whole step:
   call (CUDA-graph safe); any other step is one varlen prefill call over every sequence,
   decode rows included as one-token chunks.
 - Plain torch (CPU, and the reference): prefill segments gather their context and run
-  SDPA; decode rows gather whole blocks and run one batched SDPA.
+  SDPA; decode rows gather whole blocks and run one batched SDPA, or on a CPU with the
+  native kernels (layers/native.py) one call that reads the blocks in place.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from helexa import kernels
+from helexa.engine.layers import native
 
 
 @dataclass(slots=True)
@@ -51,6 +53,7 @@ class AttentionContext:
     # (a few long contiguous copies rather than one short copy per token).
     decode_blocks: torch.Tensor | None
     decode_mask: torch.Tensor | None  # [num_decode, 1, 1, max_blocks * block_size], 0 / -inf
+    decode_lens: torch.Tensor | None = None  # [num_decode] int32 tokens each row attends to
     all_decode: bool = False  # every row is a decode row, in order
     # hybrid models: [num_decode] the decode rows' rows in the recurrent-state pools
     decode_state_slots: torch.Tensor | None = None
@@ -119,6 +122,14 @@ class PagedAttention(nn.Module):
             rows = ctx.decode_rows
             n = rows.shape[0]
             qd = q if ctx.all_decode else q[rows]
+            if native.usable(qd, self.k_cache, self.v_cache):  # the blocks read in place
+                o = native.paged_decode(
+                    qd, self.k_cache, self.v_cache, ctx.decode_blocks, ctx.decode_lens, self.scale
+                )
+                if ctx.all_decode:
+                    return o
+                out[rows] = o
+                return out
             # Grouped-query trick: the `group` query heads sharing a kv head become the
             # query-length axis of that kv head, so no K/V repeat is needed.
             qd = qd.view(n, kvh, group, d)

@@ -84,6 +84,32 @@ def load(path: Path) -> ctypes.CDLL:
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     lib.hx_blocks_matmul.argtypes = [ctypes.c_int, ptr, i64, i64, ptr, i64, ptr, ctypes.c_int]
     lib.hx_blocks_matmul.restype = ctypes.c_int
+    lib.hx_rms_norm.argtypes = [ptr, ptr, ptr, ptr, ptr, i64, i64, ctypes.c_float]
+    lib.hx_rms_norm.restype = ctypes.c_int
+    lib.hx_paged_decode.argtypes = [
+        ptr,
+        i64,
+        i64,
+        i64,
+        i64,
+        ptr,
+        ptr,
+        i64,
+        ptr,
+        i64,
+        ptr,
+        ctypes.c_float,
+        ptr,
+        ctypes.c_int,
+    ]
+    lib.hx_paged_decode.restype = ctypes.c_int
+    lib.hx_decode_attention.argtypes = [
+        ptr, i64, i64, i64, i64, ptr, ptr, ctypes.c_float, ptr, ptr, i64, ptr, ptr, ptr, i64,
+        ptr, i64, ptr, ctypes.c_float, ptr, ctypes.c_int,
+    ]  # fmt: skip
+    lib.hx_decode_attention.restype = ctypes.c_int
+    lib.hx_silu_mul.argtypes = [ptr, i64, i64, ptr]
+    lib.hx_silu_mul.restype = ctypes.c_int
     return lib
 
 
@@ -153,6 +179,132 @@ def matmul(
     if rc != 0:
         raise RuntimeError(f"native {kind} matmul refused [{m}, {k}] x [{out_features}, {k}]")
     return y
+
+
+def usable(*tensors: torch.Tensor) -> bool:
+    """Whether the small native ops (RMSNorm, decode attention) may take these tensors:
+    native kernels on, torch's kernel backend "auto" (not an A/B run of "naive" or
+    "triton"), and every tensor a float32 one on the CPU (made contiguous for the call)."""
+    from helexa import kernels
+
+    return (
+        enabled()
+        and kernels.backend() == "auto"
+        and all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors)
+    )
+
+
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """`kernels.rms_norm` in one call: x [..., D] float32 → RMSNorm(x), or with a residual
+    (RMSNorm(x + residual), x + residual). Callers check `usable` first."""
+    x, weight = x.contiguous(), weight.contiguous()
+    residual = residual.contiguous() if residual is not None else None
+    out = torch.empty_like(x)
+    res_out = torch.empty_like(x) if residual is not None else None
+    dim = x.shape[-1]
+    rc = library().hx_rms_norm(
+        x.data_ptr(),
+        residual.data_ptr() if residual is not None else None,
+        weight.data_ptr(),
+        out.data_ptr(),
+        res_out.data_ptr() if res_out is not None else None,
+        x.numel() // dim,
+        dim,
+        eps,
+    )
+    if rc != 0:
+        raise RuntimeError(f"native rms_norm refused {list(x.shape)}")
+    return out if residual is None else (out, res_out)
+
+
+def paged_decode(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    tables: torch.Tensor,
+    lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """One decode step's attention, float32: q [n, H, D]; caches [blocks, block_size, KVH,
+    D]; tables [n, max_blocks] int64; lens [n] int32 → [n, H, D]. The torch path gathers
+    the blocks and runs SDPA; this reads them in place."""
+    q, k_cache, v_cache = q.contiguous(), k_cache.contiguous(), v_cache.contiguous()
+    tables, lens = tables.contiguous(), lens.to(torch.int32).contiguous()
+    n, h, d = q.shape
+    _, block_size, kvh, _ = k_cache.shape
+    out = torch.empty_like(q)
+    rc = library().hx_paged_decode(
+        q.data_ptr(),
+        n,
+        h,
+        kvh,
+        d,
+        k_cache.data_ptr(),
+        v_cache.data_ptr(),
+        block_size,
+        tables.data_ptr(),
+        tables.shape[1],
+        lens.data_ptr(),
+        scale,
+        out.data_ptr(),
+        torch.get_num_threads(),
+    )
+    if rc != 0:
+        raise RuntimeError(f"native paged_decode refused q {list(q.shape)}, lens {lens.tolist()}")
+    return out
+
+
+def decode_attention(
+    qkv: torch.Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    q_norm: torch.Tensor | None,
+    k_norm: torch.Tensor | None,
+    eps: float,
+    cos: torch.Tensor,
+    signed_sin: torch.Tensor,
+    slots: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    tables: torch.Tensor,
+    lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """A decode step's attention after the qkv projection, in one call: qkv [M, (H + 2 KVH)
+    D] float32, a fresh tensor (it is overwritten: q and k normalised and rotated in place);
+    q_norm / k_norm [D] or None; cos, signed_sin [M, 1, R] (rotary.py's tables); slots [M]
+    the new tokens' cache slots; tables [M, max_blocks] int64; lens [M] → [M, H D]. What
+    Attention.forward's torch ops compute: split, per-head norms, rotary, the K/V writes and
+    paged attention (`paged_decode`)."""
+    m = qkv.shape[0]
+    r = cos.shape[-1]
+    cos, signed_sin = cos.reshape(m, r).contiguous(), signed_sin.reshape(m, r).contiguous()
+    qkv, slots = qkv.contiguous(), slots.contiguous()
+    tables, lens = tables.contiguous(), lens.to(torch.int32).contiguous()
+    out = qkv.new_empty(m, num_heads * head_dim)
+    rc = library().hx_decode_attention(
+        qkv.data_ptr(), m, num_heads, num_kv_heads, head_dim,
+        q_norm.data_ptr() if q_norm is not None else None,
+        k_norm.data_ptr() if k_norm is not None else None,
+        eps, cos.data_ptr(), signed_sin.data_ptr(), r, slots.data_ptr(),
+        k_cache.data_ptr(), v_cache.data_ptr(), k_cache.shape[1], tables.data_ptr(),
+        tables.shape[1], lens.data_ptr(), scale, out.data_ptr(), torch.get_num_threads(),
+    )  # fmt: skip
+    if rc != 0:
+        raise RuntimeError(f"native decode_attention refused qkv {list(qkv.shape)}")
+    return out
+
+
+def silu_mul(x: torch.Tensor) -> torch.Tensor:
+    """`kernels.silu_and_mul`: x [M, 2I] float32 → silu(x[:, :I]) * x[:, I:] [M, I]."""
+    x = x.contiguous()
+    m, two_i = x.shape
+    out = x.new_empty(m, two_i // 2)
+    library().hx_silu_mul(x.data_ptr(), m, two_i // 2, out.data_ptr())
+    return out
 
 
 def dequantize(blocks: torch.Tensor, kind: str, out_features: int) -> torch.Tensor:

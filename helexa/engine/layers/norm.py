@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from helexa import kernels
+from helexa.engine.layers import native
 
 
 class RMSNorm(nn.Module):
@@ -20,6 +21,8 @@ class RMSNorm(nn.Module):
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """x [..., hidden] -> RMSNorm(x); with a residual (as x), the residual stream's next
         value comes back too: (RMSNorm(x + residual), x + residual)."""
+        if native.usable(x, self.weight, *(() if residual is None else (residual,))):
+            return native.rms_norm(x, self.weight, self.eps, residual)
         return kernels.rms_norm(x, self.weight, self.eps, residual)
 
     def forward_residual(
@@ -28,5 +31,5 @@ class RMSNorm(nn.Module):
         """(RMSNorm(x + residual), x + residual); with no residual yet (the first layer's
         input), (RMSNorm(x), x)."""
         if residual is None:
-            return kernels.rms_norm(x, self.weight, self.eps), x
-        return kernels.rms_norm(x, self.weight, self.eps, residual)
+            return self(x), x
+        return self(x, residual)

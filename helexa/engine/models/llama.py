@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from helexa import kernels
+from helexa.engine.layers import native
 from helexa.engine.layers.attention import AttentionContext, PagedAttention
 from helexa.engine.layers.linear import (
     Linear,
@@ -75,6 +76,21 @@ class Attention(nn.Module):
             qkv = self.qkv_proj.forward(x)
         else:  # weights held differently could not be fused (rare)
             qkv = torch.cat((self.q_proj(x), self.k_proj(x), self.v_proj(x)), dim=-1)
+        attn = self.attn
+        if (
+            ctx.all_decode
+            and ctx.decode_lens is not None
+            and ctx.cos is not None
+            and self.q_parts == 1
+            and native.usable(qkv, ctx.cos, attn.k_cache)
+        ):  # one C call for what follows (CPU decode steps)
+            norms = (self.q_norm.weight, self.k_norm.weight) if self.qk_norm else (None, None)
+            eps = self.q_norm.eps if self.qk_norm else 0.0
+            o = native.decode_attention(
+                qkv, h, kvh, d, *norms, eps, ctx.cos, ctx.sin, ctx.slot_mapping,
+                attn.k_cache, attn.v_cache, ctx.decode_blocks, ctx.decode_lens, attn.scale,
+            )  # fmt: skip
+            return self.o_proj.forward(o)
         qkv = qkv.view(n, h + 2 * kvh, d)
         q, k, v = qkv.split([h, kvh, kvh], dim=1)
         if self.qk_norm:
@@ -110,7 +126,10 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if hasattr(self, "gate_up_proj"):
-            return self.down_proj.forward(kernels.silu_and_mul(self.gate_up_proj.forward(x)))
+            gate_up = self.gate_up_proj.forward(x)
+            if native.usable(gate_up):
+                return self.down_proj.forward(native.silu_mul(gate_up))
+            return self.down_proj.forward(kernels.silu_and_mul(gate_up))
         gate, up = self.gate_proj(x), self.up_proj(x)
         return self.down_proj.forward(F.silu(gate).mul_(up))
 

@@ -198,3 +198,170 @@ int hx_blocks_matmul(int kind, const uint8_t *w, int64_t N, int64_t K, const flo
     free(xq); free(xd); free(xs);
     return 0;
 }
+
+/* -- the rest of a decode step's small operations, as single calls ------------------------ */
+
+static inline float dot_f32(const float *a, const float *b, int64_t n) {
+    int64_t i = 0;
+    float sum = 0.f;
+#ifdef __AVX2__
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+    for (; i + 16 <= n; i += 16) {
+        acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc0);
+        acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), acc1);
+    }
+    for (; i + 8 <= n; i += 8)
+        acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc0);
+    sum = hsum8(_mm256_add_ps(acc0, acc1));
+#endif
+    for (; i < n; i++) sum += a[i] * b[i];
+    return sum;
+}
+
+/* y += a * x over n floats */
+static inline void axpy_f32(float *y, float a, const float *x, int64_t n) {
+    int64_t i = 0;
+#ifdef __AVX2__
+    __m256 av = _mm256_set1_ps(a);
+    for (; i + 8 <= n; i += 8)
+        _mm256_storeu_ps(y + i, _mm256_fmadd_ps(av, _mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
+#endif
+    for (; i < n; i++) y[i] += a * x[i];
+}
+
+/* RMSNorm of rows [rows, dim] in float32: out = x / sqrt(mean(x^2) + eps) * weight. With a
+ * residual: x + residual is normalised and written to residual_out first (either may be
+ * the same buffer as its input). */
+int hx_rms_norm(const float *x, const float *residual, const float *weight, float *out,
+                float *residual_out, int64_t rows, int64_t dim, float eps) {
+    if (rows < 0 || dim < 1) return -1;
+    for (int64_t r = 0; r < rows; r++) {
+        const float *xr = x + r * dim;
+        float *o = out + r * dim;
+        if (residual) {
+            float *h = residual_out + r * dim;
+            const float *res = residual + r * dim;
+            for (int64_t i = 0; i < dim; i++) h[i] = xr[i] + res[i];
+            xr = h;
+        }
+        float ms = dot_f32(xr, xr, dim) / (float)dim;
+        float inv = 1.f / sqrtf(ms + eps);
+        for (int64_t i = 0; i < dim; i++) o[i] = xr[i] * inv * weight[i];
+    }
+    return 0;
+}
+
+/* One decode step's attention over the paged cache, float32. q [n, H, D]; k_cache, v_cache
+ * [num_blocks, block_size, KVH, D]; tables [n, max_blocks] int64 block ids; lens [n] the
+ * tokens each row attends to (its own included); out [n, H, D]. Each (row, kv head) is one
+ * task: its group of H / KVH query heads read that head's keys and values once. */
+int hx_paged_decode(const float *q, int64_t n, int64_t H, int64_t KVH, int64_t D,
+                    const float *k_cache, const float *v_cache, int64_t block_size,
+                    const int64_t *tables, int64_t max_blocks, const int32_t *lens, float scale,
+                    float *out, int num_threads) {
+    if (n < 1 || KVH < 1 || H % KVH || D < 1 || block_size < 1) return -1;
+    int64_t group = H / KVH, max_len = 0;
+    for (int64_t i = 0; i < n; i++) {
+        if (lens[i] < 1 || lens[i] > max_blocks * block_size) return -1;
+        if (lens[i] > max_len) max_len = lens[i];
+    }
+    int failed = 0;
+#pragma omp parallel num_threads(num_threads)
+    {
+        float *scores = malloc((size_t)(group * max_len) * sizeof(float));
+        if (!scores) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(dynamic)
+        for (int64_t task = 0; task < n * KVH; task++) {
+            if (!scores) continue;
+            int64_t i = task / KVH, kvh = task % KVH, len = lens[i];
+            const int64_t *table = tables + i * max_blocks;
+            for (int64_t g = 0; g < group; g++) {
+                const float *qg = q + (i * H + kvh * group + g) * D;
+                float *s = scores + g * max_len, smax = -INFINITY;
+                for (int64_t t = 0; t < len; t++) {
+                    int64_t slot = table[t / block_size] * block_size + t % block_size;
+                    s[t] = dot_f32(qg, k_cache + (slot * KVH + kvh) * D, D) * scale;
+                    smax = s[t] > smax ? s[t] : smax;
+                }
+                float total = 0.f;
+                for (int64_t t = 0; t < len; t++) {
+                    s[t] = expf(s[t] - smax);
+                    total += s[t];
+                }
+                float *o = out + (i * H + kvh * group + g) * D;
+                memset(o, 0, (size_t)D * sizeof(float));
+                for (int64_t t = 0; t < len; t++) {
+                    int64_t slot = table[t / block_size] * block_size + t % block_size;
+                    axpy_f32(o, s[t] / total, v_cache + (slot * KVH + kvh) * D, D);
+                }
+            }
+        }
+        free(scores);
+    }
+    return failed ? -1 : 0;
+}
+
+static void rms_norm_row(float *x, const float *w, int64_t d, float eps) {
+    float inv = 1.f / sqrtf(dot_f32(x, x, d) / (float)d + eps);
+    for (int64_t i = 0; i < d; i++) x[i] = x[i] * inv * w[i];
+}
+
+/* rotate-half on the first r dims of x [d]: x * cos + [x2, x1] * ssin (ssin signed) */
+static void rotate_row(float *x, const float *cos, const float *ssin, int64_t r) {
+    float tmp[512];
+    int64_t half = r / 2;
+    memcpy(tmp, x, (size_t)r * sizeof(float));
+    for (int64_t j = 0; j < r; j++) {
+        float swapped = j < half ? tmp[j + half] : tmp[j - half];
+        x[j] = tmp[j] * cos[j] + swapped * ssin[j];
+    }
+}
+
+/* A decode step's attention block after the qkv projection, float32, in one call: split qkv
+ * [M, (H + 2 KVH) D] into q, k, v; RMSNorm each q and k head (Qwen3's q_norm / k_norm, when
+ * given); rotate the first r dims (cos, ssin [M, r]; r = 0: no rotary); write k and v to
+ * their cache slots; attend over each row's lens[m] tokens (tables [M, max_blocks]) → out
+ * [M, H D]. qkv is used as scratch. */
+int hx_decode_attention(float *qkv, int64_t M, int64_t H, int64_t KVH, int64_t D,
+                        const float *q_norm, const float *k_norm, float eps, const float *cos,
+                        const float *ssin, int64_t r, const int64_t *slots, float *k_cache,
+                        float *v_cache, int64_t block_size, const int64_t *tables,
+                        int64_t max_blocks, const int32_t *lens, float scale, float *out,
+                        int num_threads) {
+    if (M < 1 || KVH < 1 || H % KVH || D < 1 || r < 0 || r > D || r % 2 || r > 512) return -1;
+    int64_t width = (H + 2 * KVH) * D;
+    for (int64_t m = 0; m < M; m++) {
+        float *q = qkv + m * width, *k = q + H * D, *v = k + KVH * D;
+        for (int64_t h = 0; h < H; h++) {
+            if (q_norm) rms_norm_row(q + h * D, q_norm, D, eps);
+            if (r) rotate_row(q + h * D, cos + m * r, ssin + m * r, r);
+        }
+        for (int64_t h = 0; h < KVH; h++) {
+            if (k_norm) rms_norm_row(k + h * D, k_norm, D, eps);
+            if (r) rotate_row(k + h * D, cos + m * r, ssin + m * r, r);
+        }
+        memcpy(k_cache + slots[m] * KVH * D, k, (size_t)(KVH * D) * sizeof(float));
+        memcpy(v_cache + slots[m] * KVH * D, v, (size_t)(KVH * D) * sizeof(float));
+    }
+    /* q rows of the batch sit `width` apart: copy them together for hx_paged_decode */
+    float *qs = malloc((size_t)(M * H * D) * sizeof(float));
+    if (!qs) return -1;
+    for (int64_t m = 0; m < M; m++) memcpy(qs + m * H * D, qkv + m * width, (size_t)(H * D) * sizeof(float));
+    int rc = hx_paged_decode(qs, M, H, KVH, D, k_cache, v_cache, block_size, tables, max_blocks,
+                             lens, scale, out, num_threads);
+    free(qs);
+    return rc;
+}
+
+/* out [M, I] = silu(x[:, :I]) * x[:, I:], x [M, 2I] */
+int hx_silu_mul(const float *x, int64_t M, int64_t I, float *out) {
+    for (int64_t m = 0; m < M; m++) {
+        const float *g = x + m * 2 * I, *u = g + I;
+        float *o = out + m * I;
+        for (int64_t i = 0; i < I; i++) o[i] = g[i] / (1.f + expf(-g[i])) * u[i];
+    }
+    return 0;
+}
