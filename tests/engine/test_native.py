@@ -55,7 +55,7 @@ def test_the_kernel_computes_its_naive_twin(kind, m, n, k):
 def test_the_scalar_build_for_cpus_without_avx2_agrees(tmp_path, monkeypatch):
     monkeypatch.setenv("HELEXA_NATIVE_DIR", str(tmp_path))
     cc = native._compiler()
-    flags = tuple(f for f in native.FLAGS if not f.startswith("-march")) + ("-march=x86-64",)
+    flags = (*(f for f in native.FLAGS if not f.startswith("-march")), "-march=x86-64")
     scalar = native.load(native.build(cc, flags))
     for kind in KINDS:
         raw, _ = blocks(kind, 37, 576)

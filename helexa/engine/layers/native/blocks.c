@@ -251,15 +251,100 @@ int hx_rms_norm(const float *x, const float *residual, const float *weight, floa
     return 0;
 }
 
+#ifdef __AVX2__
+/* e^x for x <= 0 (softmax after subtracting the max), ~1e-7 relative: Cephes' expf, 2^n
+ * times a degree-6 polynomial of the remainder; below -87.3 (where expf underflows) it
+ * returns e^-87.3 ~ 1e-38 rather than 0, which no softmax sum notices. */
+static inline __m256 exp256(__m256 x) {
+    x = _mm256_max_ps(x, _mm256_set1_ps(-87.3f));
+    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    __m256 y = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
+    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+}
+#endif
+
+/* s[t] = e^(s[t] - max s) over n scores; returns their sum */
+static float softmax_exp(float *s, int64_t n) {
+    float smax = -INFINITY, total = 0.f;
+    int64_t t = 0;
+    for (int64_t i = 0; i < n; i++) smax = s[i] > smax ? s[i] : smax;
+#ifdef __AVX2__
+    __m256 mv = _mm256_set1_ps(smax), acc = _mm256_setzero_ps();
+    for (; t + 8 <= n; t += 8) {
+        __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(s + t), mv));
+        _mm256_storeu_ps(s + t, e);
+        acc = _mm256_add_ps(acc, e);
+    }
+    total = hsum8(acc);
+#endif
+    for (; t < n; t++) {
+        s[t] = expf(s[t] - smax);
+        total += s[t];
+    }
+    return total;
+}
+
+/* the cache slot of a row's token t: block sizes are powers of two (the config says so,
+ * and hx_paged_decode checks), so a shift and a mask rather than a 64-bit division */
+#define SLOT(table, t) ((table[(t) >> shift] << shift) | ((t) & (block_size - 1)))
+
+/* scores[t] = scale * q . k_t for the t < len tokens of one kv head; k_t found through the
+ * block table. Eight tokens at a time where D allows: eight dot products accumulate side by
+ * side and one transposing reduction sums them, instead of a horizontal sum per token. */
+static void head_scores(const float *q, const float *k_cache, const int64_t *table,
+                        int64_t block_size, int64_t KVH, int64_t kvh, int64_t D, int64_t len,
+                        float scale, float *scores) {
+    const int shift = __builtin_ctzll((unsigned long long)block_size);
+    int64_t t = 0;
+#ifdef __AVX2__
+    if (D % 8 == 0) {
+        for (; t + 8 <= len; t += 8) {
+            const float *kp[8];
+            for (int j = 0; j < 8; j++) {
+                int64_t slot = SLOT(table, t + j);
+                kp[j] = k_cache + (slot * KVH + kvh) * D;
+            }
+            __m256 acc[8];
+            for (int j = 0; j < 8; j++) acc[j] = _mm256_setzero_ps();
+            for (int64_t c = 0; c < D; c += 8) {
+                __m256 qc = _mm256_loadu_ps(q + c);
+                for (int j = 0; j < 8; j++) acc[j] = _mm256_fmadd_ps(qc, _mm256_loadu_ps(kp[j] + c), acc[j]);
+            }
+            __m256 s01 = _mm256_hadd_ps(acc[0], acc[1]), s23 = _mm256_hadd_ps(acc[2], acc[3]);
+            __m256 s45 = _mm256_hadd_ps(acc[4], acc[5]), s67 = _mm256_hadd_ps(acc[6], acc[7]);
+            __m256 s0123 = _mm256_hadd_ps(s01, s23), s4567 = _mm256_hadd_ps(s45, s67);
+            __m256 sum = _mm256_add_ps(_mm256_permute2f128_ps(s0123, s4567, 0x20),
+                                       _mm256_permute2f128_ps(s0123, s4567, 0x31));
+            _mm256_storeu_ps(scores + t, _mm256_mul_ps(sum, _mm256_set1_ps(scale)));
+        }
+    }
+#endif
+    for (; t < len; t++) {
+        int64_t slot = SLOT(table, t);
+        scores[t] = dot_f32(q, k_cache + (slot * KVH + kvh) * D, D) * scale;
+    }
+}
+
 /* One decode step's attention over the paged cache, float32. q [n, H, D]; k_cache, v_cache
  * [num_blocks, block_size, KVH, D]; tables [n, max_blocks] int64 block ids; lens [n] the
- * tokens each row attends to (its own included); out [n, H, D]. Each (row, kv head) is one
- * task: its group of H / KVH query heads read that head's keys and values once. */
+ * tokens each row attends to (its own included); out [n, H, D]. Each (row, head) is a task. */
 int hx_paged_decode(const float *q, int64_t n, int64_t H, int64_t KVH, int64_t D,
                     const float *k_cache, const float *v_cache, int64_t block_size,
                     const int64_t *tables, int64_t max_blocks, const int32_t *lens, float scale,
                     float *out, int num_threads) {
     if (n < 1 || KVH < 1 || H % KVH || D < 1 || block_size < 1) return -1;
+    if (block_size & (block_size - 1)) return -1; /* a power of two */
+    const int shift = __builtin_ctzll((unsigned long long)block_size);
     int64_t group = H / KVH, max_len = 0;
     for (int64_t i = 0; i < n; i++) {
         if (lens[i] < 1 || lens[i] > max_blocks * block_size) return -1;
@@ -268,38 +353,25 @@ int hx_paged_decode(const float *q, int64_t n, int64_t H, int64_t KVH, int64_t D
     int failed = 0;
 #pragma omp parallel num_threads(num_threads)
     {
-        float *scores = malloc((size_t)(group * max_len) * sizeof(float));
-        if (!scores) {
+        float *s = malloc((size_t)max_len * sizeof(float));
+        if (!s) {
 #pragma omp atomic write
             failed = 1;
         }
-#pragma omp for schedule(dynamic)
-        for (int64_t task = 0; task < n * KVH; task++) {
-            if (!scores) continue;
-            int64_t i = task / KVH, kvh = task % KVH, len = lens[i];
+#pragma omp for schedule(static)
+        for (int64_t task = 0; task < n * H; task++) {
+            if (!s) continue;
+            int64_t i = task / H, h = task % H, kvh = h / group, len = lens[i];
             const int64_t *table = tables + i * max_blocks;
-            for (int64_t g = 0; g < group; g++) {
-                const float *qg = q + (i * H + kvh * group + g) * D;
-                float *s = scores + g * max_len, smax = -INFINITY;
-                for (int64_t t = 0; t < len; t++) {
-                    int64_t slot = table[t / block_size] * block_size + t % block_size;
-                    s[t] = dot_f32(qg, k_cache + (slot * KVH + kvh) * D, D) * scale;
-                    smax = s[t] > smax ? s[t] : smax;
-                }
-                float total = 0.f;
-                for (int64_t t = 0; t < len; t++) {
-                    s[t] = expf(s[t] - smax);
-                    total += s[t];
-                }
-                float *o = out + (i * H + kvh * group + g) * D;
-                memset(o, 0, (size_t)D * sizeof(float));
-                for (int64_t t = 0; t < len; t++) {
-                    int64_t slot = table[t / block_size] * block_size + t % block_size;
-                    axpy_f32(o, s[t] / total, v_cache + (slot * KVH + kvh) * D, D);
-                }
+            head_scores(q + task * D, k_cache, table, block_size, KVH, kvh, D, len, scale, s);
+            float *o = out + task * D, inv = 1.f / softmax_exp(s, len);
+            memset(o, 0, (size_t)D * sizeof(float));
+            for (int64_t t = 0; t < len; t++) {
+                int64_t slot = SLOT(table, t);
+                axpy_f32(o, s[t] * inv, v_cache + (slot * KVH + kvh) * D, D);
             }
         }
-        free(scores);
+        free(s);
     }
     return failed ? -1 : 0;
 }
