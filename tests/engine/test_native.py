@@ -50,6 +50,8 @@ def test_the_kernel_computes_its_naive_twin(kind, m, n, k):
     assert rel(y, native.naive_matmul(x, raw, kind, n)) < 2e-6
     # and close to the float product: int8 activations cost ~0.5%
     assert rel(y, x @ ref.T) < 1.5e-2
+    # the exact kernel (prompt steps): float32 activations on the file's exact weights
+    assert rel(native.matmul(x, raw, kind, n, exact=True), x.double() @ ref.double().T) < 1e-6
 
 
 def test_the_scalar_build_for_cpus_without_avx2_agrees(tmp_path, monkeypatch):
@@ -62,6 +64,8 @@ def test_the_scalar_build_for_cpus_without_avx2_agrees(tmp_path, monkeypatch):
         x = torch.randn(5, 576)
         a = native.matmul(x, raw, kind, 37, lib=scalar)
         assert rel(a, native.matmul(x, raw, kind, 37)) < 2e-6, kind
+        a = native.matmul(x, raw, kind, 37, lib=scalar, exact=True)
+        assert rel(a, native.matmul(x, raw, kind, 37, exact=True)) < 1e-6, kind
 
 
 def test_bad_shapes_are_refused_not_computed():
@@ -87,16 +91,34 @@ def test_without_a_compiler_the_weights_stay_on_torchs_kernel(monkeypatch, caplo
         native.library.cache_clear()
 
 
-def test_the_bundled_model_runs_on_the_blocks_and_answers_paris():
+def test_the_bundled_model_runs_on_the_blocks_and_its_prompt_logits_are_transformers():
+    from transformers import AutoModelForCausalLM
+
+    from helexa.bench.engine import _gguf_without_accelerate
+    from helexa.engine.loader.load import bundled_model_path
+    from tests.engine.test_parity import record_model_logits
+
     llm = LLM(kv_cache_memory_mb=16)
     model = llm.engine.runner.model
     assert model.layers[0].mlp.down_proj.format == "blocks"
     assert model.layers[0].mlp.down_proj.block_kind == "Q4_1"
     assert model.lm_head.block_kind == "Q8_0"  # the tied table, shared with the embeddings
     assert model.embed_tokens.packed is model.lm_head
-    question = [{"role": "user", "content": "What is the capital of France? Answer in one word."}]
+    seen = record_model_logits(model)
+    # without "Answer in one word", "The" leads "L" by 0.08 in transformers' first logits:
+    # int8 activations in the prompt step's logits once swapped them ("L'Étoile, la Cité…")
+    question = [{"role": "user", "content": "What is the capital of France?"}]
     out = llm.chat(question, SamplingParams(temperature=0, max_tokens=8))[0]
-    assert "Paris" in out.text
+    assert out.text.startswith("The capital of France is Paris")
+    path = bundled_model_path()
+    with _gguf_without_accelerate():
+        hf = AutoModelForCausalLM.from_pretrained(
+            path.parent, gguf_file=path.name, dtype=torch.float32
+        )
+    with torch.no_grad():
+        ref = hf(torch.tensor([out.prompt_token_ids])).logits[0, -1]
+    # the prompt step runs float32 on the file's exact weights: transformers' fp32 model
+    assert (seen[out.request_id][0] - ref).abs().max().item() < 1e-3
 
 
 @pytest.mark.parametrize("family", ["qwen3", "qwen2", "llama3"])  # q/k norms; qkv bias; plain

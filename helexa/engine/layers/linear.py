@@ -64,6 +64,10 @@ DENSE_DTYPE = torch.float32
 # of it came from the prefix cache (a cold 123-token prefill and an 11-token cached one agree).
 PREFILL_STEP: ContextVar[bool] = ContextVar("PREFILL_STEP", default=False)
 _HAS_INT4 = hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu")  # torch >= 2.6
+# Prompt-step calls of up to this many rows on GGUF blocks (a short chunk, the logits of the
+# prompt's last token) take the native float32 kernel, which reads the blocks as they are,
+# rather than unpacking the whole weight for a GEMM.
+EXACT_ROWS = 8
 
 
 def kernel_layout(device: torch.device) -> bool:
@@ -267,6 +271,11 @@ class Linear(nn.Module):
         # decode calls this ~200 times a token: every skipped no-op counts
         rows, plans = x.shape[0], self.plans
         if PREFILL_STEP.get():  # prompts in float32 whatever their size (see PREFILL_STEP)
+            if self.format == "blocks" and rows <= EXACT_ROWS:  # no weight unpacked
+                y = native.matmul(self.packed_input(x), self.weight, self.block_kind,
+                                  self.out_features, exact=True)  # fmt: skip
+                y = y if y.dtype == x.dtype else y.to(x.dtype)
+                return y if self.bias is None else y + self.bias
             dense, chunk = True, 0
         elif plans is None:
             dense, chunk = WHOLE

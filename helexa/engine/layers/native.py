@@ -84,6 +84,8 @@ def load(path: Path) -> ctypes.CDLL:
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     lib.hx_blocks_matmul.argtypes = [ctypes.c_int, ptr, i64, i64, ptr, i64, ptr, ctypes.c_int]
     lib.hx_blocks_matmul.restype = ctypes.c_int
+    lib.hx_blocks_matmul_f32.argtypes = lib.hx_blocks_matmul.argtypes
+    lib.hx_blocks_matmul_f32.restype = ctypes.c_int
     lib.hx_rms_norm.argtypes = [ptr, ptr, ptr, ptr, ptr, i64, i64, ctypes.c_float]
     lib.hx_rms_norm.restype = ctypes.c_int
     lib.hx_paged_decode.argtypes = [
@@ -157,16 +159,25 @@ def enabled() -> bool:
 
 
 def matmul(
-    x: torch.Tensor, blocks: torch.Tensor, kind: str, out_features: int, lib=None
+    x: torch.Tensor,
+    blocks: torch.Tensor,
+    kind: str,
+    out_features: int,
+    lib=None,
+    *,
+    exact: bool = False,
 ) -> torch.Tensor:
     """x [M, K] float32 (contiguous) @ W.T → [M, out_features] float32, W as GGUF `kind`
-    blocks: `blocks` uint8 [out_features, K / 32 * block bytes]. `lib`: another build of
-    the kernels (tests)."""
+    blocks: `blocks` uint8 [out_features, K / 32 * block bytes]. The activations go to int8
+    per block of 32 (decode's fast path), or with `exact` stay float32 against the exact
+    weights (prompt steps' few rows: F.linear on `dequantize`'s weights, to ~1e-6). `lib`:
+    another build of the kernels (tests)."""
     lib = lib or library()
     assert lib is not None, "native kernels unavailable"
     m, k = x.shape
     y = torch.empty(m, out_features, dtype=torch.float32)
-    rc = lib.hx_blocks_matmul(
+    run = lib.hx_blocks_matmul_f32 if exact else lib.hx_blocks_matmul
+    rc = run(
         KINDS[kind],
         blocks.data_ptr(),
         out_features,

@@ -437,3 +437,68 @@ int hx_silu_mul(const float *x, int64_t M, int64_t I, float *out) {
     }
     return 0;
 }
+
+/* y [M, N] = x [M, K] @ W^T with x in float32 as it is (no int8 quantization): each block's
+ * weights are widened to the exact floats `dequantize` gives (w = d q + m) and multiplied
+ * in float32. For prompt steps' few-row calls (a chunk's last rows, the logits of the
+ * prompt's last token), where int8 activations' ~0.5% would move near-tied logits. */
+int hx_blocks_matmul_f32(int kind, const uint8_t *w, int64_t N, int64_t K, const float *x,
+                         int64_t M, float *y, int num_threads) {
+    if (K % QK || M < 1 || N < 1 || kind < 0 || kind > KIND_Q8_0) return -1;
+    int64_t nb = K / QK, bb = hx_block_bytes(kind), row_bytes = nb * bb;
+#pragma omp parallel for schedule(static) num_threads(num_threads)
+    for (int64_t n = 0; n < N; n++) {
+        const uint8_t *row = w + n * row_bytes;
+        for (int64_t m = 0; m < M; m++) {
+            const float *xm = x + m * K;
+            float sum = 0.f;
+#ifdef __AVX2__
+            __m256 acc = _mm256_setzero_ps();
+            for (int64_t b = 0; b < nb; b++) {
+                const uint8_t *blk = row + b * bb;
+                float d = f16_to_f32(*(const uint16_t *)blk);
+                __m256 dv = _mm256_set1_ps(d), wv[4];
+                if (kind == KIND_Q8_0) {
+                    for (int j = 0; j < 4; j++) {
+                        __m128i q8 = _mm_loadl_epi64((const __m128i *)(blk + 2 + 8 * j));
+                        wv[j] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q8)), dv);
+                    }
+                } else {
+                    float mw = kind == KIND_Q4_1 ? f16_to_f32(*(const uint16_t *)(blk + 2)) : -8.f * d;
+                    __m256 mv = _mm256_set1_ps(mw);
+                    __m128i raw = _mm_loadu_si128((const __m128i *)(blk + (kind == KIND_Q4_1 ? 4 : 2)));
+                    __m128i lo = _mm_and_si128(raw, _mm_set1_epi8(0x0f));
+                    __m128i hi = _mm_and_si128(_mm_srli_epi16(raw, 4), _mm_set1_epi8(0x0f));
+                    __m128i parts[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
+                    for (int j = 0; j < 4; j++) {
+                        __m256 qf = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(parts[j]));
+                        wv[j] = _mm256_fmadd_ps(qf, dv, mv);
+                    }
+                }
+                for (int j = 0; j < 4; j++)
+                    acc = _mm256_fmadd_ps(wv[j], _mm256_loadu_ps(xm + b * QK + 8 * j), acc);
+            }
+            sum = hsum8(acc);
+#else
+            for (int64_t b = 0; b < nb; b++) {
+                const uint8_t *blk = row + b * bb;
+                float d = f16_to_f32(*(const uint16_t *)blk);
+                for (int j = 0; j < QK; j++) {
+                    float wj;
+                    if (kind == KIND_Q8_0) {
+                        wj = (float)((const int8_t *)(blk + 2))[j] * d;
+                    } else {
+                        const uint8_t *qs = blk + (kind == KIND_Q4_1 ? 4 : 2);
+                        float mw = kind == KIND_Q4_1 ? f16_to_f32(*(const uint16_t *)(blk + 2)) : -8.f * d;
+                        int q = j < 16 ? (qs[j] & 0x0f) : (qs[j - 16] >> 4);
+                        wj = (float)q * d + mw;
+                    }
+                    sum += wj * xm[b * QK + j];
+                }
+            }
+#endif
+            y[m * N + n] = sum;
+        }
+    }
+    return 0;
+}
