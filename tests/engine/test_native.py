@@ -35,6 +35,7 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 def test_dequantize_is_ggufs_arithmetic(kind):
     raw, ref = blocks(kind, 40, 96)
     assert torch.equal(native.dequantize(raw, kind, 40), ref)
+    assert torch.equal(native.unpack(raw, kind, 40), ref)  # the C twin, bit for bit
 
 
 @pytest.mark.parametrize("kind", KINDS)

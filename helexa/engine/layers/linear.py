@@ -321,7 +321,7 @@ class Linear(nn.Module):
         if self.format == "quant":
             return naive_dequantize(self.qweight)
         if self.format == "blocks":
-            return native.dequantize(self.weight, self.block_kind, self.out_features)
+            return native.unpack(self.weight, self.block_kind, self.out_features)
         if self.format == "int8":
             return self.weight.float() * self.scales.float()[:, None]
         if self.can_read_rows():  # unpacked directly: milliseconds, and exact to the scales

@@ -502,3 +502,29 @@ int hx_blocks_matmul_f32(int kind, const uint8_t *w, int64_t N, int64_t K, const
     }
     return 0;
 }
+
+/* out [N, K] float32 = the weight the blocks hold (GGUF's arithmetic, as `dequantize` in
+ * native.py computes it): what a prompt chunk's float32 GEMM takes, unpacked for the call. */
+int hx_dequantize(int kind, const uint8_t *w, int64_t N, int64_t K, float *out, int num_threads) {
+    if (K % QK || N < 1 || kind < 0 || kind > KIND_Q8_0) return -1;
+    int64_t nb = K / QK, bb = hx_block_bytes(kind), row_bytes = nb * bb;
+#pragma omp parallel for schedule(static) num_threads(num_threads)
+    for (int64_t n = 0; n < N; n++) {
+        for (int64_t b = 0; b < nb; b++) {
+            const uint8_t *blk = w + n * row_bytes + b * bb;
+            float d = f16_to_f32(*(const uint16_t *)blk), *o = out + n * K + b * QK;
+            if (kind == KIND_Q8_0) {
+                const int8_t *qs = (const int8_t *)(blk + 2);
+                for (int j = 0; j < QK; j++) o[j] = (float)qs[j] * d;
+            } else {
+                const uint8_t *qs = blk + (kind == KIND_Q4_1 ? 4 : 2);
+                float m = kind == KIND_Q4_1 ? f16_to_f32(*(const uint16_t *)(blk + 2)) : -8.f * d;
+                for (int j = 0; j < 16; j++) {
+                    o[j] = (float)(qs[j] & 0x0f) * d + m;
+                    o[j + 16] = (float)(qs[j] >> 4) * d + m;
+                }
+            }
+        }
+    }
+    return 0;
+}
