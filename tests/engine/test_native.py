@@ -155,3 +155,48 @@ def test_native_decode_steps_give_the_torch_paths_logits(family, tmp_path, monke
     for (tokens_t, logits_t), (tokens_n, logits_n) in zip(runs["torch"], runs["auto"], strict=True):
         assert tokens_n == tokens_t
         assert (logits_n - logits_t).abs().max().item() < 1e-5
+
+
+@pytest.mark.parametrize(
+    ("family", "arch"), [("smollm2", "llama"), ("qwen2", "qwen2"), ("qwen3", "qwen3")]
+)
+def test_a_whole_layer_in_one_call_computes_what_the_layer_op_by_op_does(
+    family, arch, tmp_path, monkeypatch
+):
+    # a Q8_0 GGUF of a tiny model of each family (qkv bias: qwen2; q/k norms: qwen3)
+    from gguf import GGMLQuantizationType as QT
+
+    from tests.engine.test_gguf_parity import write_gguf_from_hf
+    from tests.engine.test_parity import _record_logits
+    from tests.engine.tiny import FIXTURE_MODELS, make_tiny_model
+
+    if not FIXTURE_MODELS.is_dir():
+        pytest.skip("shared fixtures absent")
+    _, hf = make_tiny_model(family, tmp_path, head_dim=16)
+    add = gguf.GGUFWriter.add_tensor
+
+    def quantized(self, name, tensor, raw_shape=None, raw_dtype=None):
+        if tensor.ndim == 2 and tensor.shape[1] % 32 == 0 and "token_embd" not in name:
+            return add(self, name, gguf.quants.quantize(tensor, QT.Q8_0), raw_dtype=QT.Q8_0)
+        return add(self, name, tensor, raw_shape, raw_dtype)
+
+    monkeypatch.setattr(gguf.GGUFWriter, "add_tensor", quantized)
+    (tmp_path / "gguf").mkdir()
+    path = write_gguf_from_hf(hf, arch, tmp_path / "gguf" / f"{family}.gguf")
+    prompts = [[5, 17, 300, 42, 7], [9, 8, 7, 6, 5, 4, 3, 2, 1, 11, 12]]
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    runs, plans = [], []
+    for whole in (True, False):
+        if not whole:
+            monkeypatch.setattr(native, "layer_plan", lambda *a: None)
+        llm = LLM(str(path), kv_cache_memory_mb=8, autotune=False)
+        seen = _record_logits(llm)
+        outs = llm.generate(prompts, params)
+        plans.append(
+            [layer.__dict__.get("native_plan") for layer in llm.engine.runner.model.layers]
+        )
+        runs.append([(o.token_ids, torch.stack(seen[o.request_id])) for o in outs])
+    assert all(p is not None for p in plans[0]) and not any(plans[1])
+    for (tokens_a, logits_a), (tokens_b, logits_b) in zip(*runs, strict=True):
+        assert tokens_a == tokens_b
+        assert torch.equal(logits_a, logits_b)  # the same kernels in the same order

@@ -20,6 +20,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -114,7 +115,26 @@ def load(path: Path) -> ctypes.CDLL:
     lib.hx_decode_attention.restype = ctypes.c_int
     lib.hx_silu_mul.argtypes = [ptr, i64, i64, ptr]
     lib.hx_silu_mul.restype = ctypes.c_int
+    lin = ctypes.POINTER(HxLinear)
+    f32 = ctypes.c_float
+    lib.hx_decode_layer.argtypes = [
+        ptr, ptr, ptr, i64, i64, ptr, ptr, f32, lin, lin, lin, lin, i64, i64, i64, ptr, ptr,
+        f32, ptr, ptr, i64, ptr, ptr, ptr, i64, ptr, i64, ptr, f32, ptr, ctypes.c_int,
+    ]  # fmt: skip
+    lib.hx_decode_layer.restype = ctypes.c_int
     return lib
+
+
+class HxLinear(ctypes.Structure):
+    """blocks.c's hx_linear: one Linear held as GGUF blocks."""
+
+    _fields_ = [
+        ("kind", ctypes.c_int),
+        ("w", ctypes.c_void_p),
+        ("n", ctypes.c_int64),
+        ("k", ctypes.c_int64),
+        ("bias", ctypes.c_void_p),
+    ]
 
 
 @functools.cache
@@ -368,3 +388,102 @@ def naive_matmul(x: torch.Tensor, blocks: torch.Tensor, kind: str, out_features:
     q, d = quantize_activations(x.float())
     xq = (q.reshape(*d.shape, QK) * d[..., None]).reshape(q.shape).double()
     return (xq @ dequantize(blocks, kind, out_features).double().T).float()
+
+
+# -- a whole decoder layer --------------------------------------------------------------------
+@dataclass(slots=True)
+class LayerPlan:
+    """What `decode_layer` passes for one Llama-family layer, built once: its four block
+    Linears as HxLinear structs (pointing into the layer's own tensors, kept alive here),
+    its norms, and the attention's shape."""
+
+    linears: tuple[HxLinear, HxLinear, HxLinear, HxLinear]  # qkv, o, gate_up, down
+    keep: list[torch.Tensor]
+    norm1: torch.Tensor
+    norm2: torch.Tensor
+    eps: float
+    q_norm: torch.Tensor | None
+    k_norm: torch.Tensor | None
+    qk_eps: float
+    heads: tuple[int, int, int]  # H, KVH, D
+    attn: torch.nn.Module  # the layer's PagedAttention: its caches and scale
+    # by row count: whether every projection's autotuned plan runs the block kernel on all
+    # rows (where one measured a float32 GEMM faster, the layer runs op by op)
+    rows_ok: list[bool]
+
+
+def _hx_linear(lin, keep: list[torch.Tensor]) -> HxLinear | None:
+    if lin.format != "blocks" or (lin.bias is not None and lin.bias.dtype != torch.float32):
+        return None
+    keep += [t for t in (lin.weight, lin.bias) if t is not None]
+    bias = lin.bias.data_ptr() if lin.bias is not None else None
+    return HxLinear(KINDS[lin.block_kind], lin.weight.data_ptr(), lin.out_features,
+                    lin.in_features, bias)  # fmt: skip
+
+
+def layer_plan(layer, attention_cls, mlp_cls, linear_cls) -> LayerPlan | None:
+    """The plan of a Llama/Qwen2/Qwen3 DecoderLayer whose projections are all GGUF blocks
+    (fused qkv and gate/up, no tensor parallel), else None: such layers run op by op."""
+    attn, mlp = layer.self_attn, layer.mlp
+    if type(attn).forward is not attention_cls.forward or type(mlp) is not mlp_cls:
+        return None
+    if attn.q_parts != 1 or not hasattr(attn, "qkv_proj") or not hasattr(mlp, "gate_up_proj"):
+        return None
+    lins = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+    if any(type(lin) is not linear_cls for lin in lins):  # a tensor-parallel subclass
+        return None
+    keep: list[torch.Tensor] = []
+    structs = tuple(_hx_linear(lin, keep) for lin in lins)
+    norms = (layer.input_layernorm, layer.post_attention_layernorm)
+    if any(st is None for st in structs) or layer.input_layernorm.eps != norms[1].eps:
+        return None
+    qk = (attn.q_norm, attn.k_norm) if attn.qk_norm else (None, None)
+    weights = [n.weight for n in (*norms, *(n for n in qk if n is not None))]
+    if any(w.dtype != torch.float32 or not w.is_contiguous() for w in weights):
+        return None
+    most = max(len(lin.plans) if lin.plans is not None else 1 for lin in lins)
+    rows_ok = [
+        all(
+            lin.plans is None or lin.plans[min(r, len(lin.plans) - 1)] == (False, 0) for lin in lins
+        )
+        for r in range(most)
+    ]
+    return LayerPlan(
+        structs, keep, norms[0].weight, norms[1].weight, norms[0].eps,
+        qk[0].weight if qk[0] is not None else None,
+        qk[1].weight if qk[1] is not None else None,
+        qk[0].eps if qk[0] is not None else 0.0,
+        (attn.num_heads, attn.num_kv_heads, attn.head_dim), attn.attn, rows_ok,
+    )  # fmt: skip
+
+
+def decode_layer(
+    plan: LayerPlan, x: torch.Tensor, residual: torch.Tensor | None, ctx
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """DecoderLayer.forward for a decode-only step in one C call: (out, residual), the same
+    floats the op-by-op native path computes (tests/engine/test_native.py)."""
+    m, hidden = x.shape
+    x = x.contiguous()
+    res_out = torch.empty_like(x)
+    out = torch.empty_like(x)
+    h, kvh, d = plan.heads
+    r = ctx.cos.shape[-1]
+    cos, ssin = ctx.cos.reshape(m, r).contiguous(), ctx.sin.reshape(m, r).contiguous()
+    tables, lens = ctx.decode_blocks, ctx.decode_lens
+    qkv, o, gate_up, down = plan.linears
+    attn = plan.attn
+    rc = library().hx_decode_layer(
+        x.data_ptr(), residual.contiguous().data_ptr() if residual is not None else None,
+        res_out.data_ptr(), m, hidden, plan.norm1.data_ptr(), plan.norm2.data_ptr(), plan.eps,
+        ctypes.byref(qkv), ctypes.byref(o), ctypes.byref(gate_up), ctypes.byref(down),
+        h, kvh, d,
+        plan.q_norm.data_ptr() if plan.q_norm is not None else None,
+        plan.k_norm.data_ptr() if plan.k_norm is not None else None,
+        plan.qk_eps, cos.data_ptr(), ssin.data_ptr(), r, ctx.slot_mapping.data_ptr(),
+        attn.k_cache.data_ptr(), attn.v_cache.data_ptr(), attn.k_cache.shape[1],
+        tables.data_ptr(), tables.shape[1], lens.data_ptr(), attn.scale, out.data_ptr(),
+        torch.get_num_threads(),
+    )  # fmt: skip
+    if rc != 0:
+        raise RuntimeError(f"native decode_layer refused x {list(x.shape)}")
+    return out, res_out

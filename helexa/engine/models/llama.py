@@ -154,6 +154,17 @@ class DecoderLayer(nn.Module):
         the residual stream before that output was added. Returns this layer's (x, residual):
         each norm adds the pending output into the stream as it normalises (one kernel on
         CUDA; on CPU the same `x + residual` as an unfused layer)."""
+        if ctx.all_decode and ctx.decode_lens is not None and ctx.cos is not None:
+            plan = self.__dict__.get("native_plan", False)
+            if plan is False:  # first decode step: can the whole layer be one C call?
+                plan = native.layer_plan(self, Attention, MLP, Linear) if native.enabled() else None
+                self.__dict__["native_plan"] = plan  # not a submodule
+            if (
+                plan is not None
+                and plan.rows_ok[min(x.shape[0], len(plan.rows_ok) - 1)]
+                and native.usable(x, ctx.cos, plan.attn.k_cache)
+            ):
+                return native.decode_layer(plan, x, residual, ctx)
         # .forward() directly: Module.__call__'s hook machinery costs ~3 µs a call, and
         # decode makes hundreds of these calls per token.
         x, residual = self.input_layernorm.forward_residual(x, residual)

@@ -528,3 +528,63 @@ int hx_dequantize(int kind, const uint8_t *w, int64_t N, int64_t K, float *out, 
     }
     return 0;
 }
+
+/* -- a whole decoder layer of a decode step -------------------------------------------- */
+
+typedef struct {
+    int kind;             /* KIND_* of the blocks */
+    const uint8_t *w;     /* [n, k / 32 * block bytes] */
+    int64_t n, k;         /* out_features, in_features */
+    const float *bias;    /* [n] or NULL */
+} hx_linear;
+
+static int linear_run(const hx_linear *l, const float *x, int64_t M, float *y, int nt) {
+    int rc = hx_blocks_matmul(l->kind, l->w, l->n, l->k, x, M, y, nt);
+    if (rc == 0 && l->bias)
+        for (int64_t m = 0; m < M; m++)
+            for (int64_t i = 0; i < l->n; i++) y[m * l->n + i] += l->bias[i];
+    return rc;
+}
+
+/* One Llama/Qwen2/Qwen3 decoder layer for M decode rows, float32, as DecoderLayer.forward
+ * computes it through the calls above: residual += x (residual_in NULL: the first layer,
+ * residual = x); h = RMSNorm(residual); attention (qkv, hx_decode_attention, o); residual
+ * += that; h = RMSNorm(residual); SwiGLU MLP (gate_up, SiLU-and-mul, down) → out [M,
+ * hidden]. x, residual_in and residual_out may alias. One call instead of eight, each with
+ * its Python around it. */
+int hx_decode_layer(const float *x, const float *residual_in, float *residual_out, int64_t M,
+                    int64_t hidden, const float *norm1, const float *norm2, float eps,
+                    const hx_linear *qkv, const hx_linear *o, const hx_linear *gate_up,
+                    const hx_linear *down, int64_t H, int64_t KVH, int64_t D,
+                    const float *q_norm, const float *k_norm, float qk_eps, const float *cos,
+                    const float *ssin, int64_t r, const int64_t *slots, float *k_cache,
+                    float *v_cache, int64_t block_size, const int64_t *tables,
+                    int64_t max_blocks, const int32_t *lens, float scale, float *out,
+                    int num_threads) {
+    int64_t inter = gate_up->n / 2, width = qkv->n;
+    if (qkv->k != hidden || o->n != hidden || o->k != H * D || gate_up->k != hidden ||
+        down->k != inter || down->n != hidden || width != (H + 2 * KVH) * D)
+        return -1;
+    size_t f = sizeof(float);
+    float *h = malloc((size_t)(M * hidden) * f), *buf = malloc((size_t)(M * width) * f);
+    float *attn = malloc((size_t)(M * H * D) * f), *gu = malloc((size_t)(M * 2 * inter) * f);
+    int rc = -1;
+    if (!h || !buf || !attn || !gu) goto done;
+    rc = hx_rms_norm(x, residual_in, norm1, h, residual_out, M, hidden, eps);
+    if (rc == 0 && !residual_in && residual_out != x)
+        memcpy(residual_out, x, (size_t)(M * hidden) * f);
+    if (rc == 0) rc = linear_run(qkv, h, M, buf, num_threads);
+    if (rc == 0)
+        rc = hx_decode_attention(buf, M, H, KVH, D, q_norm, k_norm, qk_eps, cos, ssin, r, slots,
+                                 k_cache, v_cache, block_size, tables, max_blocks, lens, scale,
+                                 attn, num_threads);
+    if (rc == 0) rc = linear_run(o, attn, M, out, num_threads);
+    if (rc == 0) rc = hx_rms_norm(out, residual_out, norm2, h, residual_out, M, hidden, eps);
+    if (rc == 0) rc = linear_run(gate_up, h, M, gu, num_threads);
+    /* in place: row m's [inter] result lands before row m's input, which it has read */
+    if (rc == 0) rc = hx_silu_mul(gu, M, inter, gu);
+    if (rc == 0) rc = linear_run(down, gu, M, out, num_threads);
+done:
+    free(h); free(buf); free(attn); free(gu);
+    return rc;
+}
