@@ -407,8 +407,9 @@ class LayerPlan:
     qk_eps: float
     heads: tuple[int, int, int]  # H, KVH, D
     attn: torch.nn.Module  # the layer's PagedAttention: its caches and scale
-    # by row count: whether every projection's autotuned plan runs the block kernel on all
-    # rows (where one measured a float32 GEMM faster, the layer runs op by op)
+    # by row count: whether every projection's autotuned plan runs the block kernel (whole,
+    # or in chunks, which the kernel's own 4-row tiles do too); where one measured a float32
+    # GEMM faster, the layer runs op by op
     rows_ok: list[bool]
 
 
@@ -443,9 +444,7 @@ def layer_plan(layer, attention_cls, mlp_cls, linear_cls) -> LayerPlan | None:
         return None
     most = max(len(lin.plans) if lin.plans is not None else 1 for lin in lins)
     rows_ok = [
-        all(
-            lin.plans is None or lin.plans[min(r, len(lin.plans) - 1)] == (False, 0) for lin in lins
-        )
+        all(lin.plans is None or not lin.plans[min(r, len(lin.plans) - 1)][0] for lin in lins)
         for r in range(most)
     ]
     return LayerPlan(
