@@ -125,7 +125,9 @@ def start_node(
         "per_principal_max": 0,
         **(node or {}),
     }
-    engine_cfg = {"kv_cache_memory_mb": 16, "num_threads": 1, **(engine or {})}
+    # autotune off: each node process would time its quantized shapes anew (a second or
+    # more a start); tests/engine/test_autotune.py covers it
+    engine_cfg = {"kv_cache_memory_mb": 16, "num_threads": 1, "autotune": False, **(engine or {})}
     lines = ["[node]", *(f"{k} = {_toml(v)}" for k, v in node_cfg.items())]
     lines += ["[engine]", *(f"{k} = {_toml(v)}" for k, v in engine_cfg.items())]
     cfg = tmp / f"node-{port}.toml"
