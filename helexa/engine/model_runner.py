@@ -5,8 +5,9 @@ The runner owns the KV cache tensors and the model; it never decides who runs.
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -282,11 +283,8 @@ class ModelRunner:
     def forward(self, plan: StepPlan) -> torch.Tensor:
         """The model over the plan's inputs: hidden [num_tokens, hidden_size]."""
         input_ids, positions, ctx = self.build(plan)
-        token = PREFILL_STEP.set(plan.has_prompt)
-        try:
+        with _prompt_step(plan.has_prompt):
             return self.model(input_ids, positions, ctx)
-        finally:
-            PREFILL_STEP.reset(token)
 
     @torch.inference_mode()
     def run_plan(self, plan: StepPlan) -> None:
@@ -297,11 +295,8 @@ class ModelRunner:
         self.copy_states(plan.snapshots)
         if plan.sample_rows:
             # seqs are only read by the scripted test model, never sharded
-            token = PREFILL_STEP.set(plan.has_prompt)  # as rank 0 computes them
-            try:
+            with _prompt_step(plan.has_prompt):  # as rank 0 computes them
                 self.model.compute_logits(hidden[plan.sample_rows], None)
-            finally:
-                PREFILL_STEP.reset(token)
 
     @torch.inference_mode()
     def run(
@@ -338,11 +333,8 @@ class ModelRunner:
         # a prompt step's logits in float32 too (PREFILL_STEP): its first token is the
         # answer's first word, and SmolLM2's "What is the capital of France?" has "The" and
         # "L" within 0.08 of each other there, which the decode kernels' rounding swapped
-        token = PREFILL_STEP.set(prompt_step)
-        try:
+        with _prompt_step(prompt_step):
             logits = self.model.compute_logits(rows, sampling)
-        finally:
-            PREFILL_STEP.reset(token)
         if any(s.params.debug_fault == "nonfinite" for s in sampling):
             for j, s in enumerate(sampling):
                 if s.params.debug_fault == "nonfinite":
@@ -451,3 +443,14 @@ def model_memory_mb(model: torch.nn.Module) -> int:
             storage = t.untyped_storage()
             storages[storage.data_ptr()] = storage.nbytes()
     return sum(storages.values()) // MiB
+
+
+@contextlib.contextmanager
+def _prompt_step(has_prompt: bool) -> Iterator[None]:
+    """PREFILL_STEP for what runs inside: a step that carries prompt tokens computes in
+    float32 (layers/linear.py), its forward and its logits alike."""
+    token = PREFILL_STEP.set(has_prompt)
+    try:
+        yield
+    finally:
+        PREFILL_STEP.reset(token)

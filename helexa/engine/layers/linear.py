@@ -92,7 +92,8 @@ class Linear(nn.Module):
     [out, in], `scales` [out]), "int4" (`weight` packed uint8, `scales` [in/32, out, 2] of
     (scale, zero)) or "blocks" (`weight` uint8 [out, in/32 * block bytes], the GGUF blocks of
     `block_kind`, run by the native kernels) on the CPU, or "quant" (`qweight`, a
-    kernels.QuantWeight) on an accelerator. A Linear made by `fuse` computes several; `split_sizes` cuts its output.
+    kernels.QuantWeight) on an accelerator. A Linear made by `fuse` computes several;
+    `split_sizes` cuts its output.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
@@ -269,14 +270,10 @@ class Linear(nn.Module):
             y = Linear.forward(self, x.reshape(-1, self.in_features))
             return y.reshape(*x.shape[:-1], self.out_features)
         # decode calls this ~200 times a token: every skipped no-op counts
-        rows, plans = x.shape[0], self.plans
+        rows, plans, exact = x.shape[0], self.plans, False
         if PREFILL_STEP.get():  # prompts in float32 whatever their size (see PREFILL_STEP)
-            if self.format == "blocks" and rows <= EXACT_ROWS:  # no weight unpacked
-                y = native.matmul(self.packed_input(x), self.weight, self.block_kind,
-                                  self.out_features, exact=True)  # fmt: skip
-                y = y if y.dtype == x.dtype else y.to(x.dtype)
-                return y if self.bias is None else y + self.bias
-            dense, chunk = True, 0
+            exact = self.format == "blocks" and rows <= EXACT_ROWS  # no weight unpacked
+            dense, chunk = not exact, 0
         elif plans is None:
             dense, chunk = WHOLE
         else:
@@ -284,7 +281,8 @@ class Linear(nn.Module):
         if dense:
             h, run = x.to(DENSE_DTYPE), self.dense_matmul
         else:
-            h, run = self.packed_input(x), self.packed_matmul
+            h = self.packed_input(x)
+            run = self.exact_matmul if exact else self.packed_matmul
         if chunk and rows > chunk:  # smaller calls do better on this machine
             y = torch.cat([run(part) for part in h.split(chunk)])
         else:
@@ -303,6 +301,10 @@ class Linear(nn.Module):
         scales' dtype (bf16); contiguous."""
         dtype = torch.float32 if self.format == "blocks" else self.scales.dtype
         return (x if x.dtype == dtype else x.to(dtype)).contiguous()
+
+    def exact_matmul(self, h: torch.Tensor) -> torch.Tensor:
+        """Float32 h on the exact weights of GGUF blocks, without unpacking them."""
+        return native.matmul(h, self.weight, self.block_kind, self.out_features, exact=True)
 
     def packed_matmul(self, h: torch.Tensor) -> torch.Tensor:
         """The packed kernel on h: [rows, in_features] as `packed_input` makes it."""
@@ -347,7 +349,7 @@ class Linear(nn.Module):
         if self.format == "int8":
             return self.weight[ids].float() * self.scales[ids].float()[:, None]
         if self.format == "blocks":
-            return native.dequantize(self.weight[ids], self.block_kind, len(ids))
+            return native.unpack(self.weight[ids], self.block_kind, len(ids))
         assert self.format == "int4", f"rows() of a {self.format} weight"
         scales = self.scales if scales is None else scales
         return int4_cpu.rows(self.weight, scales, ids, self.out_features, self.k_repeat)

@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from helexa import kernels
 from helexa.engine.layers.autotune import cpu_info
 
 log = logging.getLogger(__name__)
@@ -218,8 +219,6 @@ def usable(*tensors: torch.Tensor) -> bool:
     """Whether the small native ops (RMSNorm, decode attention) may take these tensors:
     native kernels on, torch's kernel backend "auto" (not an A/B run of "naive" or
     "triton"), and every tensor a float32 one on the CPU (made contiguous for the call)."""
-    from helexa import kernels
-
     return (
         enabled()
         and kernels.backend() == "auto"
@@ -354,8 +353,8 @@ def unpack(blocks: torch.Tensor, kind: str, out_features: int) -> torch.Tensor:
 
 
 def dequantize(blocks: torch.Tensor, kind: str, out_features: int) -> torch.Tensor:
-    """The weight as float32 [out_features, K] (GGUF's arithmetic), in torch: the twin of
-    `unpack`, and the reading of single rows (`Linear.rows`)."""
+    """The weight as float32 [out_features, K] (GGUF's arithmetic), in torch: the naive twin
+    of `unpack`, which the tests and `naive_matmul` read."""
     bb = BLOCK_BYTES[kind]
     b = blocks.view(out_features, -1, bb)
     d = b[..., 0:2].contiguous().view(torch.float16).float()  # [N, nb, 1]

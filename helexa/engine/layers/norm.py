@@ -31,5 +31,5 @@ class RMSNorm(nn.Module):
         """(RMSNorm(x + residual), x + residual); with no residual yet (the first layer's
         input), (RMSNorm(x), x)."""
         if residual is None:
-            return self(x), x
-        return self(x, residual)
+            return self.forward(x), x
+        return self.forward(x, residual)

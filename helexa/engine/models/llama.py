@@ -78,9 +78,7 @@ class Attention(nn.Module):
             qkv = torch.cat((self.q_proj(x), self.k_proj(x), self.v_proj(x)), dim=-1)
         attn = self.attn
         if (
-            ctx.all_decode
-            and ctx.decode_lens is not None
-            and ctx.cos is not None
+            _native_decode_step(ctx)
             and self.q_parts == 1
             and native.usable(qkv, ctx.cos, attn.k_cache)
         ):  # one C call for what follows (CPU decode steps)
@@ -98,6 +96,12 @@ class Attention(nn.Module):
         q, k = kernels.rotary(q, k, ctx.cos, ctx.sin)
         o = self.attn.forward(q, k, v, ctx)  # [num_tokens, num_heads, head_dim]
         return self.o_proj.forward(o.reshape(n, -1))
+
+
+def _native_decode_step(ctx: AttentionContext) -> bool:
+    """Whether the step is one the native CPU kernels may take whole: decode rows only, with
+    their lengths on the torch path's block tables, and rotary tables."""
+    return ctx.all_decode and ctx.decode_lens is not None and ctx.cos is not None
 
 
 class MLP(nn.Module):
@@ -154,7 +158,7 @@ class DecoderLayer(nn.Module):
         the residual stream before that output was added. Returns this layer's (x, residual):
         each norm adds the pending output into the stream as it normalises (one kernel on
         CUDA; on CPU the same `x + residual` as an unfused layer)."""
-        if ctx.all_decode and ctx.decode_lens is not None and ctx.cos is not None:
+        if _native_decode_step(ctx):
             plan = self.__dict__.get("native_plan", False)
             if plan is False:  # first decode step: can the whole layer be one C call?
                 plan = native.layer_plan(self, Attention, MLP, Linear) if native.enabled() else None

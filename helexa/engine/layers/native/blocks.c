@@ -48,6 +48,34 @@ static float f16_to_f32(uint16_t h) {
 
 int hx_block_bytes(int kind) { return kind == KIND_Q4_0 ? 18 : kind == KIND_Q4_1 ? 20 : 34; }
 
+/* A block's parts: its scale d, its offset m (w = d q + m: Q4_1's own, -8 d for Q4_0, none
+ * for Q8_0) and its codes. */
+static inline float block_d(const uint8_t *blk) { return f16_to_f32(*(const uint16_t *)blk); }
+static inline float block_m(int kind, const uint8_t *blk, float d) {
+    return kind == KIND_Q4_1 ? f16_to_f32(*(const uint16_t *)(blk + 2))
+           : kind == KIND_Q4_0 ? -8.f * d
+                               : 0.f;
+}
+static inline const uint8_t *block_qs(int kind, const uint8_t *blk) {
+    return blk + (kind == KIND_Q4_1 ? 4 : 2);
+}
+
+/* the block's 32 weights as floats, GGUF's arithmetic (what native.dequantize computes) */
+static inline void dequant_block(int kind, const uint8_t *blk, float *o) {
+    float d = block_d(blk);
+    if (kind == KIND_Q8_0) {
+        const int8_t *qs = (const int8_t *)block_qs(kind, blk);
+        for (int j = 0; j < QK; j++) o[j] = (float)qs[j] * d;
+        return;
+    }
+    const uint8_t *qs = block_qs(kind, blk);
+    float m = block_m(kind, blk, d);
+    for (int j = 0; j < 16; j++) {
+        o[j] = (float)(qs[j] & 0x0f) * d + m;
+        o[j + 16] = (float)(qs[j] >> 4) * d + m;
+    }
+}
+
 /* x [M, K] -> q [M, K] int8, d [M, K/32] and s [M, K/32] (d * the block's sum of q) */
 static void quantize_x(const float *x, int64_t M, int64_t K, int8_t *q, float *d, float *s) {
     int64_t nb = K / QK;
@@ -106,17 +134,14 @@ static inline __attribute__((always_inline)) void rows_kernel(
         for (int i = 0; i < mt; i++) acc[i] = _mm256_setzero_ps();
         for (int64_t b = 0; b < nb; b++) {
             const uint8_t *blk = row + b * bb;
-            const float dw = f16_to_f32(*(const uint16_t *)blk);
+            const float dw = block_d(blk), mw = block_m(kind, blk, dw);
             __m256i wv, aw;
             if (kind == KIND_Q8_0) {
-                wv = _mm256_loadu_si256((const __m256i *)(blk + 2));
+                wv = _mm256_loadu_si256((const __m256i *)block_qs(kind, blk));
                 aw = _mm256_sign_epi8(wv, wv);
             } else {
-                wv = aw = unpack_q4(blk + (kind == KIND_Q4_1 ? 4 : 2));
+                wv = aw = unpack_q4(block_qs(kind, blk));
             }
-            const float mw = kind == KIND_Q4_1   ? f16_to_f32(*(const uint16_t *)(blk + 2))
-                             : kind == KIND_Q4_0 ? -8.f * dw
-                                                 : 0.f;
             for (int i = 0; i < mt; i++) {
                 __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + i * K + b * QK));
                 if (kind == KIND_Q8_0) xv = _mm256_sign_epi8(xv, wv);
@@ -129,18 +154,16 @@ static inline __attribute__((always_inline)) void rows_kernel(
 #else
         for (int64_t b = 0; b < nb; b++) {
             const uint8_t *blk = row + b * bb;
-            float dw = f16_to_f32(*(const uint16_t *)blk);
+            float dw = block_d(blk), mw = block_m(kind, blk, dw);
             for (int i = 0; i < mt; i++) {
                 const int8_t *xb = xq + i * K + b * QK;
                 int sumi = 0;
                 if (kind == KIND_Q8_0) {
-                    const int8_t *qs = (const int8_t *)(blk + 2);
+                    const int8_t *qs = (const int8_t *)block_qs(kind, blk);
                     for (int j = 0; j < QK; j++) sumi += qs[j] * xb[j];
                     out[i] += dw * xd[i * nb + b] * (float)sumi;
                 } else {
-                    const uint8_t *qs = blk + (kind == KIND_Q4_1 ? 4 : 2);
-                    float mw = kind == KIND_Q4_1 ? f16_to_f32(*(const uint16_t *)(blk + 2))
-                                                 : -8.f * dw;
+                    const uint8_t *qs = block_qs(kind, blk);
                     for (int j = 0; j < 16; j++)
                         sumi += (qs[j] & 0x0f) * xb[j] + (qs[j] >> 4) * xb[j + 16];
                     out[i] += dw * xd[i * nb + b] * (float)sumi + mw * xs[i * nb + b];
@@ -229,6 +252,12 @@ static inline void axpy_f32(float *y, float a, const float *x, int64_t n) {
     for (; i < n; i++) y[i] += a * x[i];
 }
 
+/* one row's RMSNorm: o = x / sqrt(mean(x^2) + eps) * w (o may be x) */
+static void norm_row(const float *x, const float *w, float *o, int64_t d, float eps) {
+    float inv = 1.f / sqrtf(dot_f32(x, x, d) / (float)d + eps);
+    for (int64_t i = 0; i < d; i++) o[i] = x[i] * inv * w[i];
+}
+
 /* RMSNorm of rows [rows, dim] in float32: out = x / sqrt(mean(x^2) + eps) * weight. With a
  * residual: x + residual is normalised and written to residual_out first (either may be
  * the same buffer as its input). */
@@ -244,9 +273,7 @@ int hx_rms_norm(const float *x, const float *residual, const float *weight, floa
             for (int64_t i = 0; i < dim; i++) h[i] = xr[i] + res[i];
             xr = h;
         }
-        float ms = dot_f32(xr, xr, dim) / (float)dim;
-        float inv = 1.f / sqrtf(ms + eps);
-        for (int64_t i = 0; i < dim; i++) o[i] = xr[i] * inv * weight[i];
+        norm_row(xr, weight, o, dim, eps);
     }
     return 0;
 }
@@ -376,11 +403,6 @@ int hx_paged_decode(const float *q, int64_t n, int64_t H, int64_t KVH, int64_t D
     return failed ? -1 : 0;
 }
 
-static void rms_norm_row(float *x, const float *w, int64_t d, float eps) {
-    float inv = 1.f / sqrtf(dot_f32(x, x, d) / (float)d + eps);
-    for (int64_t i = 0; i < d; i++) x[i] = x[i] * inv * w[i];
-}
-
 /* rotate-half on the first r dims of x [d]: x * cos + [x2, x1] * ssin (ssin signed) */
 static void rotate_row(float *x, const float *cos, const float *ssin, int64_t r) {
     float tmp[512];
@@ -408,11 +430,11 @@ int hx_decode_attention(float *qkv, int64_t M, int64_t H, int64_t KVH, int64_t D
     for (int64_t m = 0; m < M; m++) {
         float *q = qkv + m * width, *k = q + H * D, *v = k + KVH * D;
         for (int64_t h = 0; h < H; h++) {
-            if (q_norm) rms_norm_row(q + h * D, q_norm, D, eps);
+            if (q_norm) norm_row(q + h * D, q_norm, q + h * D, D, eps);
             if (r) rotate_row(q + h * D, cos + m * r, ssin + m * r, r);
         }
         for (int64_t h = 0; h < KVH; h++) {
-            if (k_norm) rms_norm_row(k + h * D, k_norm, D, eps);
+            if (k_norm) norm_row(k + h * D, k_norm, k + h * D, D, eps);
             if (r) rotate_row(k + h * D, cos + m * r, ssin + m * r, r);
         }
         memcpy(k_cache + slots[m] * KVH * D, k, (size_t)(KVH * D) * sizeof(float));
@@ -455,18 +477,17 @@ int hx_blocks_matmul_f32(int kind, const uint8_t *w, int64_t N, int64_t K, const
 #ifdef __AVX2__
             __m256 acc = _mm256_setzero_ps();
             for (int64_t b = 0; b < nb; b++) {
-                const uint8_t *blk = row + b * bb;
-                float d = f16_to_f32(*(const uint16_t *)blk);
+                const uint8_t *blk = row + b * bb, *qs = block_qs(kind, blk);
+                float d = block_d(blk);
                 __m256 dv = _mm256_set1_ps(d), wv[4];
                 if (kind == KIND_Q8_0) {
                     for (int j = 0; j < 4; j++) {
-                        __m128i q8 = _mm_loadl_epi64((const __m128i *)(blk + 2 + 8 * j));
+                        __m128i q8 = _mm_loadl_epi64((const __m128i *)(qs + 8 * j));
                         wv[j] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q8)), dv);
                     }
                 } else {
-                    float mw = kind == KIND_Q4_1 ? f16_to_f32(*(const uint16_t *)(blk + 2)) : -8.f * d;
-                    __m256 mv = _mm256_set1_ps(mw);
-                    __m128i raw = _mm_loadu_si128((const __m128i *)(blk + (kind == KIND_Q4_1 ? 4 : 2)));
+                    __m256 mv = _mm256_set1_ps(block_m(kind, blk, d));
+                    __m128i raw = _mm_loadu_si128((const __m128i *)qs);
                     __m128i lo = _mm_and_si128(raw, _mm_set1_epi8(0x0f));
                     __m128i hi = _mm_and_si128(_mm_srli_epi16(raw, 4), _mm_set1_epi8(0x0f));
                     __m128i parts[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
@@ -481,20 +502,9 @@ int hx_blocks_matmul_f32(int kind, const uint8_t *w, int64_t N, int64_t K, const
             sum = hsum8(acc);
 #else
             for (int64_t b = 0; b < nb; b++) {
-                const uint8_t *blk = row + b * bb;
-                float d = f16_to_f32(*(const uint16_t *)blk);
-                for (int j = 0; j < QK; j++) {
-                    float wj;
-                    if (kind == KIND_Q8_0) {
-                        wj = (float)((const int8_t *)(blk + 2))[j] * d;
-                    } else {
-                        const uint8_t *qs = blk + (kind == KIND_Q4_1 ? 4 : 2);
-                        float mw = kind == KIND_Q4_1 ? f16_to_f32(*(const uint16_t *)(blk + 2)) : -8.f * d;
-                        int q = j < 16 ? (qs[j] & 0x0f) : (qs[j - 16] >> 4);
-                        wj = (float)q * d + mw;
-                    }
-                    sum += wj * xm[b * QK + j];
-                }
+                float wb[QK];
+                dequant_block(kind, row + b * bb, wb);
+                for (int j = 0; j < QK; j++) sum += wb[j] * xm[b * QK + j];
             }
 #endif
             y[m * N + n] = sum;
@@ -510,21 +520,8 @@ int hx_dequantize(int kind, const uint8_t *w, int64_t N, int64_t K, float *out, 
     int64_t nb = K / QK, bb = hx_block_bytes(kind), row_bytes = nb * bb;
 #pragma omp parallel for schedule(static) num_threads(num_threads)
     for (int64_t n = 0; n < N; n++) {
-        for (int64_t b = 0; b < nb; b++) {
-            const uint8_t *blk = w + n * row_bytes + b * bb;
-            float d = f16_to_f32(*(const uint16_t *)blk), *o = out + n * K + b * QK;
-            if (kind == KIND_Q8_0) {
-                const int8_t *qs = (const int8_t *)(blk + 2);
-                for (int j = 0; j < QK; j++) o[j] = (float)qs[j] * d;
-            } else {
-                const uint8_t *qs = blk + (kind == KIND_Q4_1 ? 4 : 2);
-                float m = kind == KIND_Q4_1 ? f16_to_f32(*(const uint16_t *)(blk + 2)) : -8.f * d;
-                for (int j = 0; j < 16; j++) {
-                    o[j] = (float)(qs[j] & 0x0f) * d + m;
-                    o[j + 16] = (float)(qs[j] >> 4) * d + m;
-                }
-            }
-        }
+        for (int64_t b = 0; b < nb; b++)
+            dequant_block(kind, w + n * row_bytes + b * bb, out + n * K + b * QK);
     }
     return 0;
 }
