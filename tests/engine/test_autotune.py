@@ -60,7 +60,7 @@ def test_plans_are_measured_once_per_shape_then_read_from_the_machines_cache(tmp
     lins = make_linears("Q4_1", [192, 192, 576], with_bias=False)  # two shapes
     first = Autotuner(tmp_path, torch.get_num_threads())
     first.tune(lins)
-    held = "blocks-Q4_1" if lins[0].format == "blocks" else "int4"  # native kernels, or torch's
+    held = "blocks-Q4_1x8" if lins[0].format == "blocks" else "int4"  # native kernels, or torch's
     assert sorted(first.measured) == [f"{held}:192x576", f"{held}:576x576"]
     assert all(len(lin.plans) == BUCKETS[-1] + 1 for lin in lins)
     (cached,) = tmp_path.glob("*.json")

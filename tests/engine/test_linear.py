@@ -221,6 +221,25 @@ def test_fused_equals_separate(kind, with_bias):
         torch.testing.assert_close(got, part(x), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("kind", ["Q4_1", "Q8_0"])
+def test_blocks_fuse_whether_their_rows_come_in_8s_or_not(kind):
+    """Rows in 8s are held interleaved ("x8"), others in the file's order; a fuse of both is
+    interleaved again where its total allows."""
+    parts = make_linears(kind, [576, 36, 20], with_bias=True)
+    if parts[0].format != "blocks":
+        pytest.skip("no native kernels here")
+    assert [p.block_kind for p in parts] == [f"{kind}x8", kind, kind]
+    fused = fuse(parts)
+    assert fused.block_kind == f"{kind}x8" and fused.out_features == 632
+    assert fused.memory_bytes == sum(p.memory_bytes for p in parts)
+    x = torch.randn(5, 576)
+    for got, part in zip(fused(x).split(fused.split_sizes, dim=-1), parts, strict=True):
+        torch.testing.assert_close(got, part(x), rtol=1e-5, atol=1e-5)
+    odd = fuse(make_linears(kind, [576, 36], with_bias=False))  # 612 rows: the file's order
+    assert odd.block_kind == kind
+    torch.testing.assert_close(odd.dequantize(), torch.cat([p.dequantize() for p in parts[:2]]))
+
+
 def test_fuse_refuses_what_it_cannot_concatenate():
     with pytest.raises(ValueError, match="held differently"):
         fuse(make_linears(None, [64], False) + make_linears("int8", [64], False))
@@ -322,12 +341,13 @@ def test_a_packing_whose_row_layout_is_unknown_is_not_read_by_rows(torch_int4):
 
 
 @pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0"])
-def test_rows_of_the_files_blocks_are_exactly_the_gguf_rows(qtype):
-    src, ref = quantized(weight(100, 576, seed=3), qtype)
+@pytest.mark.parametrize("out", [100, 96])  # held in the file's order; interleaved in 8s
+def test_rows_of_the_files_blocks_are_exactly_the_gguf_rows(qtype, out):
+    src, ref = quantized(weight(out, 576, seed=3), qtype)
     lin = loaded(src)
     if lin.format != "blocks":
         pytest.skip("no native kernels here")
-    ids = torch.tensor([0, 1, 50, 99, 5, 5])
+    ids = torch.tensor([0, 1, 50, out - 1, 5, 5])
     assert lin.can_read_rows() and torch.equal(lin.rows(ids), ref[ids])
 
 

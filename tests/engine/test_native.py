@@ -55,24 +55,52 @@ def test_the_kernel_computes_its_naive_twin(kind, m, n, k):
     assert rel(native.matmul(x, raw, kind, n, exact=True), x.double() @ ref.double().T) < 1e-6
 
 
+@pytest.mark.parametrize("kind", KINDS)
+def test_rows_in_8s_interleaved_are_the_same_bytes_and_the_same_products(kind):
+    raw, ref = blocks(kind, 48, 576)
+    x8, held = native.interleave(raw, kind)
+    assert held == f"{kind}x8" and x8.shape == raw.shape
+    assert torch.equal(x8.flatten().sort().values, raw.flatten().sort().values)  # reordered
+    assert not torch.equal(x8, raw)
+    back, back_kind = native.deinterleave(x8, held)
+    assert back_kind == kind and torch.equal(back, raw)
+    assert torch.equal(native.unpack(x8, held, 48), ref)
+    assert torch.equal(native.dequantize(x8, held, 48), ref)
+    ids = torch.tensor([0, 47, 9, 9, 23])
+    assert torch.equal(native.rows(x8, held, ids), ref[ids])
+    for m in (1, 2, 3, 4, 5, 9):  # the 4-row tiles, whole and cut
+        x = torch.randn(m, 576, generator=torch.Generator().manual_seed(m))
+        x[0, :32] = 0
+        y = native.matmul(x, x8, held, 48)
+        assert rel(y, native.naive_matmul(x, raw, kind, 48)) < 2e-6
+        assert rel(y, native.matmul(x, raw, kind, 48)) < 2e-6  # what the file's order gives
+        exact = native.matmul(x, x8, held, 48, exact=True)
+        assert rel(exact, x.double() @ ref.double().T) < 1e-6
+
+
 def test_the_scalar_build_for_cpus_without_avx2_agrees(tmp_path, monkeypatch):
     monkeypatch.setenv("HELEXA_NATIVE_DIR", str(tmp_path))
     cc = native._compiler()
     flags = (*(f for f in native.FLAGS if not f.startswith("-march")), "-march=x86-64")
     scalar = native.load(native.build(cc, flags))
     for kind in KINDS:
-        raw, _ = blocks(kind, 37, 576)
-        x = torch.randn(5, 576)
-        a = native.matmul(x, raw, kind, 37, lib=scalar)
-        assert rel(a, native.matmul(x, raw, kind, 37)) < 2e-6, kind
-        a = native.matmul(x, raw, kind, 37, lib=scalar, exact=True)
-        assert rel(a, native.matmul(x, raw, kind, 37, exact=True)) < 1e-6, kind
+        raw, ref = blocks(kind, 40, 576)
+        for w, held in ((raw, kind), native.interleave(raw, kind)):
+            x = torch.randn(5, 576)
+            a = native.matmul(x, w, held, 40, lib=scalar)
+            assert rel(a, native.matmul(x, w, held, 40)) < 2e-6, held
+            a = native.matmul(x, w, held, 40, lib=scalar, exact=True)
+            assert rel(a, native.matmul(x, w, held, 40, exact=True)) < 1e-6, held
+            assert torch.equal(native.unpack(w, held, 40, lib=scalar), ref), held
 
 
 def test_bad_shapes_are_refused_not_computed():
     raw, _ = blocks("Q4_1", 8, 64)
     with pytest.raises(RuntimeError, match="refused"):
         native.matmul(torch.randn(2, 48), raw, "Q4_1", 8)  # K not a multiple of 32
+    raw, _ = blocks("Q4_1", 12, 64)
+    with pytest.raises(RuntimeError, match="refused"):
+        native.matmul(torch.randn(2, 64), raw, "Q4_1x8", 12)  # rows not in 8s
 
 
 def test_without_a_compiler_the_weights_stay_on_torchs_kernel(monkeypatch, caplog):
@@ -102,8 +130,9 @@ def test_the_bundled_model_runs_on_the_blocks_and_its_prompt_logits_are_transfor
     llm = LLM(kv_cache_memory_mb=16)
     model = llm.engine.runner.model
     assert model.layers[0].mlp.down_proj.format == "blocks"
-    assert model.layers[0].mlp.down_proj.block_kind == "Q4_1"
-    assert model.lm_head.block_kind == "Q8_0"  # the tied table, shared with the embeddings
+    # the file's blocks, 8 rows side by side (native.interleave)
+    assert model.layers[0].mlp.down_proj.block_kind == "Q4_1x8"
+    assert model.lm_head.block_kind == "Q8_0x8"  # the tied table, shared with the embeddings
     assert model.embed_tokens.packed is model.lm_head
     seen = record_model_logits(model)
     # without "Answer in one word", "The" leads "L" by 0.08 in transformers' first logits:

@@ -104,7 +104,7 @@ class Linear(nn.Module):
         self.format = "float"
         self.dtype = torch.float32  # activation dtype asked for at load
         self.k_repeat = 1  # int4 from Q8_0 reads the input twice (high then low nibbles)
-        self.block_kind: str | None = None  # format "blocks": Q4_0, Q4_1 or Q8_0
+        self.block_kind: str | None = None  # format "blocks": Q4_0, Q4_1, Q8_0 (+"x8")
         self.split_sizes = [out_features]
         # plain attributes, not buffers: buffer lookups cost ~0.6 µs a call; _apply moves them
         self.weight: torch.Tensor | None = None
@@ -239,9 +239,12 @@ class Linear(nn.Module):
         self.weight, self.scales = q.contiguous(), scale.to(PACKED_DTYPE).contiguous()
 
     def _set_blocks(self, raw: torch.Tensor, kind: str) -> None:
-        # the file's bytes, a row of in/32 blocks per output feature
+        # the file's bytes, a row of in/32 blocks per output feature; rows in 8s are held
+        # interleaved (native.interleave: the kernel's "x8" kinds), the same bytes reordered
         self.format, self.k_repeat, self.block_kind, self.scales = "blocks", 1, kind, None
         self.weight = raw.reshape(self.out_features, -1).contiguous()
+        if self.out_features % native.XR == 0:
+            self.weight, self.block_kind = native.interleave(self.weight, kind)
 
     def _set_int4(
         self, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, k_repeat: int = 1
@@ -349,7 +352,7 @@ class Linear(nn.Module):
         if self.format == "int8":
             return self.weight[ids].float() * self.scales[ids].float()[:, None]
         if self.format == "blocks":
-            return native.unpack(self.weight[ids], self.block_kind, len(ids))
+            return native.rows(self.weight, self.block_kind, ids)
         assert self.format == "int4", f"rows() of a {self.format} weight"
         scales = self.scales if scales is None else scales
         return int4_cpu.rows(self.weight, scales, ids, self.out_features, self.k_repeat)
@@ -473,6 +476,8 @@ def fuse(linears: Sequence[Linear]) -> Linear:
     fused.block_kind = first.block_kind
     fused.split_sizes = sizes
     fused.weight = torch.cat([m.weight for m in linears])
+    if first.format == "blocks" and not all(m.block_kind.endswith("x8") for m in linears):
+        fused._set_blocks(_cat_file_order(linears), _held_as(first))  # x8 where it can be
     if all(m.dense is not None for m in linears):
         fused.dense = torch.cat([m.dense for m in linears])
     if first.scales is not None:
@@ -485,10 +490,20 @@ def fuse(linears: Sequence[Linear]) -> Linear:
 
 
 def _held_as(m: Linear) -> str:
-    """What a Linear's weight is, for fusing: its dtype, or its quant kind."""
+    """What a Linear's weight is, for fusing: its dtype, or its quant kind (GGUF blocks'
+    file kind: interleaved or not, they fuse)."""
     if m.qweight is not None:
         return m.qweight.kind
-    return m.block_kind if m.block_kind is not None else str(m.weight.dtype)
+    return m.block_kind.removesuffix("x8") if m.block_kind else str(m.weight.dtype)
+
+
+def _cat_file_order(linears: Sequence[Linear]) -> torch.Tensor:
+    """The blocks of `linears` in the file's row order, one after the other."""
+    parts = [
+        native.deinterleave(m.weight, m.block_kind)[0] if m.block_kind.endswith("x8") else m.weight
+        for m in linears
+    ]
+    return torch.cat(parts)
 
 
 def _cat_biases(linears: Sequence[Linear]) -> torch.Tensor | None:

@@ -31,9 +31,12 @@ from helexa.engine.layers.autotune import cpu_info
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("native") / "blocks.c"
-KINDS = {"Q4_0": 0, "Q4_1": 1, "Q8_0": 2}  # GGUF block kinds the kernels take
-BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
+# GGUF block kinds the kernels take: the file's rows, or ("…x8") 8 rows interleaved
+KINDS = {"Q4_0": 0, "Q4_1": 1, "Q8_0": 2, "Q4_0x8": 3, "Q4_1x8": 4, "Q8_0x8": 5}
+BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}  # one row's block (x8: its share)
+BLOCK_BYTES |= {f"{k}x8": v for k, v in BLOCK_BYTES.items()}
 QK = 32  # weights a block
+XR = 8  # rows an x8 group interleaves
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11")
 
 
@@ -90,6 +93,8 @@ def load(path: Path) -> ctypes.CDLL:
     lib.hx_blocks_matmul_f32.restype = ctypes.c_int
     lib.hx_dequantize.argtypes = [ctypes.c_int, ptr, i64, i64, ptr, ctypes.c_int]
     lib.hx_dequantize.restype = ctypes.c_int
+    lib.hx_rows.argtypes = [ctypes.c_int, ptr, i64, i64, ptr, i64, ptr]
+    lib.hx_rows.restype = ctypes.c_int
     lib.hx_rms_norm.argtypes = [ptr, ptr, ptr, ptr, ptr, i64, i64, ctypes.c_float]
     lib.hx_rms_norm.restype = ctypes.c_int
     lib.hx_paged_decode.argtypes = [
@@ -339,12 +344,13 @@ def silu_mul(x: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def unpack(blocks: torch.Tensor, kind: str, out_features: int) -> torch.Tensor:
+def unpack(blocks: torch.Tensor, kind: str, out_features: int, lib=None) -> torch.Tensor:
     """`dequantize` in one threaded C call: the weight as float32 [out_features, K], what a
-    prompt chunk's GEMM takes (Q4_1's 3072 x 576 gate/up: well under a millisecond)."""
+    prompt chunk's GEMM takes (Q4_1's 3072 x 576 gate/up: well under a millisecond). `lib`:
+    another build of the kernels (tests)."""
     k = blocks.shape[1] // BLOCK_BYTES[kind] * QK
     out = torch.empty(out_features, k, dtype=torch.float32)
-    rc = library().hx_dequantize(
+    rc = (lib or library()).hx_dequantize(
         KINDS[kind], blocks.data_ptr(), out_features, k, out.data_ptr(), torch.get_num_threads()
     )
     if rc != 0:
@@ -352,9 +358,58 @@ def unpack(blocks: torch.Tensor, kind: str, out_features: int) -> torch.Tensor:
     return out
 
 
+def rows(blocks: torch.Tensor, kind: str, ids: torch.Tensor) -> torch.Tensor:
+    """Rows `ids` of the weight as float32 [len(ids), K] (a tied embedding's lookup), each
+    unpacked from its blocks where it lies (x8 too)."""
+    n, k = blocks.shape[0], blocks.shape[1] // BLOCK_BYTES[kind] * QK
+    ids = ids.to(torch.int64).contiguous()
+    out = torch.empty(len(ids), k, dtype=torch.float32)
+    rc = library().hx_rows(
+        KINDS[kind], blocks.data_ptr(), n, k, ids.data_ptr(), len(ids), out.data_ptr()
+    )
+    if rc != 0:
+        raise RuntimeError(f"native rows refused ids {ids.tolist()} of {kind} [{n}, {k}]")
+    return out
+
+
+# -- x8: 8 rows side by side (blocks.c says why) ----------------------------------------------
+def _x8_parts(kind: str) -> tuple[int, int]:
+    """(bytes of scales, rounds of 4 code bytes) in one row's block of `kind`."""
+    return {"Q4_0": (2, 4), "Q4_1": (4, 4), "Q8_0": (2, 8)}[kind.removesuffix("x8")]
+
+
+def interleave(blocks: torch.Tensor, kind: str) -> tuple[torch.Tensor, str]:
+    """A file-order weight [N, K/32 × block bytes] (N a multiple of 8) as its x8 form, same
+    shape and bytes: per group of 8 rows and block, the 8 d's, the 8 m's (Q4_1), then the
+    codes with byte 32c + 4r + k = byte 4c + k of row r's codes."""
+    n, row_bytes = blocks.shape
+    bb = BLOCK_BYTES[kind]
+    head, rounds = _x8_parts(kind)
+    b = blocks.view(n // XR, XR, row_bytes // bb, bb).transpose(1, 2)  # [G, nb, 8, bb]
+    scales = [b[..., i : i + 2].reshape(*b.shape[:2], -1) for i in range(0, head, 2)]
+    codes = b[..., head:].reshape(*b.shape[:3], rounds, 4).transpose(2, 3)  # [G, nb, c, 8, 4]
+    out = torch.cat([*scales, codes.reshape(*b.shape[:2], -1)], dim=-1)
+    return out.reshape(n, row_bytes).contiguous(), f"{kind}x8"
+
+
+def deinterleave(blocks: torch.Tensor, kind: str) -> tuple[torch.Tensor, str]:
+    """`interleave` undone: (the file-order weight, the file's kind)."""
+    base = kind.removesuffix("x8")
+    n, row_bytes = blocks.shape
+    bb = BLOCK_BYTES[base]
+    head, rounds = _x8_parts(base)
+    g = blocks.view(n // XR, row_bytes // bb, XR * bb)  # [G, nb, group block]
+    scales = [g[..., XR * i : XR * (i + 2)].reshape(*g.shape[:2], XR, 2) for i in range(0, head, 2)]
+    codes = g[..., XR * head :].reshape(*g.shape[:2], rounds, XR, 4).transpose(2, 3)
+    b = torch.cat([*scales, codes.reshape(*g.shape[:2], XR, -1)], dim=-1)  # [G, nb, 8, bb]
+    return b.transpose(1, 2).reshape(n, row_bytes).contiguous(), base
+
+
 def dequantize(blocks: torch.Tensor, kind: str, out_features: int) -> torch.Tensor:
     """The weight as float32 [out_features, K] (GGUF's arithmetic), in torch: the naive twin
     of `unpack`, which the tests and `naive_matmul` read."""
+    if kind.endswith("x8"):
+        blocks, kind = deinterleave(blocks, kind)
     bb = BLOCK_BYTES[kind]
     b = blocks.view(out_features, -1, bb)
     d = b[..., 0:2].contiguous().view(torch.float16).float()  # [N, nb, 1]

@@ -1,5 +1,6 @@
 /* GGUF block matmuls for the CPU: y[M, N] = x[M, K] @ W[N, K]^T, W held as the file holds
- * it (rows of Q4_0, Q4_1 or Q8_0 blocks of 32 weights), x quantized per block of 32 to int8
+ * it (rows of Q4_0, Q4_1 or Q8_0 blocks of 32 weights; or, rows in 8s, the same bytes with
+ * 8 rows interleaved: "x8" below), x quantized per block of 32 to int8
  * (a scale d and, for Q4_1, s = d * sum(q)) as llama.cpp's vec_dot_q4_1_q8_1 does: each
  * block's dot is then one integer multiply-add of 32 bytes (AVX2 maddubs) and two scalars.
  *
@@ -21,6 +22,10 @@
 #endif
 
 enum { QK = 32, KIND_Q4_0 = 0, KIND_Q4_1 = 1, KIND_Q8_0 = 2, MT = 4 };
+/* The same blocks with 8 rows interleaved (native.interleave; see "x8" below). */
+enum { KIND_Q4_0X8 = 3, KIND_Q4_1X8 = 4, KIND_Q8_0X8 = 5, KIND_LAST = 5, XR = 8 };
+static inline int is_x8(int kind) { return kind >= KIND_Q4_0X8; }
+static inline int base_kind(int kind) { return is_x8(kind) ? kind - KIND_Q4_0X8 : kind; }
 
 static float f16_to_f32(uint16_t h) {
 #ifdef __F16C__
@@ -46,7 +51,11 @@ static float f16_to_f32(uint16_t h) {
 #endif
 }
 
-int hx_block_bytes(int kind) { return kind == KIND_Q4_0 ? 18 : kind == KIND_Q4_1 ? 20 : 34; }
+/* bytes of one row's block: the file's, and an x8 kind's share of its group's */
+int hx_block_bytes(int kind) {
+    kind = base_kind(kind);
+    return kind == KIND_Q4_0 ? 18 : kind == KIND_Q4_1 ? 20 : 34;
+}
 
 /* A block's parts: its scale d, its offset m (w = d q + m: Q4_1's own, -8 d for Q4_0, none
  * for Q8_0) and its codes. */
@@ -191,11 +200,150 @@ static void rows_block(int kind, const uint8_t *w, int64_t row_bytes, int64_t nb
     }
 }
 
+/* -- x8: the blocks of 8 rows side by side ------------------------------------------------
+ * native.interleave stores a weight whose rows come in 8s (nearly all) as groups of 8 rows;
+ * a group holds, block by block, its 8 rows' blocks as one "group block":
+ *
+ *   [d f16 x 8][m f16 x 8, Q4_1 only][codes: byte 32c + 4r + k = byte 4c + k of row r's block]
+ *
+ * (c < 4 for Q4, c < 8 for Q8_0). A 32-byte load of codes then holds 4 consecutive codes of
+ * each of the 8 rows, one row per 32-bit lane: against 4 activations broadcast to every lane,
+ * maddubs leaves each row's partial dot in its own lane, so a block's 8 dots come out as one
+ * vector (no horizontal sums), its 8 scales load and widen at once (F16C), and the unpacked
+ * codes serve up to MT activation rows. The bytes are the file's, reordered. */
+static inline int codes_at(int base) { return base == KIND_Q4_1 ? 32 : 16; }
+
+/* row r's block as the file held it, from its group block */
+static inline void group_row(int base, const uint8_t *g, int r, uint8_t *blk) {
+    memcpy(blk, g + 2 * r, 2);
+    if (base == KIND_Q4_1) memcpy(blk + 2, g + 2 * XR + 2 * r, 2);
+    uint8_t *out = (uint8_t *)block_qs(base, blk);
+    const uint8_t *qs = g + codes_at(base);
+    for (int c = 0; c < (base == KIND_Q8_0 ? 8 : 4); c++) memcpy(out + 4 * c, qs + 32 * c + 4 * r, 4);
+}
+
+/* a group's 8 rows as floats, out[r * K + j] (GGUF's arithmetic, as dequant_block) */
+static void group_unpack(int base, const uint8_t *grp, int64_t nb, float *out, int64_t K) {
+    const int64_t gb = XR * hx_block_bytes(base);
+    uint8_t blk[34];
+    for (int64_t b = 0; b < nb; b++)
+        for (int r = 0; r < XR; r++) {
+            group_row(base, grp + b * gb, r, blk);
+            dequant_block(base, blk, out + r * K + b * QK);
+        }
+}
+
+/* rows [8 g0, 8 g1) of an x8 weight against the mt (<= MT) quantized rows of x */
+static inline __attribute__((always_inline)) void groups_kernel(
+    const int base, const int mt, const uint8_t *w, int64_t nb, int64_t g0, int64_t g1,
+    const int8_t *xq, const float *xd, const float *xs, int64_t K, float *y, int64_t N) {
+    const int64_t gb = XR * (base == KIND_Q4_0 ? 18 : base == KIND_Q4_1 ? 20 : 34);
+    for (int64_t g = g0; g < g1; g++) {
+        const uint8_t *grp = w + g * nb * gb;
+#ifdef __AVX2__
+        const __m256i ones = _mm256_set1_epi16(1), low = _mm256_set1_epi8(0x0f);
+        __m256 acc[MT];
+        for (int i = 0; i < mt; i++) acc[i] = _mm256_setzero_ps();
+        for (int64_t b = 0; b < nb; b++) {
+            const uint8_t *blk = grp + b * gb, *qs = blk + codes_at(base);
+            const __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk));
+            __m256i isum[MT];
+            for (int i = 0; i < mt; i++) isum[i] = _mm256_setzero_si256();
+            if (base == KIND_Q8_0) {
+                for (int c = 0; c < 8; c++) {
+                    __m256i wv = _mm256_loadu_si256((const __m256i *)(qs + 32 * c));
+                    __m256i aw = _mm256_sign_epi8(wv, wv);
+                    for (int i = 0; i < mt; i++) {
+                        int32_t x4;
+                        memcpy(&x4, xq + i * K + b * QK + 4 * c, 4);
+                        __m256i xv = _mm256_sign_epi8(_mm256_set1_epi32(x4), wv);
+                        __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(aw, xv), ones);
+                        isum[i] = _mm256_add_epi32(isum[i], p);
+                    }
+                }
+            } else {
+                /* i16 sums: 8 products of (0..15) x (-127..127) pairs, |sum| <= 30480 */
+                for (int c = 0; c < 4; c++) {
+                    __m256i raw = _mm256_loadu_si256((const __m256i *)(qs + 32 * c));
+                    __m256i lo = _mm256_and_si256(raw, low);
+                    __m256i hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
+                    for (int i = 0; i < mt; i++) {
+                        int32_t xl, xh;
+                        memcpy(&xl, xq + i * K + b * QK + 4 * c, 4);
+                        memcpy(&xh, xq + i * K + b * QK + 16 + 4 * c, 4);
+                        __m256i s = _mm256_add_epi16(
+                            _mm256_maddubs_epi16(lo, _mm256_set1_epi32(xl)),
+                            _mm256_maddubs_epi16(hi, _mm256_set1_epi32(xh)));
+                        isum[i] = _mm256_add_epi16(isum[i], s);
+                    }
+                }
+                for (int i = 0; i < mt; i++) isum[i] = _mm256_madd_epi16(isum[i], ones);
+            }
+            __m256 mv = _mm256_setzero_ps();
+            if (base == KIND_Q4_1)
+                mv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 2 * XR)));
+            else if (base == KIND_Q4_0)
+                mv = _mm256_mul_ps(dv, _mm256_set1_ps(-8.f));
+            for (int i = 0; i < mt; i++) {
+                __m256 scale = _mm256_mul_ps(dv, _mm256_set1_ps(xd[i * nb + b]));
+                acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[i]), scale, acc[i]);
+                if (base != KIND_Q8_0)
+                    acc[i] = _mm256_fmadd_ps(mv, _mm256_set1_ps(xs[i * nb + b]), acc[i]);
+            }
+        }
+        for (int i = 0; i < mt; i++) _mm256_storeu_ps(y + i * N + g * XR, acc[i]);
+#else
+        float out[MT][XR] = {{0}};
+        for (int64_t b = 0; b < nb; b++) {
+            for (int r = 0; r < XR; r++) {
+                uint8_t blk[34];
+                group_row(base, grp + b * gb, r, blk);
+                const float d = block_d(blk), m = block_m(base, blk, d);
+                for (int i = 0; i < mt; i++) {
+                    const int8_t *xb = xq + i * K + b * QK;
+                    int sumi = 0;
+                    if (base == KIND_Q8_0) {
+                        const int8_t *q = (const int8_t *)block_qs(base, blk);
+                        for (int j = 0; j < QK; j++) sumi += q[j] * xb[j];
+                    } else {
+                        const uint8_t *q = block_qs(base, blk);
+                        for (int j = 0; j < 16; j++)
+                            sumi += (q[j] & 0x0f) * xb[j] + (q[j] >> 4) * xb[j + 16];
+                    }
+                    out[i][r] += (float)sumi * (d * xd[i * nb + b]);
+                    if (base != KIND_Q8_0) out[i][r] += m * xs[i * nb + b];
+                }
+            }
+        }
+        for (int i = 0; i < mt; i++)
+            for (int r = 0; r < XR; r++) y[i * N + g * XR + r] = out[i][r];
+#endif
+    }
+}
+
+#define GROUPS_CASE(KIND, MT_)                                                                 \
+    case KIND * 8 + MT_:                                                                       \
+        groups_kernel(KIND, MT_, w, nb, g0, g1, xq, xd, xs, K, y, N);                          \
+        break;
+#define GROUPS_KIND(KIND)                                                                      \
+    GROUPS_CASE(KIND, 1) GROUPS_CASE(KIND, 2) GROUPS_CASE(KIND, 3) GROUPS_CASE(KIND, 4)
+
+static void groups_block(int base, const uint8_t *w, int64_t nb, int64_t g0, int64_t g1, int mt,
+                         const int8_t *xq, const float *xd, const float *xs, int64_t K, float *y,
+                         int64_t N) {
+    switch (base * 8 + mt) {
+        GROUPS_KIND(KIND_Q4_0)
+        GROUPS_KIND(KIND_Q4_1)
+        GROUPS_KIND(KIND_Q8_0)
+    }
+}
+
 /* y [M, N] = x [M, K] @ W^T; W: N rows of K/32 blocks of `kind`. Returns 0, or -1 on a bad
  * argument or a failed allocation. */
 int hx_blocks_matmul(int kind, const uint8_t *w, int64_t N, int64_t K, const float *x, int64_t M,
                      float *y, int num_threads) {
-    if (K % QK || M < 1 || N < 1 || kind < 0 || kind > KIND_Q8_0) return -1;
+    if (K % QK || M < 1 || N < 1 || kind < 0 || kind > KIND_LAST || (is_x8(kind) && N % XR))
+        return -1;
     int64_t nb = K / QK, row_bytes = nb * hx_block_bytes(kind);
     int8_t *xq = malloc((size_t)(M * K));
     float *xd = malloc((size_t)(M * nb) * sizeof(float));
@@ -205,6 +353,21 @@ int hx_blocks_matmul(int kind, const uint8_t *w, int64_t N, int64_t K, const flo
         return -1;
     }
     quantize_x(x, M, K, xq, xd, xs);
+    if (is_x8(kind)) {
+        /* groups of 8 rows in chunks of 2 (16 rows), each read once for up to MT rows of x */
+        int64_t ng = N / XR, nchunks = (ng + 1) / 2;
+#pragma omp parallel for schedule(static) num_threads(num_threads)
+        for (int64_t c = 0; c < nchunks; c++) {
+            int64_t g0 = 2 * c, g1 = g0 + 2 < ng ? g0 + 2 : ng;
+            for (int64_t m0 = 0; m0 < M; m0 += MT) {
+                int mt = M - m0 < MT ? (int)(M - m0) : MT;
+                groups_block(base_kind(kind), w, nb, g0, g1, mt, xq + m0 * K, xd + m0 * nb,
+                             xs + m0 * nb, K, y + m0 * N, N);
+            }
+        }
+        free(xq); free(xd); free(xs);
+        return 0;
+    }
     /* rows in chunks, so that each thread's share is contiguous and a chunk's weights are
        read once for up to MT rows of x */
     const int64_t chunk = 16;
@@ -466,8 +629,27 @@ int hx_silu_mul(const float *x, int64_t M, int64_t I, float *out) {
  * prompt's last token), where int8 activations' ~0.5% would move near-tied logits. */
 int hx_blocks_matmul_f32(int kind, const uint8_t *w, int64_t N, int64_t K, const float *x,
                          int64_t M, float *y, int num_threads) {
-    if (K % QK || M < 1 || N < 1 || kind < 0 || kind > KIND_Q8_0) return -1;
+    if (K % QK || M < 1 || N < 1 || kind < 0 || kind > KIND_LAST || (is_x8(kind) && N % XR))
+        return -1;
     int64_t nb = K / QK, bb = hx_block_bytes(kind), row_bytes = nb * bb;
+    if (is_x8(kind)) { /* each group's 8 rows unpacked, then row by row as below */
+        int failed = 0;
+#pragma omp parallel for schedule(static) num_threads(num_threads)
+        for (int64_t g = 0; g < N / XR; g++) {
+            float *rows = malloc((size_t)(XR * K) * sizeof(float));
+            if (!rows) {
+#pragma omp atomic write
+                failed = 1;
+                continue;
+            }
+            group_unpack(base_kind(kind), w + g * XR * row_bytes, nb, rows, K);
+            for (int r = 0; r < XR; r++)
+                for (int64_t m = 0; m < M; m++)
+                    y[m * N + g * XR + r] = dot_f32(rows + r * K, x + m * K, K);
+            free(rows);
+        }
+        return failed ? -1 : 0;
+    }
 #pragma omp parallel for schedule(static) num_threads(num_threads)
     for (int64_t n = 0; n < N; n++) {
         const uint8_t *row = w + n * row_bytes;
@@ -516,12 +698,41 @@ int hx_blocks_matmul_f32(int kind, const uint8_t *w, int64_t N, int64_t K, const
 /* out [N, K] float32 = the weight the blocks hold (GGUF's arithmetic, as `dequantize` in
  * native.py computes it): what a prompt chunk's float32 GEMM takes, unpacked for the call. */
 int hx_dequantize(int kind, const uint8_t *w, int64_t N, int64_t K, float *out, int num_threads) {
-    if (K % QK || N < 1 || kind < 0 || kind > KIND_Q8_0) return -1;
+    if (K % QK || N < 1 || kind < 0 || kind > KIND_LAST || (is_x8(kind) && N % XR)) return -1;
     int64_t nb = K / QK, bb = hx_block_bytes(kind), row_bytes = nb * bb;
+    if (is_x8(kind)) {
+#pragma omp parallel for schedule(static) num_threads(num_threads)
+        for (int64_t g = 0; g < N / XR; g++)
+            group_unpack(base_kind(kind), w + g * XR * row_bytes, nb, out + g * XR * K, K);
+        return 0;
+    }
 #pragma omp parallel for schedule(static) num_threads(num_threads)
     for (int64_t n = 0; n < N; n++) {
         for (int64_t b = 0; b < nb; b++)
             dequant_block(kind, w + n * row_bytes + b * bb, out + n * K + b * QK);
+    }
+    return 0;
+}
+
+/* out [n, K] float32 = rows ids[0..n) of the weight (a tied embedding's lookup) */
+int hx_rows(int kind, const uint8_t *w, int64_t N, int64_t K, const int64_t *ids, int64_t n,
+            float *out) {
+    if (K % QK || N < 1 || kind < 0 || kind > KIND_LAST || (is_x8(kind) && N % XR)) return -1;
+    for (int64_t i = 0; i < n; i++)
+        if (ids[i] < 0 || ids[i] >= N) return -1;
+    int64_t nb = K / QK, bb = hx_block_bytes(kind), row_bytes = nb * bb;
+    const int base = base_kind(kind);
+    uint8_t blk[34];
+    for (int64_t i = 0; i < n; i++) {
+        int64_t id = ids[i];
+        for (int64_t b = 0; b < nb; b++) {
+            const uint8_t *src = w + id * row_bytes + b * bb;
+            if (is_x8(kind)) {
+                group_row(base, w + (id / XR) * XR * row_bytes + b * XR * bb, (int)(id % XR), blk);
+                src = blk;
+            }
+            dequant_block(base, src, out + i * K + b * QK);
+        }
     }
     return 0;
 }
