@@ -189,7 +189,7 @@ def test_native_decode_steps_give_the_torch_paths_logits(family, tmp_path, monke
 @pytest.mark.parametrize(
     ("family", "arch"), [("smollm2", "llama"), ("qwen2", "qwen2"), ("qwen3", "qwen3")]
 )
-def test_a_whole_layer_in_one_call_computes_what_the_layer_op_by_op_does(
+def test_all_layers_or_one_layer_in_one_call_compute_what_the_layers_op_by_op_do(
     family, arch, tmp_path, monkeypatch
 ):
     # a Q8_0 GGUF of a tiny model of each family (qkv bias: qwen2; q/k norms: qwen3)
@@ -214,18 +214,22 @@ def test_a_whole_layer_in_one_call_computes_what_the_layer_op_by_op_does(
     path = write_gguf_from_hf(hf, arch, tmp_path / "gguf" / f"{family}.gguf")
     prompts = [[5, 17, 300, 42, 7], [9, 8, 7, 6, 5, 4, 3, 2, 1, 11, 12]]
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
-    runs, plans = [], []
-    for whole in (True, False):
-        if not whole:
+    runs, plans, stacks = [], [], []
+    for how in ("all layers", "each layer", "op by op"):
+        if how == "each layer":
+            monkeypatch.setattr(native, "stack_plan", lambda plans: None)
+        if how == "op by op":
             monkeypatch.setattr(native, "layer_plan", lambda *a: None)
         llm = LLM(str(path), kv_cache_memory_mb=8, autotune=False)
         seen = _record_logits(llm)
         outs = llm.generate(prompts, params)
-        plans.append(
-            [layer.__dict__.get("native_plan") for layer in llm.engine.runner.model.layers]
-        )
+        model = llm.engine.runner.model
+        plans.append([layer.__dict__.get("native_plan") for layer in model.layers])
+        stacks.append(model.__dict__.get("native_stack"))
         runs.append([(o.token_ids, torch.stack(seen[o.request_id])) for o in outs])
-    assert all(p is not None for p in plans[0]) and not any(plans[1])
-    for (tokens_a, logits_a), (tokens_b, logits_b) in zip(*runs, strict=True):
-        assert tokens_a == tokens_b
-        assert torch.equal(logits_a, logits_b)  # the same kernels in the same order
+    assert all(p is not None for p in plans[0] + plans[1]) and not any(plans[2])
+    assert stacks[0] is not None and stacks[1] is None and stacks[2] is None
+    for other in runs[1:]:
+        for (tokens_a, logits_a), (tokens_b, logits_b) in zip(runs[0], other, strict=True):
+            assert tokens_a == tokens_b
+            assert torch.equal(logits_a, logits_b)  # the same kernels in the same order

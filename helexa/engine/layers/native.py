@@ -128,6 +128,11 @@ def load(path: Path) -> ctypes.CDLL:
         f32, ptr, ptr, i64, ptr, ptr, ptr, i64, ptr, i64, ptr, f32, ptr, ctypes.c_int,
     ]  # fmt: skip
     lib.hx_decode_layer.restype = ctypes.c_int
+    lib.hx_decode_layers.argtypes = [
+        ctypes.POINTER(HxLayer), i64, ptr, ptr, ptr, i64, i64, ptr, ptr, i64, ptr, ptr, i64,
+        ptr, ctypes.c_int,
+    ]  # fmt: skip
+    lib.hx_decode_layers.restype = ctypes.c_int
     return lib
 
 
@@ -140,6 +145,30 @@ class HxLinear(ctypes.Structure):
         ("n", ctypes.c_int64),
         ("k", ctypes.c_int64),
         ("bias", ctypes.c_void_p),
+    ]
+
+
+class HxLayer(ctypes.Structure):
+    """blocks.c's hx_layer: what hx_decode_layers needs of one decoder layer."""
+
+    _fields_ = [
+        ("norm1", ctypes.c_void_p),
+        ("norm2", ctypes.c_void_p),
+        ("eps", ctypes.c_float),
+        ("qkv", ctypes.POINTER(HxLinear)),
+        ("o", ctypes.POINTER(HxLinear)),
+        ("gate_up", ctypes.POINTER(HxLinear)),
+        ("down", ctypes.POINTER(HxLinear)),
+        ("H", ctypes.c_int64),
+        ("KVH", ctypes.c_int64),
+        ("D", ctypes.c_int64),
+        ("q_norm", ctypes.c_void_p),
+        ("k_norm", ctypes.c_void_p),
+        ("qk_eps", ctypes.c_float),
+        ("k_cache", ctypes.c_void_p),
+        ("v_cache", ctypes.c_void_p),
+        ("block_size", ctypes.c_int64),
+        ("scale", ctypes.c_float),
     ]
 
 
@@ -540,3 +569,59 @@ def decode_layer(
     if rc != 0:
         raise RuntimeError(f"native decode_layer refused x {list(x.shape)}")
     return out, res_out
+
+
+# -- every decoder layer ----------------------------------------------------------------------
+@dataclass(slots=True)
+class StackPlan:
+    """What `decode_layers` passes for a model's decoder layers, built once from their
+    LayerPlans: an hx_layer array pointing at each layer's tensors, and the KV caches it was
+    built on (a model given new caches gets a new plan)."""
+
+    layers: ctypes.Array
+    plans: list[LayerPlan]
+    caches: list[torch.Tensor]
+    rows_ok: list[bool]
+
+    def fits(self, attns: list[torch.nn.Module]) -> bool:
+        """Whether the caches are still the ones the plan points at."""
+        return all(a.k_cache is k for a, k in zip(attns, self.caches, strict=True))
+
+
+def stack_plan(plans: list[LayerPlan]) -> StackPlan:
+    """The plan of every layer at once (each must have its LayerPlan)."""
+    layers = (HxLayer * len(plans))()
+    caches = []
+    for slot, p in zip(layers, plans, strict=True):
+        attn = p.attn
+        slot.norm1, slot.norm2, slot.eps = p.norm1.data_ptr(), p.norm2.data_ptr(), p.eps
+        slot.qkv, slot.o, slot.gate_up, slot.down = (ctypes.pointer(lin) for lin in p.linears)
+        slot.H, slot.KVH, slot.D = p.heads
+        slot.q_norm = p.q_norm.data_ptr() if p.q_norm is not None else None
+        slot.k_norm = p.k_norm.data_ptr() if p.k_norm is not None else None
+        slot.qk_eps = p.qk_eps
+        slot.k_cache, slot.v_cache = attn.k_cache.data_ptr(), attn.v_cache.data_ptr()
+        slot.block_size, slot.scale = attn.k_cache.shape[1], attn.scale
+        caches.append(attn.k_cache)
+    most = max(len(p.rows_ok) for p in plans)
+    rows_ok = [all(p.rows_ok[min(r, len(p.rows_ok) - 1)] for p in plans) for r in range(most)]
+    return StackPlan(layers, plans, caches, rows_ok)
+
+
+def decode_layers(stack: StackPlan, x: torch.Tensor, ctx) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every DecoderLayer.forward of a decode-only step in one C call, from the embeddings:
+    the last layer's (out, residual), what `decode_layer` layer by layer gives."""
+    m, hidden = x.shape
+    x = x.contiguous()
+    out, residual = torch.empty_like(x), torch.empty_like(x)
+    r = ctx.cos.shape[-1]
+    cos, ssin = ctx.cos.reshape(m, r).contiguous(), ctx.sin.reshape(m, r).contiguous()
+    tables, lens = ctx.decode_blocks, ctx.decode_lens
+    rc = library().hx_decode_layers(
+        stack.layers, len(stack.plans), x.data_ptr(), out.data_ptr(), residual.data_ptr(), m,
+        hidden, cos.data_ptr(), ssin.data_ptr(), r, ctx.slot_mapping.data_ptr(),
+        tables.data_ptr(), tables.shape[1], lens.data_ptr(), torch.get_num_threads(),
+    )  # fmt: skip
+    if rc != 0:
+        raise RuntimeError(f"native decode_layers refused x {list(x.shape)}")
+    return out, residual

@@ -159,10 +159,7 @@ class DecoderLayer(nn.Module):
         each norm adds the pending output into the stream as it normalises (one kernel on
         CUDA; on CPU the same `x + residual` as an unfused layer)."""
         if _native_decode_step(ctx):
-            plan = self.__dict__.get("native_plan", False)
-            if plan is False:  # first decode step: can the whole layer be one C call?
-                plan = native.layer_plan(self, Attention, MLP, Linear) if native.enabled() else None
-                self.__dict__["native_plan"] = plan  # not a submodule
+            plan = self.native_layer_plan()
             if (
                 plan is not None
                 and plan.rows_ok[min(x.shape[0], len(plan.rows_ok) - 1)]
@@ -175,6 +172,15 @@ class DecoderLayer(nn.Module):
         x = self.self_attn.forward(x, ctx)
         x, residual = self.post_attention_layernorm.forward(x, residual)
         return self.mlp.forward(x), residual
+
+    def native_layer_plan(self) -> native.LayerPlan | None:
+        """The layer as one C call (native.layer_plan), built at the first decode step; None
+        where it cannot be."""
+        plan = self.__dict__.get("native_plan", False)
+        if plan is False:
+            plan = native.layer_plan(self, Attention, MLP, Linear) if native.enabled() else None
+            self.__dict__["native_plan"] = plan  # not a submodule
+        return plan
 
 
 class Embedding(nn.Module):
@@ -307,9 +313,29 @@ class LlamaForCausalLM(nn.Module):
         # input_ids, positions: [num_tokens] -> hidden: [num_tokens, hidden]
         x = self.embed_tokens(input_ids)
         residual = None
-        for layer in self.layers:
-            x, residual = layer.forward(x, residual, ctx)
+        stack = self._native_stack() if _native_decode_step(ctx) else None
+        if (
+            stack is not None
+            and stack.rows_ok[min(x.shape[0], len(stack.rows_ok) - 1)]
+            and native.usable(x, ctx.cos, stack.caches[0])
+        ):
+            x, residual = native.decode_layers(stack, x, ctx)  # every layer, one C call
+        else:
+            for layer in self.layers:
+                x, residual = layer.forward(x, residual, ctx)
         return self.norm.forward_residual(x, residual)[0]
+
+    def _native_stack(self) -> native.StackPlan | None:
+        """Every layer's native plan as one (native.stack_plan) where each layer has one;
+        rebuilt when the KV caches it points at were replaced."""
+        stack = self.__dict__.get("native_stack", False)
+        attns = self.attention_layers
+        if stack is False or (stack is not None and not stack.fits(attns)):
+            plans = [getattr(layer, "native_layer_plan", lambda: None)() for layer in self.layers]
+            ok = plans and all(p is not None for p in plans)
+            stack = native.stack_plan(plans) if ok else None
+            self.__dict__["native_stack"] = stack  # not a submodule
+        return stack
 
     def compute_logits(self, hidden: torch.Tensor, seqs: list | None = None) -> torch.Tensor:
         # hidden: [num_seqs, hidden] -> [num_seqs, vocab]

@@ -796,3 +796,46 @@ done:
     free(h); free(buf); free(attn); free(gu);
     return rc;
 }
+
+/* -- every decoder layer of a decode step --------------------------------------------------- */
+
+typedef struct {
+    const float *norm1, *norm2; /* input and post-attention RMSNorm weights */
+    float eps;
+    const hx_linear *qkv, *o, *gate_up, *down;
+    int64_t H, KVH, D;
+    const float *q_norm, *k_norm; /* [D] or NULL */
+    float qk_eps;
+    float *k_cache, *v_cache; /* [blocks, block_size, KVH, D] */
+    int64_t block_size;
+    float scale;
+} hx_layer;
+
+/* hx_decode_layer over `n_layers` layers in turn, from the embeddings x [M, hidden] (the first
+ * layer's input, residual none) to the last layer's (out, residual) [M, hidden]: one call a
+ * step instead of one a layer, each with its Python and its 31 ctypes arguments (~20 µs a
+ * layer at batch 1). */
+int hx_decode_layers(const hx_layer *layers, int64_t n_layers, const float *x, float *out,
+                     float *residual, int64_t M, int64_t hidden, const float *cos,
+                     const float *ssin, int64_t r, const int64_t *slots, const int64_t *tables,
+                     int64_t max_blocks, const int32_t *lens, int num_threads) {
+    if (n_layers < 1) return -1;
+    float *spare = malloc((size_t)(M * hidden) * sizeof(float));
+    if (!spare) return -1;
+    /* layer l writes into out or spare, so that the last one writes into out */
+    float *bufs[2] = {n_layers % 2 ? out : spare, n_layers % 2 ? spare : out};
+    const float *cur = x;
+    int rc = 0;
+    for (int64_t l = 0; l < n_layers && rc == 0; l++) {
+        const hx_layer *y = layers + l;
+        float *dst = bufs[l % 2];
+        rc = hx_decode_layer(cur, l ? residual : NULL, residual, M, hidden, y->norm1, y->norm2,
+                             y->eps, y->qkv, y->o, y->gate_up, y->down, y->H, y->KVH, y->D,
+                             y->q_norm, y->k_norm, y->qk_eps, cos, ssin, r, slots, y->k_cache,
+                             y->v_cache, y->block_size, tables, max_blocks, lens, y->scale, dst,
+                             num_threads);
+        cur = dst;
+    }
+    free(spare);
+    return rc;
+}
