@@ -475,9 +475,10 @@ def fuse(linears: Sequence[Linear]) -> Linear:
     fused.format, fused.dtype, fused.k_repeat = first.format, first.dtype, first.k_repeat
     fused.block_kind = first.block_kind
     fused.split_sizes = sizes
-    fused.weight = torch.cat([m.weight for m in linears])
     if first.format == "blocks" and not all(m.block_kind.endswith("x8") for m in linears):
         fused._set_blocks(_cat_file_order(linears), _held_as(first))  # x8 where it can be
+    else:  # x8 groups, like file rows, concatenate as they are
+        fused.weight = torch.cat([m.weight for m in linears])
     if all(m.dense is not None for m in linears):
         fused.dense = torch.cat([m.dense for m in linears])
     if first.scales is not None:

@@ -583,9 +583,9 @@ class StackPlan:
     caches: list[torch.Tensor]
     rows_ok: list[bool]
 
-    def fits(self, attns: list[torch.nn.Module]) -> bool:
-        """Whether the caches are still the ones the plan points at."""
-        return all(a.k_cache is k for a, k in zip(attns, self.caches, strict=True))
+    def fits(self) -> bool:
+        """Whether the layers' caches are still the ones the plan points at."""
+        return all(p.attn.k_cache is k for p, k in zip(self.plans, self.caches, strict=True))
 
 
 def stack_plan(plans: list[LayerPlan]) -> StackPlan:

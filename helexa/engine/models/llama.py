@@ -329,8 +329,7 @@ class LlamaForCausalLM(nn.Module):
         """Every layer's native plan as one (native.stack_plan) where each layer has one;
         rebuilt when the KV caches it points at were replaced."""
         stack = self.__dict__.get("native_stack", False)
-        attns = self.attention_layers
-        if stack is False or (stack is not None and not stack.fits(attns)):
+        if stack is False or (stack is not None and not stack.fits()):
             plans = [getattr(layer, "native_layer_plan", lambda: None)() for layer in self.layers]
             ok = plans and all(p is not None for p in plans)
             stack = native.stack_plan(plans) if ok else None
