@@ -437,7 +437,7 @@ def engine_settings(engine: LLMEngine) -> dict[str, Any]:
         "block_size": a.block_size,
         "max_num_seqs": a.max_num_seqs,
         "max_num_batched_tokens": a.max_num_batched_tokens,
-        "max_prefill_chunk": a.max_prefill_chunk,
+        "max_prefill_chunk": a.max_prefill_chunk or a.max_num_batched_tokens,
         "enable_prefix_caching": a.enable_prefix_caching,
     }
 

@@ -14,7 +14,11 @@ import torch
 
 from helexa import kernels
 from helexa.engine.cuda_graph import DecodeGraphs, capture_decode_graphs
-from helexa.engine.layers.attention import AttentionContext, PrefillSegment
+from helexa.engine.layers.attention import (
+    AttentionContext,
+    PrefillSegment,
+    split_prefix_attention,
+)
 from helexa.engine.layers.linear import PREFILL_STEP
 from helexa.engine.layers.sampler import Sampler
 from helexa.engine.scheduler import ScheduledBatch
@@ -233,9 +237,10 @@ class ModelRunner:
             seg = PrefillSegment(start, end, None, state_slot=state_slot, cached=cached)
             if context is not None:  # a later chunk on the torch path
                 seg.context_slots = self.tensor(context)
-                n, span = end - start, len(context)
-                seg.mask = torch.ones(n, span, dtype=torch.bool).tril(span - n)
-                seg.mask = seg.mask.to(self.device, non_blocking=True)
+                if not split_prefix_attention(self.device):  # else no mask is needed
+                    n, span = end - start, len(context)
+                    seg.mask = torch.ones(n, span, dtype=torch.bool).tril(span - n)
+                    seg.mask = seg.mask.to(self.device, non_blocking=True)
             prefills.append(seg)
         ctx = AttentionContext(
             slot_mapping=self.tensor(plan.slots),

@@ -20,7 +20,7 @@ from helexa.engine.state_manager import Snapshot, StateCopy, StateManager
 class SchedulerConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
-    max_prefill_chunk: int = 512
+    max_prefill_chunk: int | None = None  # None: up to the whole step budget
 
 
 @dataclass(slots=True)
@@ -67,7 +67,7 @@ class Scheduler:
 
     def schedule(self) -> ScheduledBatch | None:
         budget = self.config.max_num_batched_tokens
-        chunk = self.config.max_prefill_chunk
+        chunk = self.config.max_prefill_chunk or budget
         bm, sm = self.block_manager, self.state_manager
         batch = ScheduledBatch([], [])
         seqs, counts = batch.seqs, batch.num_new_tokens

@@ -613,12 +613,29 @@ int hx_decode_attention(float *qkv, int64_t M, int64_t H, int64_t KVH, int64_t D
     return rc;
 }
 
-/* out [M, I] = silu(x[:, :I]) * x[:, I:], x [M, 2I] */
+/* out [M, I] = silu(x[:, :I]) * x[:, I:], x [M, 2I]. Eight lanes at a time through exp256,
+ * -g capped at 88 so that 2^n stays a float, and g below -88 giving 0 as expf does. Rows split
+ * over threads once a call is big enough to pay for them (a prompt chunk's 512 x 1536 took
+ * 3.1 ms through scalar expf on one thread), unless out is x itself: in place, row m's
+ * outputs land on rows before m, which only an in-order loop has read by then. */
 int hx_silu_mul(const float *x, int64_t M, int64_t I, float *out) {
+#pragma omp parallel for schedule(static) if (M * I >= (1 << 16) && out != x)
     for (int64_t m = 0; m < M; m++) {
         const float *g = x + m * 2 * I, *u = g + I;
         float *o = out + m * I;
-        for (int64_t i = 0; i < I; i++) o[i] = g[i] / (1.f + expf(-g[i])) * u[i];
+        int64_t i = 0;
+#ifdef __AVX2__
+        const __m256 one = _mm256_set1_ps(1.f), cap = _mm256_set1_ps(88.f);
+        const __m256 zero = _mm256_setzero_ps();
+        for (; i + 8 <= I; i += 8) {
+            __m256 gv = _mm256_loadu_ps(g + i);
+            __m256 e = exp256(_mm256_min_ps(_mm256_sub_ps(zero, gv), cap));
+            __m256 s = _mm256_div_ps(gv, _mm256_add_ps(one, e));
+            s = _mm256_andnot_ps(_mm256_cmp_ps(gv, _mm256_sub_ps(zero, cap), _CMP_LT_OQ), s);
+            _mm256_storeu_ps(o + i, _mm256_mul_ps(s, _mm256_loadu_ps(u + i)));
+        }
+#endif
+        for (; i < I; i++) o[i] = g[i] / (1.f + expf(-g[i])) * u[i];
     }
     return 0;
 }
