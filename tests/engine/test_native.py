@@ -233,3 +233,53 @@ def test_all_layers_or_one_layer_in_one_call_compute_what_the_layers_op_by_op_do
         for (tokens_a, logits_a), (tokens_b, logits_b) in zip(runs[0], other, strict=True):
             assert tokens_a == tokens_b
             assert torch.equal(logits_a, logits_b)  # the same kernels in the same order
+
+
+def _paged_decode_reference(q, k_cache, v_cache, tables, lens, scale):
+    """Each row's context gathered token by token through its table, softmax in float64."""
+    _, block_size, kvh, d = k_cache.shape
+    group = q.shape[1] // kvh
+    out = []
+    for i, n in enumerate(lens.tolist()):
+        table = tables[i].tolist()
+        slots = [table[t // block_size] * block_size + t % block_size for t in range(n)]
+        k = k_cache.view(-1, kvh, d)[slots].double().repeat_interleave(group, 1)  # [n, H, d]
+        v = v_cache.view(-1, kvh, d)[slots].double().repeat_interleave(group, 1)
+        p = (torch.einsum("hd,thd->ht", q[i].double(), k) * scale).softmax(-1)
+        out.append(torch.einsum("ht,thd->hd", p, v))
+    return torch.stack(out).float()
+
+
+@pytest.mark.parametrize(("heads", "kv_heads", "d"), [(9, 3, 64), (4, 4, 32), (8, 1, 36)])
+@pytest.mark.parametrize("lens", [[1], [7], [200], [600, 1, 33, 17]])
+def test_paged_decode_attention_is_softmax_over_each_rows_blocks(heads, kv_heads, d, lens):
+    g = torch.Generator().manual_seed(len(lens) * 1000 + lens[0])
+    block_size, num_blocks = 16, 64
+    k_cache = torch.randn(num_blocks, block_size, kv_heads, d, generator=g)
+    v_cache = torch.randn(num_blocks, block_size, kv_heads, d, generator=g)
+    width = -(-max(lens) // block_size)
+    tables = torch.stack([torch.randperm(num_blocks, generator=g)[:width] for _ in lens])
+    q = torch.randn(len(lens), heads, d, generator=g) * 2
+    lens_t = torch.tensor(lens, dtype=torch.int32)
+    want = _paged_decode_reference(q, k_cache, v_cache, tables, lens_t, d**-0.5)
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2, 3):  # the context split into spans for each thread count
+            torch.set_num_threads(n)
+            got = native.paged_decode(q, k_cache, v_cache, tables, lens_t, d**-0.5)
+            torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_paged_decode_of_the_scalar_build_agrees(tmp_path, monkeypatch):
+    monkeypatch.setenv("HELEXA_NATIVE_DIR", str(tmp_path))
+    flags = (*(f for f in native.FLAGS if not f.startswith("-march")), "-march=x86-64")
+    scalar = native.load(native.build(native._compiler(), flags))
+    g = torch.Generator().manual_seed(1)
+    k_cache, v_cache = torch.randn(2, 8, 16, 2, 64, generator=g)
+    tables = torch.arange(16).view(1, 16).repeat(2, 1)
+    lens = torch.tensor([100, 3], dtype=torch.int32)
+    q = torch.randn(2, 6, 64, generator=g)
+    a = native.paged_decode(q, k_cache, v_cache, tables, lens, 0.125, lib=scalar)
+    torch.testing.assert_close(a, native.paged_decode(q, k_cache, v_cache, tables, lens, 0.125))

@@ -292,16 +292,17 @@ def paged_decode(
     tables: torch.Tensor,
     lens: torch.Tensor,
     scale: float,
+    lib=None,
 ) -> torch.Tensor:
     """One decode step's attention, float32: q [n, H, D]; caches [blocks, block_size, KVH,
     D]; tables [n, max_blocks] int64; lens [n] int32 → [n, H, D]. The torch path gathers
-    the blocks and runs SDPA; this reads them in place."""
+    the blocks and runs SDPA; this reads them in place. `lib`: another build (tests)."""
     q, k_cache, v_cache = q.contiguous(), k_cache.contiguous(), v_cache.contiguous()
     tables, lens = tables.contiguous(), lens.to(torch.int32).contiguous()
     n, h, d = q.shape
     _, block_size, kvh, _ = k_cache.shape
     out = torch.empty_like(q)
-    rc = library().hx_paged_decode(
+    rc = (lib or library()).hx_paged_decode(
         q.data_ptr(),
         n,
         h,

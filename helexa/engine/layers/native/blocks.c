@@ -488,14 +488,16 @@ static float softmax_exp(float *s, int64_t n) {
  * and hx_paged_decode checks), so a shift and a mask rather than a 64-bit division */
 #define SLOT(table, t) ((table[(t) >> shift] << shift) | ((t) & (block_size - 1)))
 
-/* scores[t] = scale * q . k_t for the t < len tokens of one kv head; k_t found through the
+/* scores[t - t0] = scale * q . k_t for tokens t0 <= t < t1 of one kv head; k_t found through the
  * block table. Eight tokens at a time where D allows: eight dot products accumulate side by
  * side and one transposing reduction sums them, instead of a horizontal sum per token. */
 static void head_scores(const float *q, const float *k_cache, const int64_t *table,
-                        int64_t block_size, int64_t KVH, int64_t kvh, int64_t D, int64_t len,
-                        float scale, float *scores) {
+                        int64_t block_size, int64_t KVH, int64_t kvh, int64_t D, int64_t t0,
+                        int64_t t1, float scale, float *scores) {
     const int shift = __builtin_ctzll((unsigned long long)block_size);
-    int64_t t = 0;
+    const int64_t len = t1;
+    int64_t t = t0;
+    scores -= t0;
 #ifdef __AVX2__
     if (D % 8 == 0) {
         for (; t + 8 <= len; t += 8) {
@@ -527,12 +529,25 @@ static void head_scores(const float *q, const float *k_cache, const int64_t *tab
 
 /* One decode step's attention over the paged cache, float32. q [n, H, D]; k_cache, v_cache
  * [num_blocks, block_size, KVH, D]; tables [n, max_blocks] int64 block ids; lens [n] the
- * tokens each row attends to (its own included); out [n, H, D]. Each (row, head) is a task. */
+ * tokens each row attends to (its own included); out [n, H, D].
+ *
+ * Split-K ("flash decoding"): each row's context is cut into S spans, and a task is one
+ * (row, span) over every head. It reads the span's K and V as the cache lays them out (a
+ * token's [KVH, D] rows after one another, a block's tokens after one another): K first
+ * prefetched in that order, then scored head by head from the cache; V accumulated token
+ * by token into every head's output. By (row, head) tasks over whole contexts, each head
+ * read its kv head's 256 bytes out of every 768 and a 512-token context cost ~115-190 us a
+ * layer against ~70-110 now (SmolLM2's 9 heads, 3 kv heads, 30 layers, the cache out of
+ * the L3 as the streaming weights leave it in a decode step), and one row's 9 tasks left
+ * a thread of 2 idle a ninth of the time. A task leaves, per head, its span's max score,
+ * sum of e^(score - max) and unnormalised output; a second pass merges the spans. S gives
+ * the threads ~8 tasks each, none under 16 tokens. Returns 0, or -1 on a bad argument or
+ * a failed allocation. */
 int hx_paged_decode(const float *q, int64_t n, int64_t H, int64_t KVH, int64_t D,
                     const float *k_cache, const float *v_cache, int64_t block_size,
                     const int64_t *tables, int64_t max_blocks, const int32_t *lens, float scale,
                     float *out, int num_threads) {
-    if (n < 1 || KVH < 1 || H % KVH || D < 1 || block_size < 1) return -1;
+    if (n < 1 || KVH < 1 || H % KVH || D < 1 || block_size < 1 || num_threads < 1) return -1;
     if (block_size & (block_size - 1)) return -1; /* a power of two */
     const int shift = __builtin_ctzll((unsigned long long)block_size);
     int64_t group = H / KVH, max_len = 0;
@@ -540,29 +555,73 @@ int hx_paged_decode(const float *q, int64_t n, int64_t H, int64_t KVH, int64_t D
         if (lens[i] < 1 || lens[i] > max_blocks * block_size) return -1;
         if (lens[i] > max_len) max_len = lens[i];
     }
+    int64_t S = (8 * (int64_t)num_threads + n - 1) / n;
+    if (S > (max_len + 15) / 16) S = (max_len + 15) / 16;
+    if (S < 1) S = 1;
+    const int64_t span_max = (max_len + S - 1) / S, stride = D + 2; /* o[D], max, sum */
+    float *part = malloc((size_t)(n * H * S * stride) * sizeof(float));
+    if (!part) return -1;
     int failed = 0;
 #pragma omp parallel num_threads(num_threads)
     {
-        float *s = malloc((size_t)max_len * sizeof(float));
+        float *s = malloc((size_t)(H * span_max) * sizeof(float));
         if (!s) {
 #pragma omp atomic write
             failed = 1;
         }
 #pragma omp for schedule(static)
-        for (int64_t task = 0; task < n * H; task++) {
+        for (int64_t task = 0; task < n * S; task++) {
             if (!s) continue;
-            int64_t i = task / H, h = task % H, kvh = h / group, len = lens[i];
+            int64_t i = task / S, sp = task % S, len = lens[i], per = (len + S - 1) / S;
+            int64_t t0 = sp * per, t1 = t0 + per < len ? t0 + per : len, nt = t1 - t0;
             const int64_t *table = tables + i * max_blocks;
-            head_scores(q + task * D, k_cache, table, block_size, KVH, kvh, D, len, scale, s);
-            float *o = out + task * D, inv = 1.f / softmax_exp(s, len);
-            memset(o, 0, (size_t)D * sizeof(float));
-            for (int64_t t = 0; t < len; t++) {
-                int64_t slot = SLOT(table, t);
-                axpy_f32(o, s[t] * inv, v_cache + (slot * KVH + kvh) * D, D);
+            const float *qi = q + i * H * D;
+            for (int64_t t = t0; t < t1; t++) { /* the span's K, in the order it lies */
+                const char *krow = (const char *)(k_cache + SLOT(table, t) * KVH * D);
+                for (int64_t b = 0; b < KVH * D * (int64_t)sizeof(float); b += 64)
+                    __builtin_prefetch(krow + b, 0, 3);
+            }
+            for (int64_t h = 0; h < H; h++) /* eight tokens at a time, from the cache */
+                head_scores(qi + h * D, k_cache, table, block_size, KVH, h / group, D, t0, t1,
+                            scale, s + h * span_max);
+            for (int64_t h = 0; h < H; h++) {
+                float *pp = part + ((i * H + h) * S + sp) * stride, *sh = s + h * span_max;
+                memset(pp, 0, (size_t)D * sizeof(float));
+                pp[D] = -INFINITY, pp[D + 1] = 0.f; /* an empty span weighs 0 in the merge */
+                if (nt < 1) continue;
+                float m = -INFINITY;
+                for (int64_t t = 0; t < nt; t++) m = sh[t] > m ? sh[t] : m;
+                pp[D] = m, pp[D + 1] = softmax_exp(sh, nt);
+            }
+            for (int64_t t = t0; t < t1; t++) {
+                const float *vrow = v_cache + SLOT(table, t) * KVH * D;
+                for (int64_t h = 0; h < H; h++)
+                    axpy_f32(part + ((i * H + h) * S + sp) * stride, s[h * span_max + t - t0],
+                             vrow + h / group * D, D);
             }
         }
         free(s);
+        if (!failed) { /* every thread sees the same value: set before the barrier above */
+#pragma omp for schedule(static)
+            for (int64_t task = 0; task < n * H; task++) {
+                const float *pp = part + task * S * stride;
+                float m = -INFINITY, total = 0.f, *o = out + task * D;
+                for (int64_t sp = 0; sp < S; sp++)
+                    m = pp[sp * stride + D] > m ? pp[sp * stride + D] : m;
+                memset(o, 0, (size_t)D * sizeof(float));
+                for (int64_t sp = 0; sp < S; sp++) {
+                    const float *p = pp + sp * stride;
+                    if (p[D + 1] == 0.f) continue; /* an empty span */
+                    float w = expf(p[D] - m);
+                    total += w * p[D + 1];
+                    axpy_f32(o, w, p, D);
+                }
+                float inv = 1.f / total;
+                for (int64_t d = 0; d < D; d++) o[d] *= inv;
+            }
+        }
     }
+    free(part);
     return failed ? -1 : 0;
 }
 
