@@ -14,6 +14,7 @@ import torch
 
 from helexa import kernels
 from helexa.engine.cuda_graph import DecodeGraphs, capture_decode_graphs
+from helexa.engine.layers import sampler as sampling_ops
 from helexa.engine.layers.attention import (
     AttentionContext,
     PrefillSegment,
@@ -344,7 +345,7 @@ class ModelRunner:
             for j, s in enumerate(sampling):
                 if s.params.debug_fault == "nonfinite":
                     logits[j] = torch.nan
-        finite_rows = logits.isfinite().all(-1)
+        finite_rows = sampling_ops.finite_rows(logits)
         # seeded rows' generators as they were, for a retry row by row after a failed attempt
         states = [q.generator.get_state() if q.generator is not None else None for q in sampling]
         wants_logprobs = any(q.params.logprobs is not None for q in sampling)

@@ -283,3 +283,22 @@ def test_paged_decode_of_the_scalar_build_agrees(tmp_path, monkeypatch):
     q = torch.randn(2, 6, 64, generator=g)
     a = native.paged_decode(q, k_cache, v_cache, tables, lens, 0.125, lib=scalar)
     torch.testing.assert_close(a, native.paged_decode(q, k_cache, v_cache, tables, lens, 0.125))
+
+
+def test_argmax_and_finiteness_are_torchs(tmp_path, monkeypatch):
+    monkeypatch.setenv("HELEXA_NATIVE_DIR", str(tmp_path))
+    flags = (*(f for f in native.FLAGS if not f.startswith("-march")), "-march=x86-64")
+    scalar = native.load(native.build(native._compiler(), flags))
+    g = torch.Generator().manual_seed(0)
+    for n in (1, 7, 8, 49152, 49155):
+        x = torch.randn(6, n, generator=g)
+        x[1, n // 2] = x[1].max() + 1  # a lone max mid-row
+        x[2, :] = 3.0  # ties: the first index
+        x[3, n - 1] = float("inf")
+        x[4, n // 3] = float("nan")  # the first NaN is the argmax, the row not finite
+        x[5, 0] = float("-inf")
+        want = (x.argmax(-1), x.isfinite().all(-1))
+        for lib in (None, scalar):
+            idx, finite = native.argmax_finite(x, lib=lib)
+            assert torch.equal(idx, want[0]), (n, idx, want[0])
+            assert torch.equal(finite, want[1]), (n, finite, want[1])

@@ -699,6 +699,50 @@ int hx_silu_mul(const float *x, int64_t M, int64_t I, float *out) {
     return 0;
 }
 
+/* Per row of x [M, N]: idx = the first index of its largest value (of its first NaN if it
+ * has one, as torch.argmax), finite = whether every value is finite. One pass for the max
+ * and finiteness (x - x is 0 exactly where x is finite), one for the index; a step's logits
+ * over SmolLM2's 49152 tokens took 134 us in torch.argmax and 136 in isfinite().all(). */
+int hx_argmax_finite(const float *x, int64_t M, int64_t N, int64_t *idx, uint8_t *finite) {
+    if (M < 1 || N < 1) return -1;
+#pragma omp parallel for schedule(static) if (M * N >= (1 << 20))
+    for (int64_t m = 0; m < M; m++) {
+        const float *r = x + m * N;
+        float best = r[0], bad = 0.f;
+        int64_t j = 0;
+#ifdef __AVX2__
+        if (N >= 8) {
+            __m256 vmax = _mm256_loadu_ps(r), vbad = _mm256_setzero_ps();
+            for (; j + 8 <= N; j += 8) {
+                __m256 v = _mm256_loadu_ps(r + j);
+                vmax = _mm256_max_ps(vmax, v);
+                vbad = _mm256_or_ps(vbad, _mm256_sub_ps(v, v)); /* NaN where v is not finite */
+            }
+            float lanes[8], flags[8];
+            _mm256_storeu_ps(lanes, vmax);
+            _mm256_storeu_ps(flags, vbad);
+            for (int l = 0; l < 8; l++) {
+                best = lanes[l] > best ? lanes[l] : best;
+                bad = flags[l] != 0.f ? 1.f : bad; /* NaN != 0 too */
+            }
+        }
+#endif
+        for (; j < N; j++) {
+            best = r[j] > best ? r[j] : best;
+            if (r[j] - r[j] != 0.f) bad = 1.f;
+        }
+        int64_t at = -1;
+        if (bad != 0.f) /* torch.argmax takes a NaN for the max: the first one */
+            for (int64_t k = 0; k < N && at < 0; k++)
+                if (r[k] != r[k]) at = k;
+        for (int64_t k = 0; k < N && at < 0; k++)
+            if (r[k] == best) at = k;
+        idx[m] = at < 0 ? 0 : at;
+        finite[m] = bad == 0.f;
+    }
+    return 0;
+}
+
 /* y [M, N] = x [M, K] @ W^T with x in float32 as it is (no int8 quantization): each block's
  * weights are widened to the exact floats `dequantize` gives (w = d q + m) and multiplied
  * in float32. For prompt steps' few-row calls (a chunk's last rows, the logits of the
