@@ -11,7 +11,16 @@ import pytest
 import torch
 
 from helexa.engine.layers import autotune
-from helexa.engine.layers.autotune import BUCKETS, DENSE, WHOLE, Autotuner, choose, plan_for_rows
+from helexa.engine.layers.autotune import (
+    BUCKETS,
+    DENSE,
+    WHOLE,
+    Autotuner,
+    choose,
+    exact_rows,
+    plan_for_rows,
+    shape_key,
+)
 from tests.engine.test_linear import make_linears
 
 
@@ -66,10 +75,14 @@ def test_plans_are_measured_once_per_shape_then_read_from_the_machines_cache(tmp
     (cached,) = tmp_path.glob("*.json")
     body = json.loads(cached.read_text())
     assert body["version"] == autotune.CACHE_VERSION and len(body["plans"]) == 2
+    if held.startswith("blocks"):  # where prompt steps leave the exact kernel, measured too
+        assert set(body["exact_rows"]) == set(body["plans"])
+        assert all(lin.exact_rows == body["exact_rows"][shape_key(lin)] for lin in lins)
     again = Autotuner(tmp_path, torch.get_num_threads())
     fresh = make_linears("Q4_1", [192], with_bias=False)
     again.tune(fresh)
     assert again.measured == [] and fresh[0].plans == lins[0].plans
+    assert fresh[0].exact_rows == lins[0].exact_rows
     # another thread count is another machine as far as plans go
     assert Autotuner(tmp_path, torch.get_num_threads() + 1).plans == {}
     cached.write_text("{not json")
@@ -93,3 +106,11 @@ def test_without_a_cache_directory_a_process_measures_each_shape_once():
     later = make_linears("Q4_1", [64], with_bias=False)
     again.tune(later)
     assert again.measured == [] and later[0].plans == first[0].plans
+
+
+def test_prompt_steps_keep_the_exact_kernel_up_to_the_last_bucket_where_it_is_quicker():
+    dense = [5.0] * 8  # 1 ... 128 rows
+    assert exact_rows([1, 1, 1, 1, 2, 4, 8, 16], dense) == 32
+    assert exact_rows([1] * 8, dense) == 128
+    assert exact_rows([6, 1, 1, 1, 1, 1, 1, 1], dense) == 0  # the GEMM from one row up
+    assert exact_rows([1, 9, 1, 1, 1, 1, 1, 1], dense) == 1  # a cliff ends it for good

@@ -301,17 +301,18 @@ def test_rows_run_in_chunks_as_planned_give_what_one_call_gives(kind):
 
 
 def test_a_prefill_step_takes_a_float32_path_whatever_its_row_count():
-    from helexa.engine.layers.linear import EXACT_ROWS, PREFILL_STEP
+    from helexa.engine.layers.linear import PREFILL_STEP
 
     (lin,) = make_linears("Q4_1", [576], with_bias=False)
     add_dense_copy(lin)
+    lin.exact_rows = 4  # as the autotune would set it
     x = torch.randn(3, 576)
     exact = torch.nn.functional.linear(x, lin.dense)
     token = PREFILL_STEP.set(True)
     try:
         if lin.format == "blocks":  # few rows: the native float32 kernel on the exact blocks
             torch.testing.assert_close(lin(x), exact, rtol=1e-5, atol=1e-5)
-            wide = torch.randn(EXACT_ROWS + 1, 576)  # more: the GEMM on the weight
+            wide = torch.randn(lin.exact_rows + 1, 576)  # more: the GEMM on the weight
             assert torch.equal(lin(wide), torch.nn.functional.linear(wide, lin.dense))
         else:  # the f32 copy, not the bf16 packed kernel
             assert torch.equal(lin(x), exact)

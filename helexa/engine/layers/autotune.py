@@ -11,6 +11,13 @@ kernel by 2x there). Each bucket takes the cheapest way to cover its rows: eithe
 all of them, or on chunks of a smaller bucket's size (b/c calls of c rows). Any smaller bucket's way is among the candidates, scaled, so more rows
 never lower a call's throughput.
 
+Prompt steps run in float32 whatever their size (linear.PREFILL_STEP). On GGUF blocks a
+call of few rows takes the exact float32 block kernel (no weight unpacked), a wide one the
+GEMM on the weight unpacked for the call: the two are timed at the buckets up to 128 rows,
+and `exact_rows` is the largest bucket up to which the kernel stays the quicker (a prompt
+tail after a prefix-cache hit is typically 1-100 rows: through the GEMM, 11 rows took the
+whole weight's unpacking, ~120 ms a step for SmolLM2 on a 2-core EPYC).
+
 The plans are kept in `<cache_dir>/<machine>.json` (the node: `state_dir/autotune`), keyed
 by the CPU, its flags, torch's version and the thread count, so a restart costs nothing.
 """
@@ -41,7 +48,8 @@ Plan = tuple[bool, int]
 WHOLE: Plan = (False, 0)
 DENSE: Plan = (True, 0)
 MIN_TIMED_S = 0.003  # each timing repeats the call until this much time has passed
-CACHE_VERSION = 4  # 4: native blocks timed with their weights cold
+CACHE_VERSION = 5  # 4: native blocks timed with their weights cold; 5: exact_rows
+EXACT_BUCKETS = BUCKETS[: BUCKETS.index(128) + 1]  # prompt-step row counts timed both ways
 
 
 def cpu_info() -> tuple[str, str]:
@@ -145,29 +153,45 @@ def _cold_copies(linear: torch.nn.Module) -> Callable[[], torch.nn.Module]:
     return lambda: next(turn)
 
 
-def measure(linear: torch.nn.Module) -> list[Plan]:
+def measure(linear: torch.nn.Module) -> tuple[list[Plan], int | None]:
     """Time `linear`'s packed kernel and its float32 GEMM (on the dense copy, or on the
-    weight dequantized within each call) at every bucket; the plans."""
+    weight dequantized within each call) at every bucket, and on GGUF blocks the exact
+    float32 kernel up to 128 rows; the plans, and `exact_rows` (None: not blocks)."""
     gen = torch.Generator().manual_seed(0)
     kernel_s: list[float] = []
     dense_s: list[float] = []
+    exact_s: list[float] = []
     pick = _cold_copies(linear)
     kernel = lambda rows: pick().packed_matmul(rows)  # noqa: E731
     dense = lambda rows: pick().dense_matmul(rows)  # noqa: E731
+    exact = lambda rows: pick().exact_matmul(rows)  # noqa: E731
     for i, b in enumerate(BUCKETS):
         x = torch.randn(b, linear.in_features, generator=gen)
         h = linear.packed_input(x)
-        paths = ((kernel_s, kernel, h), (dense_s, dense, x))
+        paths = [(kernel_s, kernel, h), (dense_s, dense, x)]
+        if linear.format == "blocks" and b in EXACT_BUCKETS:
+            paths.append((exact_s, exact, h))
         for times, run, rows in paths:
             if i and times[-1] > MAX_TIMED_CALL_S:
                 times.append(times[-1] * b / BUCKETS[i - 1])
             else:
                 times.append(_timed(lambda run=run, rows=rows: run(rows)))
-    return choose(kernel_s, dense_s)
+    return choose(kernel_s, dense_s), (exact_rows(exact_s, dense_s) if exact_s else None)
+
+
+def exact_rows(exact_s: list[float], dense_s: list[float]) -> int:
+    """The largest bucket up to which the exact kernel is at least as quick as the GEMM at
+    every bucket (0: the GEMM from one row up)."""
+    rows = 0
+    for b, e, d in zip(EXACT_BUCKETS, exact_s, dense_s, strict=False):
+        if e > d:
+            break
+        rows = b
+    return rows
 
 
 # Plans measured by this process where there is no cache directory, per machine key.
-_MEASURED: dict[str, dict[str, list[Plan]]] = {}
+_MEASURED: dict[str, tuple[dict[str, list[Plan]], dict[str, int]]] = {}
 
 
 class Autotuner:
@@ -178,27 +202,35 @@ class Autotuner:
         self.path = None
         if cache_dir is not None:
             self.path = Path(cache_dir) / f"{self.machine}.json"
-        self.plans: dict[str, list[Plan]] = self._read()
+        self.plans: dict[str, list[Plan]] = {}
+        self.exact_rows: dict[str, int] = {}  # GGUF-block shapes only
+        self._read()
         self.measured: list[str] = []  # shapes timed by this process, not read from cache
 
-    def _read(self) -> dict[str, list[Plan]]:
+    def _read(self) -> None:
         if self.path is None:  # no cache directory: this process's own measurements
-            return _MEASURED.setdefault(self.machine, {})
+            self.plans, self.exact_rows = _MEASURED.setdefault(self.machine, ({}, {}))
+            return
         try:
             data = json.loads(self.path.read_text())
         except (OSError, ValueError):
-            return {}  # absent or damaged: measured again, then written anew
+            return  # absent or damaged: measured again, then written anew
         if not isinstance(data, dict) or data.get("version") != CACHE_VERSION:
-            return {}
-        plans = {}
+            return
+        exact = data.get("exact_rows") or {}
         for key, value in (data.get("plans") or {}).items():
             try:
                 read = [(bool(dense), int(chunk)) for dense, chunk in value]
-            except (TypeError, ValueError):
+                rows = exact.get(key)
+                rows = None if rows is None else int(rows)
+            except (TypeError, ValueError, AttributeError):
                 continue  # a damaged entry is measured again
+            if rows is not None and rows not in (0, *EXACT_BUCKETS):
+                continue
             if len(read) == len(BUCKETS) and all(c in (0, *BUCKETS) for _, c in read):
-                plans[key] = read
-        return plans
+                self.plans[key] = read
+                if rows is not None:
+                    self.exact_rows[key] = rows
 
     def _write(self) -> None:
         if self.path is None:  # self.plans is this process's table (_read): kept already
@@ -206,7 +238,12 @@ class Autotuner:
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             tmp = self.path.with_suffix(f".tmp{os.getpid()}")
-            body = {"version": CACHE_VERSION, "buckets": list(BUCKETS), "plans": self.plans}
+            body = {
+                "version": CACHE_VERSION,
+                "buckets": list(BUCKETS),
+                "plans": self.plans,
+                "exact_rows": self.exact_rows,
+            }
             tmp.write_text(json.dumps(body, indent=1, sort_keys=True))
             tmp.replace(self.path)
         except OSError as e:  # a read-only state_dir costs a re-measure next time, no more
@@ -218,13 +255,19 @@ class Autotuner:
             if linear.format not in ("int4", "int8", "blocks"):
                 continue
             key = shape_key(linear)
-            if key not in self.plans:
+            blocks = linear.format == "blocks"
+            if key not in self.plans or (blocks and key not in self.exact_rows):
                 t0 = time.perf_counter()
-                self.plans[key] = measure(linear)
+                self.plans[key], rows = measure(linear)
+                if rows is not None:
+                    self.exact_rows[key] = rows
                 self.measured.append(key)
                 log.debug(
-                    "autotune %s: %s in %.2fs", key, self.plans[key], time.perf_counter() - t0
-                )
+                    "autotune %s: %s, exact up to %s rows, in %.2fs",
+                    key, self.plans[key], rows, time.perf_counter() - t0,
+                )  # fmt: skip
             linear.plans = plan_for_rows(self.plans[key])
+            if blocks:
+                linear.exact_rows = self.exact_rows[key]
         if self.measured:
             self._write()

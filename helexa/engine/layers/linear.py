@@ -66,7 +66,8 @@ PREFILL_STEP: ContextVar[bool] = ContextVar("PREFILL_STEP", default=False)
 _HAS_INT4 = hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu")  # torch >= 2.6
 # Prompt-step calls of up to this many rows on GGUF blocks (a short chunk, the logits of the
 # prompt's last token) take the native float32 kernel, which reads the blocks as they are,
-# rather than unpacking the whole weight for a GEMM.
+# rather than unpacking the whole weight for a GEMM: until the autotune has measured where
+# the GEMM starts to pay on this machine (Linear.exact_rows).
 EXACT_ROWS = 8
 
 
@@ -117,6 +118,9 @@ class Linear(nn.Module):
         # CPU-packed formats: how a call of r rows runs (index r, the last for more rows),
         # chosen by measurement at load (layers/autotune.py); None: the kernel on all rows
         self.plans: list[Plan] | None = None
+        # format "blocks": prompt-step calls of up to this many rows take the exact float32
+        # kernel, more the GEMM on the unpacked weight (measured at load, see EXACT_ROWS)
+        self.exact_rows = EXACT_ROWS
         # Tensor parallel: the rows (column-parallel) or columns (row-parallel) of the
         # checkpoint's weight this rank holds; in/out_features are then the local sizes.
         self.shard: Shard | None = None
@@ -275,7 +279,7 @@ class Linear(nn.Module):
         # decode calls this ~200 times a token: every skipped no-op counts
         rows, plans, exact = x.shape[0], self.plans, False
         if PREFILL_STEP.get():  # prompts in float32 whatever their size (see PREFILL_STEP)
-            exact = self.format == "blocks" and rows <= EXACT_ROWS  # no weight unpacked
+            exact = self.format == "blocks" and rows <= self.exact_rows  # no weight unpacked
             dense, chunk = not exact, 0
         elif plans is None:
             dense, chunk = WHOLE
