@@ -222,15 +222,75 @@ static inline void group_row(int base, const uint8_t *g, int r, uint8_t *blk) {
     for (int c = 0; c < (base == KIND_Q8_0 ? 8 : 4); c++) memcpy(out + 4 * c, qs + 32 * c + 4 * r, 4);
 }
 
-/* a group's 8 rows as floats, out[r * K + j] (GGUF's arithmetic, as dequant_block) */
+#ifdef __AVX2__
+/* v[p] (lane r: row r's weight at position p) → v[r] (lane p: the same), in place */
+static inline void transpose8(__m256 v[8]) {
+    __m256 t[8], u[8];
+    for (int i = 0; i < 8; i += 2) {
+        t[i] = _mm256_unpacklo_ps(v[i], v[i + 1]);
+        t[i + 1] = _mm256_unpackhi_ps(v[i], v[i + 1]);
+    }
+    for (int i = 0; i < 8; i += 4) {
+        u[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44);
+        u[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xee);
+        u[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44);
+        u[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xee);
+    }
+    for (int i = 0; i < 4; i++) {
+        v[i] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x20);
+        v[i + 4] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x31);
+    }
+}
+#endif
+
+/* a group's 8 rows as floats, out[r * K + j] (GGUF's arithmetic, as dequant_block: q d is
+ * exact in float32, so one rounding at most, the same with or without FMA). With AVX2, eight
+ * positions of the 8 rows widened side by side (a row a lane), then transposed so that each
+ * row's eight floats store together; block by block and row by row it took 0.75 ms for
+ * Q4_1's 3072 x 576 gate/up, ~57 ms of every prompt chunk over SmolLM2's layers. */
 static void group_unpack(int base, const uint8_t *grp, int64_t nb, float *out, int64_t K) {
     const int64_t gb = XR * hx_block_bytes(base);
+#ifdef __AVX2__
+    const __m256i low = _mm256_set1_epi32(0x0f);
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk = grp + b * gb, *qs = blk + codes_at(base);
+        const __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk));
+        float *o = out + b * QK;
+        __m256 v[8];
+        if (base == KIND_Q8_0) {
+            for (int c = 0; c < 8; c += 2) { /* positions 4c … 4c + 7 */
+                for (int p = 0; p < 8; p++) {
+                    __m256i raw = _mm256_loadu_si256((const __m256i *)(qs + 32 * (c + p / 4)));
+                    __m256i q = _mm256_srai_epi32(_mm256_slli_epi32(raw, 24 - 8 * (p % 4)), 24);
+                    v[p] = _mm256_mul_ps(_mm256_cvtepi32_ps(q), dv);
+                }
+                transpose8(v);
+                for (int r = 0; r < XR; r++) _mm256_storeu_ps(o + r * K + 4 * c, v[r]);
+            }
+            continue;
+        }
+        const __m256 mv = base == KIND_Q4_1
+                              ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 2 * XR)))
+                              : _mm256_mul_ps(dv, _mm256_set1_ps(-8.f));
+        for (int half = 0; half < 2; half++)      /* low nibbles: 0 … 15; high: 16 … 31 */
+            for (int c = 0; c < 4; c += 2) {       /* positions 16 half + 4c … + 7 */
+                for (int p = 0; p < 8; p++) {
+                    __m256i raw = _mm256_loadu_si256((const __m256i *)(qs + 32 * (c + p / 4)));
+                    __m256i q = _mm256_and_si256(_mm256_srli_epi32(raw, 8 * (p % 4) + 4 * half), low);
+                    v[p] = _mm256_add_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(q), dv), mv);
+                }
+                transpose8(v);
+                for (int r = 0; r < XR; r++) _mm256_storeu_ps(o + r * K + 16 * half + 4 * c, v[r]);
+            }
+    }
+#else
     uint8_t blk[34];
     for (int64_t b = 0; b < nb; b++)
         for (int r = 0; r < XR; r++) {
             group_row(base, grp + b * gb, r, blk);
             dequant_block(base, blk, out + r * K + b * QK);
         }
+#endif
 }
 
 /* rows [8 g0, 8 g1) of an x8 weight against the mt (<= MT) quantized rows of x */
