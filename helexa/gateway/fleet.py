@@ -30,6 +30,14 @@ class NodeView:
     discovery: dict[str, Any] | None = None
     models: dict[str, dict[str, Any]] = field(default_factory=dict)  # /models by id
     load: dict[str, int] = field(default_factory=dict)  # id -> in_flight + queue_depth
+    # Of that load, what is not ours: the node's count includes the requests this gateway
+    # proxies to it, which the router counts itself, live. Subtracted: the most of ours in
+    # flight at any time since the poll was sent (the node counted them at some instant in
+    # between). Without it a request of ours that a poll caught stayed on the node's books
+    # until the next poll, and the next request saw that node as busy as a really busy one.
+    others_load: dict[str, int] = field(default_factory=dict)
+    proxied: dict[str, int] = field(default_factory=dict)  # id -> ours in flight now
+    _proxied_peak: dict[str, int] = field(default_factory=dict, repr=False)
     activation: dict[str, Any] | None = None
     devices: list[dict[str, Any]] = field(default_factory=list)  # /health devices
     endpoints: dict[str, str] = field(default_factory=dict)  # model id -> inference base URL
@@ -38,6 +46,17 @@ class NodeView:
     def max_prompt_tokens(self) -> int | None:
         value = (self.discovery or {}).get("max_prompt_tokens")
         return value if isinstance(value, int) and value > 0 else None
+
+    def poll_started(self) -> None:
+        """A poll of /health goes out now: ours in flight from here on count against it."""
+        self._proxied_peak = {k: v for k, v in self.proxied.items() if v}
+
+    def proxy_started(self, model_id: str) -> None:
+        n = self.proxied[model_id] = self.proxied.get(model_id, 0) + 1
+        self._proxied_peak[model_id] = max(self._proxied_peak.get(model_id, 0), n)
+
+    def proxy_ended(self, model_id: str) -> None:
+        self.proxied[model_id] = max(0, self.proxied.get(model_id, 0) - 1)
 
     def loaded(self, model_id: str) -> bool:
         return self.up and self.models.get(model_id, {}).get("status") == "loaded"
@@ -71,6 +90,8 @@ class NodeView:
             for m in health.get("models", [])
             if isinstance(m, dict) and "id" in m
         }
+        peak = self._proxied_peak
+        self.others_load = {k: max(0, v - peak.get(k, 0)) for k, v in self.load.items()}
         self.activation = health.get("activation")
         self.devices = list(health.get("devices") or [])
         for gone in set(self.endpoints) - set(self.models):

@@ -75,6 +75,7 @@ class Poller:
         try:
             if node.discovery is None or node.max_prompt_tokens is None:
                 node.discovery = await self._get(node, "/discovery")
+            node.poll_started()
             models, health = await asyncio.gather(
                 self._get(node, "/models"), self._get(node, "/health")
             )

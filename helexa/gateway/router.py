@@ -100,17 +100,20 @@ class Router:
         return [Route(n, node_id, n.inference_url(node_id)) for n in replicas]
 
     def _busy(self, node: NodeView, node_id: str) -> int:
-        return node.load.get(node_id, 0) + self.in_flight.get((node.name, node_id), 0)
+        """Others' requests on the node at its last poll, and ours now."""
+        return node.others_load.get(node_id, 0) + self.in_flight.get((node.name, node_id), 0)
 
     def begin(self, route: Route) -> None:
         key = (route.node.name, route.model_id)
         self.in_flight[key] = self.in_flight.get(key, 0) + 1
         self.last_used[key] = time.monotonic()
+        route.node.proxy_started(route.model_id)
 
     def end(self, route: Route) -> None:
         key = (route.node.name, route.model_id)
         self.in_flight[key] = max(0, self.in_flight.get(key, 0) - 1)
         self.last_used[key] = time.monotonic()
+        route.node.proxy_ended(route.model_id)
 
     # -- cold loads ------------------------------------------------------------------
     async def _cold_load(self, model_id: str, loading: list[NodeView]) -> NodeView:

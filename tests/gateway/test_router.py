@@ -54,13 +54,42 @@ def routes(r: Router, model: str):
     return asyncio.run(r.routes(model))
 
 
+def polled(node: NodeView, in_flight: dict[str, int], sent=lambda: None) -> None:
+    """A poll of `node` whose /health counts `in_flight` per model; `sent()` runs between
+    the poll going out and its answer."""
+    node.poll_started()
+    sent()
+    health = {"models": [{"id": m, "in_flight": n, "queue_depth": 0} for m, n in in_flight.items()]}
+    node.mark_up(list(node.models.values()), health)
+
+
 def test_the_least_busy_replica_comes_first_and_ties_go_by_name():
     fleet = fleet_with(b={"m": "loaded"}, a={"m": "loaded"}, c={"m": "loaded"})
     r = router(fleet)
     assert [x.node.name for x in routes(r, "m")] == ["a", "b", "c"]
-    fleet.nodes["a"].load = {"m": 3}
-    fleet.nodes["b"].load = {"m": 1}
+    polled(fleet.nodes["a"], {"m": 3})
+    polled(fleet.nodes["b"], {"m": 1})
     assert [x.node.name for x in routes(r, "m")] == ["c", "b", "a"]
+
+
+def test_a_request_of_ours_that_a_poll_caught_is_not_counted_again_once_it_ends():
+    fleet = fleet_with(a={"m": "loaded"}, b={"m": "loaded"})
+    r = router(fleet)
+    polled(fleet.nodes["a"], {"m": 1})  # someone else's request, straight to node a
+    ours = routes(r, "m")[0]
+    assert ours.node.name == "b"
+    r.begin(ours)
+    polled(fleet.nodes["b"], {"m": 1})  # the poll sees our request on b
+    assert fleet.nodes["b"].load == {"m": 1} and fleet.nodes["b"].others_load == {"m": 0}
+    r.end(ours)
+    # b is idle now; until the next poll it read as busy as a, and the tie went to a
+    assert [x.node.name for x in routes(r, "m")] == ["b", "a"]
+    # a request of ours that starts while a poll is out is taken off that poll's count
+    late = routes(r, "m")[0]
+    polled(fleet.nodes["b"], {"m": 1}, sent=lambda: r.begin(late))
+    r.end(late)
+    assert fleet.nodes["b"].others_load == {"m": 0}
+    assert routes(r, "m")[0].node.name == "b"
 
 
 def test_requests_this_gateway_is_proxying_count_as_load():
