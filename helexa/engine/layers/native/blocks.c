@@ -398,6 +398,111 @@ static void groups_block(int base, const uint8_t *w, int64_t nb, int64_t g0, int
     }
 }
 
+#ifdef __AVX2__
+/* rows [8 g0, 8 g1) of an x8 weight against mt (<= MT) float32 rows of x, exactly: per block
+ * and 4 codes, the 8 rows' weights widened side by side (one row a lane) to w = d q + m, and
+ * multiplied into one vector of 8 outputs per row of x. Two accumulators a row (the low and
+ * high nibbles; even and odd codes of Q8_0), so that FMA latency is not the limit. Unpacking
+ * each group to row-major floats and taking a dot product per output ran ~9 GFLOP/s. */
+static inline __attribute__((always_inline)) void groups_f32_kernel(
+    const int base, const int mt, const uint8_t *w, int64_t nb, int64_t g0, int64_t g1,
+    const float *x, int64_t K, float *y, int64_t N) {
+    const int64_t gb = XR * (base == KIND_Q4_0 ? 18 : base == KIND_Q4_1 ? 20 : 34);
+    const __m256i low = _mm256_set1_epi32(0x0f);
+    for (int64_t g = g0; g < g1; g++) {
+        const uint8_t *grp = w + g * nb * gb;
+        __m256 acc[MT], acc2[MT];
+        for (int i = 0; i < mt; i++) acc[i] = acc2[i] = _mm256_setzero_ps();
+        for (int64_t b = 0; b < nb; b++) {
+            const uint8_t *blk = grp + b * gb, *qs = blk + codes_at(base);
+            const __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk));
+            const float *xb = x + b * QK;
+            if (base == KIND_Q8_0) {
+                for (int c = 0; c < 8; c++) {
+                    __m256i raw = _mm256_loadu_si256((const __m256i *)(qs + 32 * c));
+                    for (int k = 0; k < 4; k += 2) { /* byte k of each lane, sign-extended */
+                        __m256i q0 = _mm256_srai_epi32(_mm256_slli_epi32(raw, 24 - 8 * k), 24);
+                        __m256i q1 = _mm256_srai_epi32(_mm256_slli_epi32(raw, 16 - 8 * k), 24);
+                        __m256 w0 = _mm256_mul_ps(_mm256_cvtepi32_ps(q0), dv);
+                        __m256 w1 = _mm256_mul_ps(_mm256_cvtepi32_ps(q1), dv);
+                        for (int i = 0; i < mt; i++) {
+                            const float *xi = xb + i * K + 4 * c + k;
+                            acc[i] = _mm256_fmadd_ps(w0, _mm256_broadcast_ss(xi), acc[i]);
+                            acc2[i] = _mm256_fmadd_ps(w1, _mm256_broadcast_ss(xi + 1), acc2[i]);
+                        }
+                    }
+                }
+            } else {
+                __m256 mv = base == KIND_Q4_1
+                    ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 2 * XR)))
+                    : _mm256_mul_ps(dv, _mm256_set1_ps(-8.f)); /* Q4_0: d (q - 8) */
+                for (int c = 0; c < 4; c++) {
+                    __m256i raw = _mm256_loadu_si256((const __m256i *)(qs + 32 * c));
+                    for (int k = 0; k < 4; k++) {
+                        __m256i byte = _mm256_srli_epi32(raw, 8 * k);
+                        __m256 wl = _mm256_fmadd_ps(
+                            _mm256_cvtepi32_ps(_mm256_and_si256(byte, low)), dv, mv);
+                        __m256 wh = _mm256_fmadd_ps(
+                            _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(byte, 4), low)),
+                            dv, mv);
+                        for (int i = 0; i < mt; i++) {
+                            const float *xi = xb + i * K + 4 * c + k;
+                            acc[i] = _mm256_fmadd_ps(wl, _mm256_broadcast_ss(xi), acc[i]);
+                            acc2[i] = _mm256_fmadd_ps(wh, _mm256_broadcast_ss(xi + 16), acc2[i]);
+                        }
+                    }
+                }
+            }
+        }
+        for (int i = 0; i < mt; i++)
+            _mm256_storeu_ps(y + i * N + g * XR, _mm256_add_ps(acc[i], acc2[i]));
+    }
+}
+
+#define GROUPS_F32_CASE(KIND, MT_)                                                             \
+    case KIND * 8 + MT_:                                                                       \
+        groups_f32_kernel(KIND, MT_, w, nb, g0, g1, x, K, y, N);                               \
+        break;
+#define GROUPS_F32_KIND(KIND)                                                                  \
+    GROUPS_F32_CASE(KIND, 1) GROUPS_F32_CASE(KIND, 2) GROUPS_F32_CASE(KIND, 3)                 \
+    GROUPS_F32_CASE(KIND, 4)
+
+static void groups_f32_block(int base, const uint8_t *w, int64_t nb, int64_t g0, int64_t g1,
+                             int mt, const float *x, int64_t K, float *y, int64_t N) {
+    switch (base * 8 + mt) {
+        GROUPS_F32_KIND(KIND_Q4_0)
+        GROUPS_F32_KIND(KIND_Q4_1)
+        GROUPS_F32_KIND(KIND_Q8_0)
+    }
+}
+#endif
+
+/* The x8 matmuls' tiling: groups of 8 rows in chunks of 2 (16 rows) split over the threads,
+ * each chunk read once for up to MT rows of x. The int8 kernel on xq/xd/xs, or, with xq NULL,
+ * the exact float32 one on x (AVX2 builds only: the scalar build unpacks groups instead). */
+static void x8_tiles(int base, const uint8_t *w, int64_t N, int64_t nb, int64_t K, int64_t M,
+                     const float *x, const int8_t *xq, const float *xd, const float *xs,
+                     float *y, int num_threads) {
+#ifndef __AVX2__
+    (void)x; /* only AVX2 builds take the exact path through here */
+#endif
+    int64_t ng = N / XR, nchunks = (ng + 1) / 2;
+#pragma omp parallel for schedule(static) num_threads(num_threads)
+    for (int64_t c = 0; c < nchunks; c++) {
+        int64_t g0 = 2 * c, g1 = g0 + 2 < ng ? g0 + 2 : ng;
+        for (int64_t m0 = 0; m0 < M; m0 += MT) {
+            int mt = M - m0 < MT ? (int)(M - m0) : MT;
+            if (xq)
+                groups_block(base, w, nb, g0, g1, mt, xq + m0 * K, xd + m0 * nb, xs + m0 * nb, K,
+                             y + m0 * N, N);
+#ifdef __AVX2__
+            else
+                groups_f32_block(base, w, nb, g0, g1, mt, x + m0 * K, K, y + m0 * N, N);
+#endif
+        }
+    }
+}
+
 /* y [M, N] = x [M, K] @ W^T; W: N rows of K/32 blocks of `kind`. Returns 0, or -1 on a bad
  * argument or a failed allocation. */
 int hx_blocks_matmul(int kind, const uint8_t *w, int64_t N, int64_t K, const float *x, int64_t M,
@@ -414,17 +519,7 @@ int hx_blocks_matmul(int kind, const uint8_t *w, int64_t N, int64_t K, const flo
     }
     quantize_x(x, M, K, xq, xd, xs);
     if (is_x8(kind)) {
-        /* groups of 8 rows in chunks of 2 (16 rows), each read once for up to MT rows of x */
-        int64_t ng = N / XR, nchunks = (ng + 1) / 2;
-#pragma omp parallel for schedule(static) num_threads(num_threads)
-        for (int64_t c = 0; c < nchunks; c++) {
-            int64_t g0 = 2 * c, g1 = g0 + 2 < ng ? g0 + 2 : ng;
-            for (int64_t m0 = 0; m0 < M; m0 += MT) {
-                int mt = M - m0 < MT ? (int)(M - m0) : MT;
-                groups_block(base_kind(kind), w, nb, g0, g1, mt, xq + m0 * K, xd + m0 * nb,
-                             xs + m0 * nb, K, y + m0 * N, N);
-            }
-        }
+        x8_tiles(base_kind(kind), w, N, nb, K, M, x, xq, xd, xs, y, num_threads);
         free(xq); free(xd); free(xs);
         return 0;
     }
@@ -803,85 +898,6 @@ int hx_argmax_finite(const float *x, int64_t M, int64_t N, int64_t *idx, uint8_t
     return 0;
 }
 
-#ifdef __AVX2__
-/* rows [8 g0, 8 g1) of an x8 weight against mt (<= MT) float32 rows of x, exactly: per block
- * and 4 codes, the 8 rows' weights widened side by side (one row a lane) to w = d q + m, and
- * multiplied into one vector of 8 outputs per row of x. Two accumulators a row (the low and
- * high nibbles; even and odd codes of Q8_0), so that FMA latency is not the limit. Unpacking
- * each group to row-major floats and taking a dot product per output ran ~9 GFLOP/s. */
-static inline __attribute__((always_inline)) void groups_f32_kernel(
-    const int base, const int mt, const uint8_t *w, int64_t nb, int64_t g0, int64_t g1,
-    const float *x, int64_t K, float *y, int64_t N) {
-    const int64_t gb = XR * (base == KIND_Q4_0 ? 18 : base == KIND_Q4_1 ? 20 : 34);
-    const __m256i low = _mm256_set1_epi32(0x0f);
-    for (int64_t g = g0; g < g1; g++) {
-        const uint8_t *grp = w + g * nb * gb;
-        __m256 acc[MT], acc2[MT];
-        for (int i = 0; i < mt; i++) acc[i] = acc2[i] = _mm256_setzero_ps();
-        for (int64_t b = 0; b < nb; b++) {
-            const uint8_t *blk = grp + b * gb, *qs = blk + codes_at(base);
-            const __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk));
-            const float *xb = x + b * QK;
-            if (base == KIND_Q8_0) {
-                for (int c = 0; c < 8; c++) {
-                    __m256i raw = _mm256_loadu_si256((const __m256i *)(qs + 32 * c));
-                    for (int k = 0; k < 4; k += 2) { /* byte k of each lane, sign-extended */
-                        __m256i q0 = _mm256_srai_epi32(_mm256_slli_epi32(raw, 24 - 8 * k), 24);
-                        __m256i q1 = _mm256_srai_epi32(_mm256_slli_epi32(raw, 16 - 8 * k), 24);
-                        __m256 w0 = _mm256_mul_ps(_mm256_cvtepi32_ps(q0), dv);
-                        __m256 w1 = _mm256_mul_ps(_mm256_cvtepi32_ps(q1), dv);
-                        for (int i = 0; i < mt; i++) {
-                            const float *xi = xb + i * K + 4 * c + k;
-                            acc[i] = _mm256_fmadd_ps(w0, _mm256_broadcast_ss(xi), acc[i]);
-                            acc2[i] = _mm256_fmadd_ps(w1, _mm256_broadcast_ss(xi + 1), acc2[i]);
-                        }
-                    }
-                }
-            } else {
-                __m256 mv = base == KIND_Q4_1
-                    ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 2 * XR)))
-                    : _mm256_mul_ps(dv, _mm256_set1_ps(-8.f)); /* Q4_0: d (q - 8) */
-                for (int c = 0; c < 4; c++) {
-                    __m256i raw = _mm256_loadu_si256((const __m256i *)(qs + 32 * c));
-                    for (int k = 0; k < 4; k++) {
-                        __m256i byte = _mm256_srli_epi32(raw, 8 * k);
-                        __m256 wl = _mm256_fmadd_ps(
-                            _mm256_cvtepi32_ps(_mm256_and_si256(byte, low)), dv, mv);
-                        __m256 wh = _mm256_fmadd_ps(
-                            _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(byte, 4), low)),
-                            dv, mv);
-                        for (int i = 0; i < mt; i++) {
-                            const float *xi = xb + i * K + 4 * c + k;
-                            acc[i] = _mm256_fmadd_ps(wl, _mm256_broadcast_ss(xi), acc[i]);
-                            acc2[i] = _mm256_fmadd_ps(wh, _mm256_broadcast_ss(xi + 16), acc2[i]);
-                        }
-                    }
-                }
-            }
-        }
-        for (int i = 0; i < mt; i++)
-            _mm256_storeu_ps(y + i * N + g * XR, _mm256_add_ps(acc[i], acc2[i]));
-    }
-}
-
-#define GROUPS_F32_CASE(KIND, MT_)                                                             \
-    case KIND * 8 + MT_:                                                                       \
-        groups_f32_kernel(KIND, MT_, w, nb, g0, g1, x, K, y, N);                               \
-        break;
-#define GROUPS_F32_KIND(KIND)                                                                  \
-    GROUPS_F32_CASE(KIND, 1) GROUPS_F32_CASE(KIND, 2) GROUPS_F32_CASE(KIND, 3)                 \
-    GROUPS_F32_CASE(KIND, 4)
-
-static void groups_f32_block(int base, const uint8_t *w, int64_t nb, int64_t g0, int64_t g1,
-                             int mt, const float *x, int64_t K, float *y, int64_t N) {
-    switch (base * 8 + mt) {
-        GROUPS_F32_KIND(KIND_Q4_0)
-        GROUPS_F32_KIND(KIND_Q4_1)
-        GROUPS_F32_KIND(KIND_Q8_0)
-    }
-}
-#endif
-
 /* y [M, N] = x [M, K] @ W^T with x in float32 as it is (no int8 quantization): each block's
  * weights are widened to the exact floats `dequantize` gives (w = d q + m) and multiplied
  * in float32. For prompt steps' few-row calls (a chunk's last rows, the logits of the
@@ -892,16 +908,8 @@ int hx_blocks_matmul_f32(int kind, const uint8_t *w, int64_t N, int64_t K, const
         return -1;
     int64_t nb = K / QK, bb = hx_block_bytes(kind), row_bytes = nb * bb;
 #ifdef __AVX2__
-    if (is_x8(kind)) { /* groups in chunks of 2, each widened once for up to MT rows of x */
-        int64_t ng = N / XR, nchunks = (ng + 1) / 2;
-#pragma omp parallel for schedule(static) num_threads(num_threads)
-        for (int64_t c = 0; c < nchunks; c++) {
-            int64_t g0 = 2 * c, g1 = g0 + 2 < ng ? g0 + 2 : ng;
-            for (int64_t m0 = 0; m0 < M; m0 += MT) {
-                int mt = M - m0 < MT ? (int)(M - m0) : MT;
-                groups_f32_block(base_kind(kind), w, nb, g0, g1, mt, x + m0 * K, K, y + m0 * N, N);
-            }
-        }
+    if (is_x8(kind)) { /* each group widened once for up to MT rows of x */
+        x8_tiles(base_kind(kind), w, N, nb, K, M, x, NULL, NULL, NULL, y, num_threads);
         return 0;
     }
 #endif
