@@ -36,7 +36,7 @@ class NodeView:
     # between). Without it a request of ours that a poll caught stayed on the node's books
     # until the next poll, and the next request saw that node as busy as a really busy one.
     others_load: dict[str, int] = field(default_factory=dict)
-    proxied: dict[str, int] = field(default_factory=dict)  # id -> ours in flight now
+    proxied: dict[str, int] = field(default_factory=dict)  # id -> ours in flight now (router)
     _proxied_peak: dict[str, int] = field(default_factory=dict, repr=False)
     activation: dict[str, Any] | None = None
     devices: list[dict[str, Any]] = field(default_factory=list)  # /health devices

@@ -48,7 +48,6 @@ class Router:
         self.aliases: dict[str, str] = {}
         self.catalogue_generation = 0  # one more on every replace_catalogue
         self.replace_catalogue(cfg.models, cfg.aliases)
-        self.in_flight: dict[tuple[str, str], int] = {}  # (node, model) -> proxied by us now
         self.last_used: dict[tuple[str, str], float] = {}
         self._cold: dict[str, asyncio.Task[NodeView]] = {}
 
@@ -99,20 +98,22 @@ class Router:
         replicas.sort(key=lambda n: (self._busy(n, node_id), n.name))
         return [Route(n, node_id, n.inference_url(node_id)) for n in replicas]
 
+    @property
+    def in_flight(self) -> dict[tuple[str, str], int]:
+        """(node, model) -> requests this gateway is proxying there now (NodeView.proxied)."""
+        nodes = self.fleet.nodes.values()
+        return {(n.name, m): count for n in nodes for m, count in n.proxied.items()}
+
     def _busy(self, node: NodeView, node_id: str) -> int:
         """Others' requests on the node at its last poll, and ours now."""
-        return node.others_load.get(node_id, 0) + self.in_flight.get((node.name, node_id), 0)
+        return node.others_load.get(node_id, 0) + node.proxied.get(node_id, 0)
 
     def begin(self, route: Route) -> None:
-        key = (route.node.name, route.model_id)
-        self.in_flight[key] = self.in_flight.get(key, 0) + 1
-        self.last_used[key] = time.monotonic()
+        self.last_used[(route.node.name, route.model_id)] = time.monotonic()
         route.node.proxy_started(route.model_id)
 
     def end(self, route: Route) -> None:
-        key = (route.node.name, route.model_id)
-        self.in_flight[key] = max(0, self.in_flight.get(key, 0) - 1)
-        self.last_used[key] = time.monotonic()
+        self.last_used[(route.node.name, route.model_id)] = time.monotonic()
         route.node.proxy_ended(route.model_id)
 
     # -- cold loads ------------------------------------------------------------------
@@ -230,7 +231,7 @@ class Router:
             if entry.get("status") == "loaded"
             and m != incoming
             and m not in pinned
-            and not self.in_flight.get((node.name, m))
+            and not node.proxied.get(m)
             and not node.load.get(m)
         ]
         if not candidates:
