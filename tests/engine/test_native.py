@@ -159,7 +159,7 @@ def test_native_decode_steps_give_the_torch_paths_logits(family, tmp_path, monke
     if not FIXTURE_MODELS.is_dir():
         pytest.skip("shared fixtures absent")
     model_dir, hf = make_tiny_model(family, tmp_path)
-    calls = {"decode_attention": 0, "rms_norm": 0, "silu_mul": 0}
+    calls = {"decode_attention": 0, "qk_prepare": 0, "rms_norm": 0, "silu_mul": 0}
     for name in calls:
         real = getattr(native, name)
 
@@ -270,6 +270,49 @@ def test_paged_decode_attention_is_softmax_over_each_rows_blocks(heads, kv_heads
             torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
     finally:
         torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("rows", [1, 5, 300])  # 300: rows split over threads
+@pytest.mark.parametrize(("heads", "kv_heads", "d", "r"), [(9, 3, 64, 64), (4, 2, 32, 16)])
+@pytest.mark.parametrize("qk_norm", [False, True])
+def test_prompt_qk_prepare_is_the_heads_norms_then_torchs_rotary(
+    rows, heads, kv_heads, d, r, qk_norm
+):
+    from helexa import kernels
+    from helexa.engine.layers.rotary import RotaryEmbedding
+
+    g = torch.Generator().manual_seed(rows * 10 + d)
+    qkv = torch.randn(rows, (heads + 2 * kv_heads) * d, generator=g)
+    cos, sin = RotaryEmbedding(r, 4096, 10000.0).lookup(torch.randperm(4096)[:rows], torch.float32)
+    norms = (torch.rand(d, generator=g) + 0.5, torch.rand(d, generator=g) + 0.5)
+    q, k, v = qkv.view(rows, -1, d).split([heads, kv_heads, kv_heads], dim=1)
+    if qk_norm:
+        q, k = (kernels.naive_rms_norm(t, w, 1e-6) for t, w in zip((q, k), norms, strict=True))
+    q, k = kernels.naive_rotary(q, k, cos, sin)  # each head's first r dims
+    want = torch.cat((q, k, v), dim=1)
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            got = qkv.clone()
+            qk_norms = norms if qk_norm else (None, None)
+            native.qk_prepare(got, heads, kv_heads, d, *qk_norms, 1e-6, cos, sin)
+            torch.testing.assert_close(got.view(rows, -1, d), want, atol=1e-5, rtol=1e-5)
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("rows", [1, 300])  # 300: rows split over threads
+def test_rms_norm_with_and_without_a_residual_is_torchs(rows):
+    from helexa import kernels
+
+    g = torch.Generator().manual_seed(rows)
+    x, res = torch.randn(2, rows, 576, generator=g)
+    w = torch.rand(576, generator=g) + 0.5
+    torch.testing.assert_close(native.rms_norm(x, w, 1e-5), kernels.naive_rms_norm(x, w, 1e-5))
+    got, got_res = native.rms_norm(x, w, 1e-5, res)
+    torch.testing.assert_close(got_res, x + res)
+    torch.testing.assert_close(got, kernels.naive_rms_norm(x + res, w, 1e-5))
 
 
 def test_paged_decode_of_the_scalar_build_agrees(tmp_path, monkeypatch):

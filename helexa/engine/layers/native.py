@@ -95,8 +95,12 @@ def load(path: Path) -> ctypes.CDLL:
     lib.hx_dequantize.restype = ctypes.c_int
     lib.hx_rows.argtypes = [ctypes.c_int, ptr, i64, i64, ptr, i64, ptr]
     lib.hx_rows.restype = ctypes.c_int
-    lib.hx_rms_norm.argtypes = [ptr, ptr, ptr, ptr, ptr, i64, i64, ctypes.c_float]
+    lib.hx_rms_norm.argtypes = [ptr, ptr, ptr, ptr, ptr, i64, i64, ctypes.c_float, ctypes.c_int]
     lib.hx_rms_norm.restype = ctypes.c_int
+    lib.hx_qk_prepare.argtypes = [
+        ptr, i64, i64, i64, i64, ptr, ptr, ctypes.c_float, ptr, ptr, i64, ctypes.c_int,
+    ]  # fmt: skip
+    lib.hx_qk_prepare.restype = ctypes.c_int
     lib.hx_paged_decode.argtypes = [
         ptr,
         i64,
@@ -281,6 +285,7 @@ def rms_norm(
         x.numel() // dim,
         dim,
         eps,
+        torch.get_num_threads(),
     )
     if rc != 0:
         raise RuntimeError(f"native rms_norm refused {list(x.shape)}")
@@ -323,6 +328,34 @@ def paged_decode(
     if rc != 0:
         raise RuntimeError(f"native paged_decode refused q {list(q.shape)}, lens {lens.tolist()}")
     return out
+
+
+def qk_prepare(
+    qkv: torch.Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    q_norm: torch.Tensor | None,
+    k_norm: torch.Tensor | None,
+    eps: float,
+    cos: torch.Tensor,
+    signed_sin: torch.Tensor,
+) -> None:
+    """In place on a prompt step's qkv [M, (H + 2 KVH) D] float32, contiguous: each q and k
+    head normalised (q_norm / k_norm [D], or None) and rotated (cos, signed_sin [M, 1, R],
+    rotary.py's tables), as `kernels.rotary` after the heads' RMSNorms computes them, with
+    the rows split over threads. v is left as it is."""
+    m, r = qkv.shape[0], cos.shape[-1]
+    assert qkv.is_contiguous() and qkv.shape[1] == (num_heads + 2 * num_kv_heads) * head_dim
+    cos, signed_sin = cos.reshape(m, r).contiguous(), signed_sin.reshape(m, r).contiguous()
+    rc = library().hx_qk_prepare(
+        qkv.data_ptr(), m, num_heads, num_kv_heads, head_dim,
+        q_norm.data_ptr() if q_norm is not None else None,
+        k_norm.data_ptr() if k_norm is not None else None,
+        eps, cos.data_ptr(), signed_sin.data_ptr(), r, torch.get_num_threads(),
+    )  # fmt: skip
+    if rc != 0:
+        raise RuntimeError(f"native qk_prepare refused qkv {list(qkv.shape)}, rotary {r}")
 
 
 def decode_attention(

@@ -89,6 +89,15 @@ class Attention(nn.Module):
                 attn.k_cache, attn.v_cache, ctx.decode_blocks, ctx.decode_lens, attn.scale,
             )  # fmt: skip
             return self.o_proj.forward(o)
+        if self.q_parts == 1 and ctx.cos is not None and native.usable(qkv, ctx.cos):
+            # CPU prompt steps: the heads' norms and rotary in place, rows over threads
+            norms = (self.q_norm.weight, self.k_norm.weight) if self.qk_norm else (None, None)
+            eps = self.q_norm.eps if self.qk_norm else 0.0
+            qkv = qkv.contiguous()
+            native.qk_prepare(qkv, h, kvh, d, *norms, eps, ctx.cos, ctx.sin)
+            q, k, v = qkv.view(n, h + 2 * kvh, d).split([h, kvh, kvh], dim=1)
+            o = self.attn.forward(q, k, v, ctx)  # [num_tokens, num_heads, head_dim]
+            return self.o_proj.forward(o.reshape(n, -1))
         qkv = qkv.view(n, h + 2 * kvh, d)
         q, k, v = qkv.split([h, kvh, kvh], dim=1)
         if self.qk_norm:

@@ -578,10 +578,12 @@ static void norm_row(const float *x, const float *w, float *o, int64_t d, float 
 
 /* RMSNorm of rows [rows, dim] in float32: out = x / sqrt(mean(x^2) + eps) * weight. With a
  * residual: x + residual is normalised and written to residual_out first (either may be
- * the same buffer as its input). */
+ * the same buffer as its input). Rows split over threads once there are enough of them (a
+ * 1024-token prompt's [1024, 576] took 0.57 ms on one thread, 61 calls a prompt). */
 int hx_rms_norm(const float *x, const float *residual, const float *weight, float *out,
-                float *residual_out, int64_t rows, int64_t dim, float eps) {
+                float *residual_out, int64_t rows, int64_t dim, float eps, int num_threads) {
     if (rows < 0 || dim < 1) return -1;
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (rows * dim >= (1 << 16))
     for (int64_t r = 0; r < rows; r++) {
         const float *xr = x + r * dim;
         float *o = out + r * dim;
@@ -791,21 +793,18 @@ static void rotate_row(float *x, const float *cos, const float *ssin, int64_t r)
     }
 }
 
-/* A decode step's attention block after the qkv projection, float32, in one call: split qkv
- * [M, (H + 2 KVH) D] into q, k, v; RMSNorm each q and k head (Qwen3's q_norm / k_norm, when
- * given); rotate the first r dims (cos, ssin [M, r]; r = 0: no rotary); write k and v to
- * their cache slots; attend over each row's lens[m] tokens (tables [M, max_blocks]) → out
- * [M, H D]. qkv is used as scratch. */
-int hx_decode_attention(float *qkv, int64_t M, int64_t H, int64_t KVH, int64_t D,
-                        const float *q_norm, const float *k_norm, float eps, const float *cos,
-                        const float *ssin, int64_t r, const int64_t *slots, float *k_cache,
-                        float *v_cache, int64_t block_size, const int64_t *tables,
-                        int64_t max_blocks, const int32_t *lens, float scale, float *out,
-                        int num_threads) {
-    if (M < 1 || KVH < 1 || H % KVH || D < 1 || r < 0 || r > D || r % 2 || r > 512) return -1;
+/* In place on qkv [M, (H + 2 KVH) D] float32: RMSNorm each q and k head (Qwen3's q_norm /
+ * k_norm, when given) and rotate its first r dims (cos, ssin [M, r]; r = 0: no rotary). Rows
+ * split over threads once there are enough of them: a prompt's q and k through torch's
+ * rotary took ~0.8 ms a layer at 1024 tokens. */
+int hx_qk_prepare(float *qkv, int64_t M, int64_t H, int64_t KVH, int64_t D,
+                  const float *q_norm, const float *k_norm, float eps, const float *cos,
+                  const float *ssin, int64_t r, int num_threads) {
+    if (M < 0 || KVH < 1 || H < 1 || D < 1 || r < 0 || r > D || r % 2 || r > 512) return -1;
     int64_t width = (H + 2 * KVH) * D;
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (M * width >= (1 << 16))
     for (int64_t m = 0; m < M; m++) {
-        float *q = qkv + m * width, *k = q + H * D, *v = k + KVH * D;
+        float *q = qkv + m * width, *k = q + H * D;
         for (int64_t h = 0; h < H; h++) {
             if (q_norm) norm_row(q + h * D, q_norm, q + h * D, D, eps);
             if (r) rotate_row(q + h * D, cos + m * r, ssin + m * r, r);
@@ -814,6 +813,26 @@ int hx_decode_attention(float *qkv, int64_t M, int64_t H, int64_t KVH, int64_t D
             if (k_norm) norm_row(k + h * D, k_norm, k + h * D, D, eps);
             if (r) rotate_row(k + h * D, cos + m * r, ssin + m * r, r);
         }
+    }
+    return 0;
+}
+
+/* A decode step's attention block after the qkv projection, float32, in one call: split qkv
+ * [M, (H + 2 KVH) D] into q, k, v; norms and rotary as hx_qk_prepare; write k and v to
+ * their cache slots; attend over each row's lens[m] tokens (tables [M, max_blocks]) → out
+ * [M, H D]. qkv is used as scratch. */
+int hx_decode_attention(float *qkv, int64_t M, int64_t H, int64_t KVH, int64_t D,
+                        const float *q_norm, const float *k_norm, float eps, const float *cos,
+                        const float *ssin, int64_t r, const int64_t *slots, float *k_cache,
+                        float *v_cache, int64_t block_size, const int64_t *tables,
+                        int64_t max_blocks, const int32_t *lens, float scale, float *out,
+                        int num_threads) {
+    if (M < 1 || KVH < 1 || H % KVH ||
+        hx_qk_prepare(qkv, M, H, KVH, D, q_norm, k_norm, eps, cos, ssin, r, num_threads))
+        return -1;
+    int64_t width = (H + 2 * KVH) * D;
+    for (int64_t m = 0; m < M; m++) {
+        const float *k = qkv + m * width + H * D, *v = k + KVH * D;
         memcpy(k_cache + slots[m] * KVH * D, k, (size_t)(KVH * D) * sizeof(float));
         memcpy(v_cache + slots[m] * KVH * D, v, (size_t)(KVH * D) * sizeof(float));
     }
@@ -1059,7 +1078,7 @@ int hx_decode_layer(const float *x, const float *residual_in, float *residual_ou
     float *attn = malloc((size_t)(M * H * D) * f), *gu = malloc((size_t)(M * 2 * inter) * f);
     int rc = -1;
     if (!h || !buf || !attn || !gu) goto done;
-    rc = hx_rms_norm(x, residual_in, norm1, h, residual_out, M, hidden, eps);
+    rc = hx_rms_norm(x, residual_in, norm1, h, residual_out, M, hidden, eps, num_threads);
     if (rc == 0 && !residual_in && residual_out != x)
         memcpy(residual_out, x, (size_t)(M * hidden) * f);
     if (rc == 0) rc = linear_run(qkv, h, M, buf, num_threads);
@@ -1068,7 +1087,8 @@ int hx_decode_layer(const float *x, const float *residual_in, float *residual_ou
                                  k_cache, v_cache, block_size, tables, max_blocks, lens, scale,
                                  attn, num_threads);
     if (rc == 0) rc = linear_run(o, attn, M, out, num_threads);
-    if (rc == 0) rc = hx_rms_norm(out, residual_out, norm2, h, residual_out, M, hidden, eps);
+    if (rc == 0)
+        rc = hx_rms_norm(out, residual_out, norm2, h, residual_out, M, hidden, eps, num_threads);
     if (rc == 0) rc = linear_run(gate_up, h, M, gu, num_threads);
     /* in place: row m's [inter] result lands before row m's input, which it has read */
     if (rc == 0) rc = hx_silu_mul(gu, M, inter, gu);
