@@ -68,6 +68,9 @@ class StepPlan:
     block_tables: list[list[int]] | None = None  # Triton path: every sequence's, padded
     cu_seqlens_q: list[int] | None = None  # Triton path, with prefills: new-token offsets
     max_seqlen_q: int = 1
+    # the model returns the sample rows' hidden states only (AttentionContext.output_rows):
+    # a prompt step's last layer then runs its MLP on those rows alone
+    output_rows: bool = False
 
 
 class ModelRunner:
@@ -106,6 +109,8 @@ class ModelRunner:
             layer.conv_state = torch.zeros(rows, *conv, dtype=dtype, device=device)
             # the delta-rule state accumulates over the whole context: kept in float32
             layer.ssm_state = torch.zeros(rows, *ssm, dtype=torch.float32, device=device)
+        # the model honours AttentionContext.output_rows (the scripted test model does not)
+        self.selects_output_rows = getattr(model, "selects_output_rows", False)
         self.graphs_off_reason: str | None = "not captured"
         # tensor parallel, on rank 0: sends each step's plan to the other ranks
         self.broadcast: Callable[[StepPlan], None] | None = None
@@ -207,6 +212,7 @@ class ModelRunner:
             batch.snapshots,
             has_prompt=any(s.num_computed_tokens < s.num_prompt_tokens for s in batch.seqs),
         )
+        plan.output_rows = self.selects_output_rows and len(sample_rows) < len(ids)
         bs = self.block_size
         if triton:  # block tables and lengths of every sequence, for the kernels
             news = batch.num_new_tokens
@@ -252,6 +258,8 @@ class ModelRunner:
             decode_blocks=None,
             decode_mask=None,
         )
+        if plan.output_rows:
+            ctx.output_rows = self.tensor(plan.sample_rows)
         if plan.context_lens is not None:
             ctx.context_lens = self.tensor(plan.context_lens, torch.int32)
             ctx.block_tables = self.tensor(plan.block_tables, torch.int32)
@@ -301,8 +309,9 @@ class ModelRunner:
         self.copy_states(plan.snapshots)
         if plan.sample_rows:
             # seqs are only read by the scripted test model, never sharded
+            rows = hidden if plan.output_rows else hidden[plan.sample_rows]
             with _prompt_step(plan.has_prompt):  # as rank 0 computes them
-                self.model.compute_logits(hidden[plan.sample_rows], None)
+                self.model.compute_logits(rows, None)
 
     @torch.inference_mode()
     def run(
@@ -325,6 +334,8 @@ class ModelRunner:
             hidden = self.forward(plan)
             sample_rows, sample_seqs = plan.sample_rows, plan.sample_seqs
             prompt_step = plan.has_prompt
+            if plan.output_rows:  # the model returned those rows alone, in order
+                sample_rows = sample_seqs
         else:  # a replayed graph: every sequence decodes and samples, in order
             sample_seqs = list(range(len(batch.seqs)))
             sample_rows = sample_seqs

@@ -57,7 +57,8 @@ def test_float_experts_are_stacked_and_run_through_the_fused_moe_kernel(tmp_path
 
     monkeypatch.setattr(moe.kernels, "fused_moe", recording)
     llm.generate([list(range(3, 43))], SamplingParams(temperature=0, max_tokens=1))
-    assert calls == [(40, 2), (40, 2)]  # the two sparse layers, each token's top-2
+    # the two sparse layers, each token's top-2; the last one's MLP takes the sampled row alone
+    assert calls == [(40, 2), (1, 2)]
 
 
 def test_quantized_experts_stay_quantized_and_run_on_their_own_tokens_only(tmp_path):
@@ -77,8 +78,9 @@ def test_quantized_experts_stay_quantized_and_run_on_their_own_tokens_only(tmp_p
             expert.forward = lambda x, real=real: rows.append(x.shape[0]) or real(x)
     out = llm.generate([list(range(3, 43))], SamplingParams(temperature=0, max_tokens=1))[0]
     assert len(out.token_ids) == 1
-    # 40 tokens x top-2 per sparse layer: each expert saw only its own rows, never all 40
-    assert sum(rows) == 2 * 40 * 2 and max(rows) < 40, rows
+    # top-2 of 40 tokens in the first sparse layer, of the sampled one in the last (its MLP
+    # takes the sampled row alone): each expert saw only its own rows, never all 40
+    assert sum(rows) == 40 * 2 + 1 * 2 and max(rows) < 40, rows
 
 
 # ---- recurrent state and prefix snapshots ---------------------------------------------------

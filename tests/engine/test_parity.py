@@ -141,3 +141,43 @@ def test_unfused_projections_give_the_same_logits(tmp_path, monkeypatch):
     assert a.token_ids == b.token_ids
     diff = (torch.stack(seen_f[a.request_id]) - torch.stack(seen_u[b.request_id])).abs().max()
     assert diff <= 1e-5
+
+
+@pytest.mark.parametrize("family", ["smollm2", "qwen3_5_moe"])
+def test_a_prompt_steps_last_layer_runs_past_attention_on_its_sampled_rows_only(family, tmp_path):
+    from helexa.engine.layers import native
+    from tests.engine.tiny import make_tiny_new_family
+
+    if family in FAMILIES:
+        model_dir, _ = make_tiny_model(family, tmp_path)
+    else:  # hybrid: attention and linear-attention layers, routed experts
+        model_dir, _ = make_tiny_new_family(family, tmp_path)
+    prompts = _prompts(512)
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    runs = {}
+    native.set_mode("torch")  # every step through the layers' Python, whose MLP is counted
+    try:
+        for selects in (False, True):
+            # small chunks: prompt steps that sample nothing, decode rows beside prompt rows
+            llm = LLM(str(model_dir), dtype="float32", kv_cache_memory_mb=8, max_prefill_chunk=24)
+            llm.engine.runner.selects_output_rows = selects
+            mlp, mlp_rows = llm.engine.runner.model.layers[-1].mlp, []
+
+            def counting(x, _inner=mlp.forward, _rows=mlp_rows):
+                _rows.append(x.shape[0])
+                return _inner(x)
+
+            mlp.forward = counting
+            seen = _record_logits(llm)
+            outs = llm.generate(prompts, params)
+            logits = [torch.stack(seen[o.request_id]) for o in outs]
+            runs[selects] = ([o.token_ids for o in outs], logits, sum(mlp_rows))
+    finally:
+        native.set_mode("auto")
+    (tokens_all, logits_all, rows_all), (tokens, logits, rows) = runs[False], runs[True]
+    assert tokens == tokens_all
+    for a, b in zip(logits, logits_all, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    # the last layer's MLP took each sampled row once, and no other row
+    assert rows == sum(len(t) for t in logits)
+    assert rows_all == sum(prompts_len + 6 - 1 for prompts_len in map(len, prompts))

@@ -65,6 +65,9 @@ class AttentionContext:
     block_tables: torch.Tensor | None = None
     cu_seqlens_q: torch.Tensor | None = None
     max_seqlen_q: int = 1
+    # [num_outputs] the rows whose hidden states are read after the last layer (the sampled
+    # ones), where the model returns only those (`selects_output_rows`); None: every row
+    output_rows: torch.Tensor | None = None
 
 
 class PagedAttention(nn.Module):

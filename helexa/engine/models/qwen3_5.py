@@ -28,7 +28,7 @@ from helexa.engine.layers.gated_deltanet import GatedDeltaNet
 from helexa.engine.layers.norm import RMSNorm
 from helexa.engine.layers.rotary import RotaryEmbedding
 from helexa.engine.models.config import ModelConfig
-from helexa.engine.models.llama import MLP, Attention, LlamaForCausalLM
+from helexa.engine.models.llama import MLP, Attention, LlamaForCausalLM, output_rows
 from helexa.engine.models.qwen3_moe import moe_block
 
 if TYPE_CHECKING:
@@ -90,12 +90,19 @@ class Qwen3_5DecoderLayer(nn.Module):
             self.mlp = MLP(cfg)
 
     def forward(
-        self, x: torch.Tensor, residual: torch.Tensor | None, ctx: AttentionContext
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        ctx: AttentionContext,
+        rows: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """As llama.DecoderLayer.forward: the residual add fused into each norm."""
+        """As llama.DecoderLayer.forward: the residual add fused into each norm; the mixer
+        over every row (its cache and recurrent state take them all), the rest over `rows`."""
         mixer = self.linear_attn if self.is_linear else self.self_attn
         x, residual = self.input_layernorm.forward_residual(x, residual)
-        x = mixer.forward(x, ctx)
+        x, residual = output_rows(mixer.forward(x, ctx), residual, rows)
+        if not x.shape[0]:
+            return x, residual
         x, residual = self.post_attention_layernorm.forward(x, residual)
         return self.mlp.forward(x), residual
 
