@@ -36,6 +36,7 @@ def test_dequantize_is_ggufs_arithmetic(kind):
     raw, ref = blocks(kind, 40, 96)
     assert torch.equal(native.dequantize(raw, kind, 40), ref)
     assert torch.equal(native.unpack(raw, kind, 40), ref)  # the C twin, bit for bit
+    assert torch.equal(native.unpack_t(raw, kind, 40), ref.T)  # and transposed
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -65,6 +66,7 @@ def test_rows_in_8s_interleaved_are_the_same_bytes_and_the_same_products(kind):
     back, back_kind = native.deinterleave(x8, held)
     assert back_kind == kind and torch.equal(back, raw)
     assert torch.equal(native.unpack(x8, held, 48), ref)
+    assert torch.equal(native.unpack_t(x8, held, 48), ref.T)
     assert torch.equal(native.dequantize(x8, held, 48), ref)
     ids = torch.tensor([0, 47, 9, 9, 23])
     assert torch.equal(native.rows(x8, held, ids), ref[ids])
@@ -92,6 +94,7 @@ def test_the_scalar_build_for_cpus_without_avx2_agrees(tmp_path, monkeypatch):
             a = native.matmul(x, w, held, 40, lib=scalar, exact=True)
             assert rel(a, native.matmul(x, w, held, 40, exact=True)) < 1e-6, held
             assert torch.equal(native.unpack(w, held, 40, lib=scalar), ref), held
+            assert torch.equal(native.unpack_t(w, held, 40, lib=scalar), ref.T), held
 
 
 def test_bad_shapes_are_refused_not_computed():

@@ -48,7 +48,7 @@ Plan = tuple[bool, int]
 WHOLE: Plan = (False, 0)
 DENSE: Plan = (True, 0)
 MIN_TIMED_S = 0.003  # each timing repeats the call until this much time has passed
-CACHE_VERSION = 6  # 4: blocks timed cold; 5: exact_rows; 6: x8 unpack 4x quicker
+CACHE_VERSION = 7  # 4: blocks timed cold; 5: exact_rows; 6: x8 unpack 4x quicker; 7: [K, N]
 EXACT_BUCKETS = BUCKETS[: BUCKETS.index(128) + 1]  # prompt-step row counts timed both ways
 
 

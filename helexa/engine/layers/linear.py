@@ -300,7 +300,10 @@ class Linear(nn.Module):
 
     def dense_matmul(self, h: torch.Tensor) -> torch.Tensor:
         """A float32 GEMM on h: [rows, in_features] float32, with the dense copy where one is
-        kept, else with the weight dequantized for this call (it pays on wide calls)."""
+        kept, else with the weight dequantized for this call (it pays on wide calls): GGUF
+        blocks unpacked transposed, [in, out], which the GEMM reads faster than [out, in]."""
+        if self.dense is None and self.format == "blocks":
+            return torch.mm(h, native.unpack_t(self.weight, self.block_kind, self.out_features))
         return F.linear(h, self.dense if self.dense is not None else self.dequantize())
 
     def packed_input(self, x: torch.Tensor) -> torch.Tensor:

@@ -93,6 +93,8 @@ def load(path: Path) -> ctypes.CDLL:
     lib.hx_blocks_matmul_f32.restype = ctypes.c_int
     lib.hx_dequantize.argtypes = [ctypes.c_int, ptr, i64, i64, ptr, ctypes.c_int]
     lib.hx_dequantize.restype = ctypes.c_int
+    lib.hx_dequantize_t.argtypes = lib.hx_dequantize.argtypes
+    lib.hx_dequantize_t.restype = ctypes.c_int
     lib.hx_rows.argtypes = [ctypes.c_int, ptr, i64, i64, ptr, i64, ptr]
     lib.hx_rows.restype = ctypes.c_int
     lib.hx_rms_norm.argtypes = [ptr, ptr, ptr, ptr, ptr, i64, i64, ctypes.c_float, ctypes.c_int]
@@ -434,6 +436,19 @@ def unpack(blocks: torch.Tensor, kind: str, out_features: int, lib=None) -> torc
     )
     if rc != 0:
         raise RuntimeError(f"native dequantize refused {kind} [{out_features}, {k}]")
+    return out
+
+
+def unpack_t(blocks: torch.Tensor, kind: str, out_features: int, lib=None) -> torch.Tensor:
+    """`unpack`'s weight transposed, float32 [K, out_features] row-major: a prompt chunk's
+    GEMM as x @ W^T reads it as it lies (torch.mm(x, unpack_t(...)))."""
+    k = blocks.shape[1] // BLOCK_BYTES[kind] * QK
+    out = torch.empty(k, out_features, dtype=torch.float32)
+    rc = (lib or library()).hx_dequantize_t(
+        KINDS[kind], blocks.data_ptr(), out_features, k, out.data_ptr(), torch.get_num_threads()
+    )
+    if rc != 0:
+        raise RuntimeError(f"native dequantize_t refused {kind} [{out_features}, {k}]")
     return out
 
 
