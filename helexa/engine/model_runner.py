@@ -283,16 +283,13 @@ class ModelRunner:
     def _decode_blocks(
         self, ctx: AttentionContext, tables: list[list[int]], lengths: list[int]
     ) -> None:
-        """Torch path: the decode rows' whole blocks, and a mask past each row's length."""
+        """Torch path: the decode rows' whole blocks and lengths; whether some row ends short
+        of its last block, for which attention then masks (`decode_mask`, built by the
+        first layer that needs it: the native decode kernels read the lengths instead)."""
         ctx.decode_blocks = self.tensor(tables)
         ctx.decode_lens = self.tensor(lengths, torch.int32)
         span = len(tables[0]) * self.block_size
-        if any(n != span for n in lengths):
-            pos = torch.arange(span)
-            visible = pos.unsqueeze(0) < torch.tensor(lengths).unsqueeze(1)
-            # additive float mask: SDPA would convert a bool one again in every layer
-            mask = torch.zeros(visible.shape, dtype=self.dtype).masked_fill_(~visible, -torch.inf)
-            ctx.decode_mask = mask[:, None, None, :].to(self.device, non_blocking=True)
+        ctx.decode_ragged = any(n != span for n in lengths)
 
     def forward(self, plan: StepPlan) -> torch.Tensor:
         """The model over the plan's inputs: hidden [num_tokens, hidden_size]."""

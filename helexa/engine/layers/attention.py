@@ -53,8 +53,11 @@ class AttentionContext:
     # [num_decode, max_blocks] block tables padded with block 0: whole blocks are gathered
     # (a few long contiguous copies rather than one short copy per token).
     decode_blocks: torch.Tensor | None
-    decode_mask: torch.Tensor | None  # [num_decode, 1, 1, max_blocks * block_size], 0 / -inf
+    # [num_decode, 1, 1, max_blocks * block_size], 0 / -inf: built from decode_lens by the
+    # first layer whose SDPA needs it (`decode_ragged`: some row ends short of its blocks)
+    decode_mask: torch.Tensor | None
     decode_lens: torch.Tensor | None = None  # [num_decode] int32 tokens each row attends to
+    decode_ragged: bool = False
     all_decode: bool = False  # every row is a decode row, in order
     # hybrid models: [num_decode] the decode rows' rows in the recurrent-state pools
     decode_state_slots: torch.Tensor | None = None
@@ -151,6 +154,8 @@ class PagedAttention(nn.Module):
             kd = self.k_cache[ctx.decode_blocks].view(n, -1, kvh, d).transpose(1, 2)
             vd = self.v_cache[ctx.decode_blocks].view(n, -1, kvh, d).transpose(1, 2)
             # kd, vd: [n, kvh, max_blocks * block_size, d]
+            if ctx.decode_mask is None and ctx.decode_ragged:
+                ctx.decode_mask = decode_mask(ctx.decode_lens, kd.shape[2], qd.dtype)
             o = F.scaled_dot_product_attention(
                 qd, kd, vd, attn_mask=ctx.decode_mask, scale=self.scale
             )
@@ -160,6 +165,14 @@ class PagedAttention(nn.Module):
             else:
                 out[rows] = o
         return out
+
+
+def decode_mask(lens: torch.Tensor, span: int, dtype: torch.dtype) -> torch.Tensor:
+    """[n, 1, 1, span]: 0 where position < lens[row], else -inf; additive and in the
+    queries' dtype, as SDPA would otherwise convert a bool mask again in every layer."""
+    visible = torch.arange(span, device=lens.device) < lens[:, None]
+    mask = torch.zeros(visible.shape, dtype=dtype, device=lens.device)
+    return mask.masked_fill_(~visible, -torch.inf)[:, None, None, :]
 
 
 # torch's CPU flash attention, which also returns each query's log-sum-exp of its scores
