@@ -486,7 +486,13 @@ def _llama_bench(args: argparse.Namespace, model: Path) -> LlamaBench | None:
     print(f"llama.cpp: running {exe} on the same file, {args.threads} threads …", flush=True)
     try:
         return llama_cpp.run(
-            exe, str(model), args.threads, args.prompt_lengths, args.decode_tokens, args.repeats
+            exe,
+            str(model),
+            args.threads,
+            args.prompt_lengths,
+            args.decode_tokens,
+            args.repeats,
+            depth=args.decode_prompt,  # tg from the context our decode runs start at
         )
     except ValueError as e:
         print(f"llama.cpp: no reference ({e})")
@@ -557,6 +563,13 @@ def main(args: argparse.Namespace, cfg: Config) -> int:
         for note in res.notes:
             print(f"{res.name}: {note}")
     llama = _llama_bench(args, engine.loaded.path)
+    if llama is not None and "decode@1/d0" in llama.figures:
+        print(
+            f"llama.cpp: decode, batch 1 is llama-bench's tg{args.decode_tokens} after "
+            f"{args.decode_prompt} tokens (-d {args.decode_prompt}), where helexa's decode runs "
+            f"start; from an empty context (tg{args.decode_tokens}): "
+            f"{llama.figures['decode@1/d0']:.1f} tok/s"
+        )
     print()
     print(format_table(results, args, llama))
 

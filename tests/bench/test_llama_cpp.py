@@ -27,10 +27,31 @@ def test_prompt_rates_become_ttft_and_the_generation_rate_batch_1_decode():
     assert "decode@1" not in llama_cpp.parse(OUTPUT.read_text(), new_tokens=64).figures
 
 
+def test_generation_is_read_at_the_engines_depth_and_from_an_empty_context():
+    # a real run of `-p 128 -n 128 -d 0,64`: every test at depths 0 and 64
+    text = OUTPUT.with_name("llama_bench_output_depth.json").read_text()
+    tests = json.loads(text)
+    bench = llama_cpp.parse(text, new_tokens=128, depth=64)
+
+    def rate(n_prompt: int, n_gen: int, depth: int) -> float:
+        return next(
+            t["avg_ts"]
+            for t in tests
+            if (t["n_prompt"], t["n_gen"], t["n_depth"]) == (n_prompt, n_gen, depth)
+        )
+
+    assert bench.figures["decode@1"] == pytest.approx(rate(0, 128, 64))
+    assert bench.figures["decode@1/d0"] == pytest.approx(rate(0, 128, 0))
+    assert bench.figures["ttft@128"] == pytest.approx(128 / rate(128, 0, 0))  # not after 64
+    assert set(bench.figures) == {"ttft@128", "decode@1", "decode@1/d0"}
+
+
 def test_the_command_asks_for_the_same_file_threads_and_lengths():
     cmd = llama_cpp.command("llama-bench", "m.gguf", 2, [128, 1024], 128, 3)
     assert cmd == ["llama-bench", "-m", "m.gguf", "-t", "2", "-p", "128,1024", "-n", "128",
                    "-r", "3", "-o", "json"]  # fmt: skip
+    cmd = llama_cpp.command("llama-bench", "m.gguf", 2, [128], 128, 3, depth=64)
+    assert cmd[cmd.index("-d") + 1] == "0,64"
 
 
 def test_a_missing_or_failing_llama_bench_says_why(tmp_path):

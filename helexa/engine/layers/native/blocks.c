@@ -346,6 +346,9 @@ static inline __attribute__((always_inline)) void groups_kernel(
         for (int i = 0; i < mt; i++) acc[i] = _mm256_setzero_ps();
         for (int64_t b = 0; b < nb; b++) {
             const uint8_t *blk = grp + b * gb, *qs = blk + codes_at(base);
+#ifdef HX_PF
+            for (int64_t o = 0; o < gb; o += 64) _mm_prefetch((const char *)blk + HX_PF + o, _MM_HINT_T0);
+#endif
             const __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk));
             __m256i isum[MT];
             for (int i = 0; i < mt; i++) isum[i] = _mm256_setzero_si256();
