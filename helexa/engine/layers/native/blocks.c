@@ -24,6 +24,13 @@
 enum { QK = 32, KIND_Q4_0 = 0, KIND_Q4_1 = 1, KIND_Q8_0 = 2, MT = 4 };
 /* The same blocks with 8 rows interleaved (native.interleave; see "x8" below). */
 enum { KIND_Q4_0X8 = 3, KIND_Q4_1X8 = 4, KIND_Q8_0X8 = 5, KIND_LAST = 5, XR = 8 };
+/* How far ahead the x8 kernel asks for its weights. A decode step streams every weight from
+ * memory once, in calls of 0.2-28 MB each split over the threads. On the 2-vCPU EPYC,
+ * weights cold, one row (bench/native_blocks.py): a SmolLM2 layer's four matmuls ~113 ->
+ * ~105 us and the Q8_0 lm_head ~930 -> ~850 us at 2-4 KB (6 KB no better); at 4 rows all
+ * within noise. In decode steps (bench/decode_step.py): lm_head 1.00 -> 0.90 ms, the layers
+ * unchanged. */
+enum { PREFETCH = 4096 };
 static inline int is_x8(int kind) { return kind >= KIND_Q4_0X8; }
 static inline int base_kind(int kind) { return is_x8(kind) ? kind - KIND_Q4_0X8 : kind; }
 
@@ -346,9 +353,9 @@ static inline __attribute__((always_inline)) void groups_kernel(
         for (int i = 0; i < mt; i++) acc[i] = _mm256_setzero_ps();
         for (int64_t b = 0; b < nb; b++) {
             const uint8_t *blk = grp + b * gb, *qs = blk + codes_at(base);
-#ifdef HX_PF
-            for (int64_t o = 0; o < gb; o += 64) _mm_prefetch((const char *)blk + HX_PF + o, _MM_HINT_T0);
-#endif
+            /* the blocks PREFETCH bytes ahead on their way in (see PREFETCH) */
+            for (int64_t o = 0; o < gb; o += 64)
+                _mm_prefetch((const char *)blk + PREFETCH + o, _MM_HINT_T0);
             const __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk));
             __m256i isum[MT];
             for (int i = 0; i < mt; i++) isum[i] = _mm256_setzero_si256();
