@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 
+from helexa.engine.layers import hugepages
 from helexa.engine.loader.hf import iter_safetensors, read_json, safetensors_files
 from helexa.engine.models import MODEL_REGISTRY, check_model_type
 from helexa.engine.models.config import ModelConfig
@@ -188,7 +189,10 @@ def load_model(
         dense_copies=dense_copies and device.type == "cpu",
     )
     model.post_load()
-    return LoadedModel(model.to(device).eval(), tokenizer, model.config, path, fmt)
+    model = model.to(device).eval()
+    if device.type == "cpu":  # a decode step streams them all: on huge pages, fewer TLB misses
+        hugepages.hold_weights(model)
+    return LoadedModel(model, tokenizer, model.config, path, fmt)
 
 
 def _to(w, device: torch.device):
