@@ -77,32 +77,24 @@ class Attention(nn.Module):
         else:  # weights held differently could not be fused (rare)
             qkv = torch.cat((self.q_proj(x), self.k_proj(x), self.v_proj(x)), dim=-1)
         attn = self.attn
-        if (
-            _native_decode_step(ctx)
-            and self.q_parts == 1
-            and native.usable(qkv, ctx.cos, attn.k_cache)
-        ):  # one C call for what follows (CPU decode steps)
-            norms = (self.q_norm.weight, self.k_norm.weight) if self.qk_norm else (None, None)
-            eps = self.q_norm.eps if self.qk_norm else 0.0
-            o = native.decode_attention(
-                qkv, h, kvh, d, *norms, eps, ctx.cos, ctx.sin, ctx.slot_mapping,
-                attn.k_cache, attn.v_cache, ctx.decode_blocks, ctx.decode_lens, attn.scale,
-            )  # fmt: skip
-            return self.o_proj.forward(o)
         if self.q_parts == 1 and ctx.cos is not None and native.usable(qkv, ctx.cos):
-            # CPU prompt steps: the heads' norms and rotary in place, rows over threads
             norms = (self.q_norm.weight, self.k_norm.weight) if self.qk_norm else (None, None)
             eps = self.q_norm.eps if self.qk_norm else 0.0
+            if _native_decode_step(ctx) and native.usable(attn.k_cache):
+                o = native.decode_attention(  # one C call for what follows (decode steps)
+                    qkv, h, kvh, d, *norms, eps, ctx.cos, ctx.sin, ctx.slot_mapping,
+                    attn.k_cache, attn.v_cache, ctx.decode_blocks, ctx.decode_lens, attn.scale,
+                )  # fmt: skip
+                return self.o_proj.forward(o)
+            # prompt steps: the heads' norms and rotary in place, the rows over threads
             qkv = qkv.contiguous()
             native.qk_prepare(qkv, h, kvh, d, *norms, eps, ctx.cos, ctx.sin)
             q, k, v = qkv.view(n, h + 2 * kvh, d).split([h, kvh, kvh], dim=1)
-            o = self.attn.forward(q, k, v, ctx)  # [num_tokens, num_heads, head_dim]
-            return self.o_proj.forward(o.reshape(n, -1))
-        qkv = qkv.view(n, h + 2 * kvh, d)
-        q, k, v = qkv.split([h, kvh, kvh], dim=1)
-        if self.qk_norm:
-            q, k = self.q_norm.forward(q), self.k_norm.forward(k)
-        q, k = kernels.rotary(q, k, ctx.cos, ctx.sin)
+        else:
+            q, k, v = qkv.view(n, h + 2 * kvh, d).split([h, kvh, kvh], dim=1)
+            if self.qk_norm:
+                q, k = self.q_norm.forward(q), self.k_norm.forward(k)
+            q, k = kernels.rotary(q, k, ctx.cos, ctx.sin)
         o = self.attn.forward(q, k, v, ctx)  # [num_tokens, num_heads, head_dim]
         return self.o_proj.forward(o.reshape(n, -1))
 
