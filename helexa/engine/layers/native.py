@@ -332,6 +332,13 @@ def paged_decode(
     return out
 
 
+def _rotary_rows(cos: torch.Tensor, signed_sin: torch.Tensor, m: int):
+    """rotary.py's tables [M, 1, R] as the kernels read them: (cos, signed_sin) [M, R]
+    contiguous, and R."""
+    r = cos.shape[-1]
+    return cos.reshape(m, r).contiguous(), signed_sin.reshape(m, r).contiguous(), r
+
+
 def qk_prepare(
     qkv: torch.Tensor,
     num_heads: int,
@@ -347,9 +354,9 @@ def qk_prepare(
     head normalised (q_norm / k_norm [D], or None) and rotated (cos, signed_sin [M, 1, R],
     rotary.py's tables), as `kernels.rotary` after the heads' RMSNorms computes them, with
     the rows split over threads. v is left as it is."""
-    m, r = qkv.shape[0], cos.shape[-1]
     assert qkv.is_contiguous() and qkv.shape[1] == (num_heads + 2 * num_kv_heads) * head_dim
-    cos, signed_sin = cos.reshape(m, r).contiguous(), signed_sin.reshape(m, r).contiguous()
+    m = qkv.shape[0]
+    cos, signed_sin, r = _rotary_rows(cos, signed_sin, m)
     rc = library().hx_qk_prepare(
         qkv.data_ptr(), m, num_heads, num_kv_heads, head_dim,
         q_norm.data_ptr() if q_norm is not None else None,
@@ -384,8 +391,7 @@ def decode_attention(
     Attention.forward's torch ops compute: split, per-head norms, rotary, the K/V writes and
     paged attention (`paged_decode`)."""
     m = qkv.shape[0]
-    r = cos.shape[-1]
-    cos, signed_sin = cos.reshape(m, r).contiguous(), signed_sin.reshape(m, r).contiguous()
+    cos, signed_sin, r = _rotary_rows(cos, signed_sin, m)
     qkv, slots = qkv.contiguous(), slots.contiguous()
     tables, lens = tables.contiguous(), lens.to(torch.int32).contiguous()
     out = qkv.new_empty(m, num_heads * head_dim)
@@ -426,29 +432,29 @@ def argmax_finite(x: torch.Tensor, lib=None) -> tuple[torch.Tensor, torch.Tensor
 
 
 def unpack(blocks: torch.Tensor, kind: str, out_features: int, lib=None) -> torch.Tensor:
-    """`dequantize` in one threaded C call: the weight as float32 [out_features, K], what a
-    prompt chunk's GEMM takes (Q4_1's 3072 x 576 gate/up: well under a millisecond). `lib`:
-    another build of the kernels (tests)."""
-    k = blocks.shape[1] // BLOCK_BYTES[kind] * QK
-    out = torch.empty(out_features, k, dtype=torch.float32)
-    rc = (lib or library()).hx_dequantize(
-        KINDS[kind], blocks.data_ptr(), out_features, k, out.data_ptr(), torch.get_num_threads()
-    )
-    if rc != 0:
-        raise RuntimeError(f"native dequantize refused {kind} [{out_features}, {k}]")
-    return out
+    """`dequantize` in one threaded C call: the weight as float32 [out_features, K] (Q4_1's
+    3072 x 576 gate/up: well under a millisecond). `lib`: another build of the kernels
+    (tests)."""
+    return _unpack(blocks, kind, out_features, lib, transposed=False)
 
 
 def unpack_t(blocks: torch.Tensor, kind: str, out_features: int, lib=None) -> torch.Tensor:
     """`unpack`'s weight transposed, float32 [K, out_features] row-major: a prompt chunk's
     GEMM as x @ W^T reads it as it lies (torch.mm(x, unpack_t(...)))."""
+    return _unpack(blocks, kind, out_features, lib, transposed=True)
+
+
+def _unpack(blocks: torch.Tensor, kind: str, out_features: int, lib, *, transposed: bool):
     k = blocks.shape[1] // BLOCK_BYTES[kind] * QK
-    out = torch.empty(k, out_features, dtype=torch.float32)
-    rc = (lib or library()).hx_dequantize_t(
+    lib = lib or library()
+    run = lib.hx_dequantize_t if transposed else lib.hx_dequantize
+    shape = (k, out_features) if transposed else (out_features, k)
+    out = torch.empty(shape, dtype=torch.float32)
+    rc = run(
         KINDS[kind], blocks.data_ptr(), out_features, k, out.data_ptr(), torch.get_num_threads()
     )
     if rc != 0:
-        raise RuntimeError(f"native dequantize_t refused {kind} [{out_features}, {k}]")
+        raise RuntimeError(f"native unpack refused {kind} [{out_features}, {k}]")
     return out
 
 
@@ -614,8 +620,7 @@ def decode_layer(
     res_out = torch.empty_like(x)
     out = torch.empty_like(x)
     h, kvh, d = plan.heads
-    r = ctx.cos.shape[-1]
-    cos, ssin = ctx.cos.reshape(m, r).contiguous(), ctx.sin.reshape(m, r).contiguous()
+    cos, ssin, r = _rotary_rows(ctx.cos, ctx.sin, m)
     tables, lens = ctx.decode_blocks, ctx.decode_lens
     qkv, o, gate_up, down = plan.linears
     attn = plan.attn
@@ -679,8 +684,7 @@ def decode_layers(stack: StackPlan, x: torch.Tensor, ctx) -> tuple[torch.Tensor,
     m, hidden = x.shape
     x = x.contiguous()
     out, residual = torch.empty_like(x), torch.empty_like(x)
-    r = ctx.cos.shape[-1]
-    cos, ssin = ctx.cos.reshape(m, r).contiguous(), ctx.sin.reshape(m, r).contiguous()
+    cos, ssin, r = _rotary_rows(ctx.cos, ctx.sin, m)
     tables, lens = ctx.decode_blocks, ctx.decode_lens
     rc = library().hx_decode_layers(
         stack.layers, len(stack.plans), x.data_ptr(), out.data_ptr(), residual.data_ptr(), m,
