@@ -85,6 +85,13 @@ def test_plans_are_measured_once_per_shape_then_read_from_the_machines_cache(tmp
     assert fresh[0].exact_rows == lins[0].exact_rows
     # another thread count is another machine as far as plans go
     assert Autotuner(tmp_path, torch.get_num_threads() + 1).plans == {}
+    # and so is another version of the native kernels' source
+    changed = tmp_path / "blocks.c"
+    changed.write_bytes(autotune.NATIVE_SOURCE.read_bytes() + b"\n/* changed */\n")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(autotune, "NATIVE_SOURCE", changed)
+        assert Autotuner(tmp_path, torch.get_num_threads()).plans == {}
+    assert Autotuner(tmp_path, torch.get_num_threads()).plans != {}
     cached.write_text("{not json")
     damaged = Autotuner(tmp_path, torch.get_num_threads())
     damaged.tune(fresh)

@@ -19,7 +19,8 @@ tail after a prefix-cache hit is typically 1-100 rows: through the GEMM, 11 rows
 whole weight's unpacking, ~120 ms a step for SmolLM2 on a 2-core EPYC).
 
 The plans are kept in `<cache_dir>/<machine>.json` (the node: `state_dir/autotune`), keyed
-by the CPU, its flags, torch's version and the thread count, so a restart costs nothing.
+by the CPU, its flags, torch's version, the thread count and the native kernels' source, so
+a restart costs nothing and a changed kernel is timed again.
 """
 
 from __future__ import annotations
@@ -65,11 +66,19 @@ def cpu_info() -> tuple[str, str]:
     return cpu, flags
 
 
+# the native kernels' source: a change to it can change which path is quicker
+NATIVE_SOURCE = Path(__file__).with_name("native") / "blocks.c"
+
+
 def machine_key(num_threads: int) -> str:
-    """The CPU (model and flags), torch's version and the thread count, hashed: plans
-    measured under one never serve another."""
+    """The CPU (model and flags), torch's version, the thread count and the native kernels'
+    source, hashed: plans measured under one never serve another."""
     cpu, flags = cpu_info()
-    text = f"{cpu}|{flags}|{torch.__version__}|{num_threads}|v{CACHE_VERSION}"
+    try:
+        native = hashlib.sha256(NATIVE_SOURCE.read_bytes()).hexdigest()[:16]
+    except OSError:
+        native = "none"
+    text = f"{cpu}|{flags}|{torch.__version__}|{num_threads}|v{CACHE_VERSION}|{native}"
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
