@@ -40,8 +40,11 @@ def test_dequantize_is_ggufs_arithmetic(kind):
 
 
 @pytest.mark.parametrize("kind", KINDS)
-# rows 1-9 cross the 4-row tiles; 37 outputs end mid-chunk (chunks of 16); 1056 = 33 blocks
-@pytest.mark.parametrize(("m", "n", "k"), [(1, 37, 96), (3, 64, 1056), (4, 16, 32), (9, 37, 576)])
+# rows 1-9 cross the 4-row tiles; 37 outputs end mid-chunk (chunks of 16); 1056 = 33 blocks;
+# 130 x 576 activations are quantized over threads
+@pytest.mark.parametrize(
+    ("m", "n", "k"), [(1, 37, 96), (3, 64, 1056), (4, 16, 32), (9, 37, 576), (130, 24, 576)]
+)
 def test_the_kernel_computes_its_naive_twin(kind, m, n, k):
     raw, ref = blocks(kind, n, k, seed=m)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(n))
@@ -91,6 +94,9 @@ def test_the_scalar_build_for_cpus_without_avx2_agrees(tmp_path, monkeypatch):
             x = torch.randn(5, 576)
             a = native.matmul(x, w, held, 40, lib=scalar)
             assert rel(a, native.matmul(x, w, held, 40)) < 2e-6, held
+            big = torch.randn(130, 576)  # quantized over threads, and by AVX2 in the other
+            a = native.matmul(big, w, held, 40, lib=scalar)
+            assert rel(a, native.matmul(big, w, held, 40)) < 2e-6, held
             a = native.matmul(x, w, held, 40, lib=scalar, exact=True)
             assert rel(a, native.matmul(x, w, held, 40, exact=True)) < 1e-6, held
             assert torch.equal(native.unpack(w, held, 40, lib=scalar), ref), held

@@ -92,11 +92,44 @@ static inline void dequant_block(int kind, const uint8_t *blk, float *o) {
     }
 }
 
-/* x [M, K] -> q [M, K] int8, d [M, K/32] and s [M, K/32] (d * the block's sum of q) */
+/* x [M, K] -> q [M, K] int8, d [M, K/32] and s [M, K/32] (d * the block's sum of q). The
+ * AVX2 path rounds as lrintf does (to nearest even, the default mode), so both give the same
+ * bytes; it replaced a scalar loop of fmaxf and lrintf calls that took ~10% of a 16-row
+ * decode step on one thread while the other waited. */
 static void quantize_x(const float *x, int64_t M, int64_t K, int8_t *q, float *d, float *s) {
     int64_t nb = K / QK;
+#pragma omp parallel for schedule(static) if (M * K >= (1 << 16))
     for (int64_t i = 0; i < M * nb; i++) {
         const float *v = x + i * QK;
+#ifdef __AVX2__
+        const __m256 sign = _mm256_set1_ps(-0.f);
+        __m256 a[4], amax8 = _mm256_setzero_ps();
+        for (int j = 0; j < 4; j++) {
+            a[j] = _mm256_loadu_ps(v + 8 * j);
+            amax8 = _mm256_max_ps(amax8, _mm256_andnot_ps(sign, a[j]));
+        }
+        __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(amax8), _mm256_extractf128_ps(amax8, 1));
+        m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+        m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+        float amax = _mm_cvtss_f32(m4);
+        float di = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
+        __m256i qi[4], sum = _mm256_setzero_si256();
+        for (int j = 0; j < 4; j++) {
+            qi[j] = _mm256_cvtps_epi32(_mm256_mul_ps(a[j], _mm256_set1_ps(inv)));
+            sum = _mm256_add_epi32(sum, qi[j]);
+        }
+        /* 32 int32 -> 32 int8 in order: the packs interleave 128-bit lanes, the permute
+         * puts them back */
+        __m256i p16 = _mm256_packs_epi32(qi[0], qi[1]), p16b = _mm256_packs_epi32(qi[2], qi[3]);
+        __m256i p8 = _mm256_packs_epi16(p16, p16b);
+        p8 = _mm256_permutevar8x32_epi32(p8, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+        _mm256_storeu_si256((__m256i *)(q + i * QK), p8);
+        __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
+        s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4e));
+        s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xb1));
+        d[i] = di;
+        s[i] = di * (float)_mm_cvtsi128_si32(s4);
+#else
         float amax = 0.f;
         for (int j = 0; j < QK; j++) amax = fmaxf(amax, fabsf(v[j]));
         float di = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
@@ -108,6 +141,7 @@ static void quantize_x(const float *x, int64_t M, int64_t K, int8_t *q, float *d
         }
         d[i] = di;
         s[i] = di * (float)sum;
+#endif
     }
 }
 
