@@ -5,6 +5,7 @@ What is left of the step around those is the per-token Python overhead. Prints a
 round of --steps steps; the context grows by that much each round.
 
     python bench/decode_step.py [--threads 2] [--batch 1] [--rounds 5] [--steps 100]
+                                [--kv-dtype auto|float32|float16]
 """
 
 from __future__ import annotations
@@ -38,9 +39,15 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=1, help="sequences decoding together")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--steps", type=int, default=100, help="timed steps a round")
+    ap.add_argument("--kv-dtype", default="auto", help="[engine] kv_cache_dtype")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    llm = LLM(args.model, kv_cache_memory_mb=256, enable_prefix_caching=False)
+    llm = LLM(
+        args.model,
+        kv_cache_memory_mb=256,
+        enable_prefix_caching=False,
+        kv_cache_dtype=args.kv_dtype,
+    )
     engine = llm.engine
     acc = dict.fromkeys(("layers", "head", "forward", "runner"), 0.0)
     native.decode_layers = timed(acc, "layers", native.decode_layers)

@@ -178,6 +178,10 @@ class EngineConfig:
     # Hybrid (Gated DeltaNet) models: recurrent-state snapshots kept for the prefix cache.
     max_prefix_snapshots: NonNegativeInt = 8
     cpu_dense_copy: bool = False
+    # The KV cache's element type. "auto": float16 on the CPU under a float32 model (half the
+    # bytes a decode step reads and holds, as llama.cpp's default cache), else the model's
+    # dtype. "float32" or "float16" to choose; on CUDA only the model's own dtype.
+    kv_cache_dtype: Literal["auto", "float32", "float16"] = "auto"
     # CPU: GGUF Q4_0/Q4_1/Q8_0 weights as the file's blocks, run by helexa's C kernels (built
     # at first use with the system compiler, -march=native; engine/layers/native.py), "auto";
     # or torch's packed int4 kernel, "torch". Without a compiler "auto" is "torch" (logged).

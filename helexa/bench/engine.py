@@ -458,6 +458,7 @@ def engine_settings(engine: LLMEngine) -> dict[str, Any]:
         "dtype": str(engine.dtype).removeprefix("torch."),
         "linear_weights": " ".join(f"{k}×{n}" for k, n in sorted(formats.items())),
         "kv_cache_mb": a.kv_cache_memory_mb,
+        "kv_cache_dtype": str(engine.runner.kv_dtype).removeprefix("torch."),
         "num_kv_blocks": engine.runner.num_blocks,
         "block_size": a.block_size,
         "max_num_seqs": a.max_num_seqs,

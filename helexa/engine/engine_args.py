@@ -80,6 +80,27 @@ class EngineArgs(EngineConfig):
             ) from None
 
 
+def kv_dtype(setting: str, device: torch.device, model_dtype: torch.dtype) -> torch.dtype:
+    """The KV cache's element type for `[engine] kv_cache_dtype` = `setting` on `device`
+    under a model computing in `model_dtype`, with the kernel backend already set. Raises
+    ValueError for a type the step's kernels do not read: the Triton kernels (CUDA, or
+    `kernels = "triton"`) read the cache in the model's dtype."""
+    from helexa import kernels
+
+    triton = kernels.triton_on(device)
+    if setting == "auto":
+        cpu_half = not triton and device.type == "cpu" and model_dtype == torch.float32
+        return torch.float16 if cpu_half else model_dtype
+    chosen = _DTYPES[setting]
+    if triton and chosen != model_dtype:
+        raise ValueError(
+            f"kv_cache_dtype = {setting!r} under the Triton kernels ({device.type}): their "
+            f"KV cache is the model's dtype ({str(model_dtype).removeprefix('torch.')}); "
+            'use "auto"'
+        )
+    return chosen
+
+
 def available_memory_bytes(device: torch.device) -> int:
     if device.type == "cuda":
         free, _total = torch.cuda.mem_get_info(device)

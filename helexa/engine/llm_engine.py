@@ -22,7 +22,7 @@ import torch
 
 from helexa import kernels
 from helexa.engine.block_manager import BlockManager
-from helexa.engine.engine_args import EngineArgs, available_memory_bytes
+from helexa.engine.engine_args import EngineArgs, available_memory_bytes, kv_dtype
 from helexa.engine.grammar import GrammarCompiler
 from helexa.engine.layers import native
 from helexa.engine.layers.autotune import Autotuner
@@ -133,6 +133,7 @@ class LLMEngine:
             available = min([available, *self.ranks.wait_loaded()])
             if device.type == "cpu":
                 available //= self.ranks.world_size
+        self.kv_dtype = kv_dtype(args.kv_cache_dtype, device, dtype)
         size, num_snapshots = self._size_pool(model, dtype, device, available)
         num_blocks, max_num_seqs = size.num_blocks, size.max_num_seqs
         self.max_model_len = min(
@@ -164,6 +165,7 @@ class LLMEngine:
             num_blocks=num_blocks,
             block_size=args.block_size,
             num_state_slots=size.num_state_slots,
+            kv_dtype=self.kv_dtype,
         )
         if self.ranks is not None:
             self.ranks.start_runners(size)
@@ -212,7 +214,7 @@ class LLMEngine:
         state_bytes = ModelRunner.state_bytes_per_slot(model, dtype)
         num_snapshots = args.max_prefix_snapshots if args.enable_prefix_caching else 0
         max_num_seqs = args.max_num_seqs
-        per_token = ModelRunner.kv_bytes_per_token(model, dtype)
+        per_token = ModelRunner.kv_bytes_per_token(model, self.kv_dtype)
         budget = self._kv_budget_bytes(device, available)
         if state_bytes:
             # States take at most half the budget: fewer concurrent sequences (and snapshots)

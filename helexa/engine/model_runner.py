@@ -83,10 +83,12 @@ class ModelRunner:
         num_blocks: int,
         block_size: int,
         num_state_slots: int = 0,
+        kv_dtype: torch.dtype | None = None,
     ) -> None:
         self.model = model
         self.device = device
         self.dtype = dtype
+        self.kv_dtype = kv_dtype or dtype  # the KV cache's (engine_args.kv_dtype)
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.sampler = Sampler()
@@ -101,8 +103,8 @@ class ModelRunner:
         self.scratch_state_slot = num_state_slots
         for attn in self.attention_layers:
             shape = (num_blocks + 1, block_size, attn.num_kv_heads, attn.head_dim)
-            attn.k_cache = torch.zeros(shape, dtype=dtype, device=device)
-            attn.v_cache = torch.zeros(shape, dtype=dtype, device=device)
+            attn.k_cache = torch.zeros(shape, dtype=self.kv_dtype, device=device)
+            attn.v_cache = torch.zeros(shape, dtype=self.kv_dtype, device=device)
         rows = num_state_slots + 1
         for layer in self.recurrent_layers:
             conv, ssm = layer.state_shapes()

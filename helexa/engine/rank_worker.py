@@ -421,7 +421,7 @@ def main(argv: list[str] | None = None) -> None:
 def _start(conn: Connection, start: Start):
     """Join the group, load this rank's shard, build the runner at rank 0's pool size."""
     from helexa import kernels
-    from helexa.engine.engine_args import available_memory_bytes
+    from helexa.engine.engine_args import available_memory_bytes, kv_dtype
     from helexa.engine.layers import native
     from helexa.engine.loader.load import default_dtype
     from helexa.engine.model_runner import ModelRunner, model_memory_mb
@@ -443,10 +443,12 @@ def _start(conn: Connection, start: Start):
     loaded = args.load(args.model, device)
     conn.send(("loaded", {"available": available_memory_bytes(device)}))
     size: PoolSize = conn.recv()
+    dtype = args.torch_dtype(device) or default_dtype(device)
     runner = ModelRunner(
         loaded.model,
         device=device,
-        dtype=args.torch_dtype(device) or default_dtype(device),
+        dtype=dtype,
+        kv_dtype=kv_dtype(args.kv_cache_dtype, device, dtype),
         num_blocks=size.num_blocks,
         block_size=args.block_size,
         num_state_slots=size.num_state_slots,

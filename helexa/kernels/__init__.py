@@ -83,8 +83,13 @@ def backend() -> str:
 
 def uses_triton(x: torch.Tensor) -> bool:
     """Whether a call whose first tensor is x runs the Triton version."""
+    return triton_on(x.device)
+
+
+def triton_on(device: torch.device) -> bool:
+    """Whether calls on tensors of `device` run the Triton versions."""
     if _backend == "auto":
-        return HAS_TRITON and x.is_cuda
+        return HAS_TRITON and device.type == "cuda"
     return _backend == "triton"
 
 

@@ -37,3 +37,41 @@ def test_prefix_then_causal_is_one_masked_call_over_the_context(heads, kv_heads,
 
 def test_only_the_cpu_attends_without_a_mask():
     assert not split_prefix_attention(torch.device("meta"))
+
+
+def test_the_kv_cache_is_float16_on_the_cpu_under_a_float32_model_unless_asked_otherwise():
+    from helexa import kernels
+    from helexa.engine.engine_args import kv_dtype
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")  # no CUDA needed: nothing allocated
+    assert kv_dtype("auto", cpu, torch.float32) == torch.float16
+    assert kv_dtype("auto", cpu, torch.bfloat16) == torch.bfloat16  # a half model's own
+    assert kv_dtype("float32", cpu, torch.float32) == torch.float32
+    assert kv_dtype("float16", cpu, torch.bfloat16) == torch.float16
+    assert kv_dtype("auto", cuda, torch.bfloat16) == torch.bfloat16
+    assert kv_dtype("float16", cuda, torch.float16) == torch.float16
+    with pytest.raises(ValueError, match="model's dtype \\(bfloat16\\)"):
+        kv_dtype("float16", cuda, torch.bfloat16)  # the Triton kernels read the model's dtype
+    kernels.set_backend("triton")  # the same kernels on the CPU (TRITON_INTERPRET)
+    try:
+        assert kv_dtype("auto", cpu, torch.float32) == torch.float32
+        with pytest.raises(ValueError, match="Triton"):
+            kv_dtype("float16", cpu, torch.float32)
+    finally:
+        kernels.set_backend("auto")
+
+
+def test_a_float16_cache_holds_twice_the_tokens_in_the_same_memory(tmp_path):
+    from helexa.engine import LLM
+    from tests.engine.tiny import FIXTURE_MODELS, make_tiny_model
+
+    if not FIXTURE_MODELS.is_dir():
+        pytest.skip("shared fixtures absent")
+    model_dir, _ = make_tiny_model("smollm2", tmp_path)
+    blocks = {}
+    for setting in ("auto", "float32"):
+        llm = LLM(str(model_dir), kv_cache_memory_mb=4, kv_cache_dtype=setting)
+        cache = llm.engine.runner.model.layers[0].self_attn.attn.k_cache
+        blocks[setting] = (cache.dtype, llm.engine.block_manager.num_blocks)
+    assert blocks["auto"][0] == torch.float16 and blocks["float32"][0] == torch.float32
+    assert blocks["auto"][1] == 2 * blocks["float32"][1]

@@ -104,7 +104,14 @@ def _prompts() -> list[list[int]]:
 
 def _run(path: Path) -> tuple[LLM, dict[int, tuple[list[int], torch.Tensor]]]:
     """Greedy tokens and per-step logits of each prompt, batched and prefilled in small chunks."""
-    llm = LLM(str(path), dtype="float32", kv_cache_memory_mb=8, block_size=16, max_prefill_chunk=24)
+    llm = LLM(
+        str(path),
+        dtype="float32",
+        kv_cache_dtype="float32",  # transformers' logits to float rounding
+        kv_cache_memory_mb=8,
+        block_size=16,
+        max_prefill_chunk=24,
+    )
     seen = _record_logits(llm)
     prompts = _prompts()
     params = SamplingParams(temperature=0, max_tokens=NUM_TOKENS, ignore_eos=True)

@@ -137,6 +137,7 @@ def test_the_bundled_model_runs_on_the_blocks_and_its_prompt_logits_are_transfor
     from tests.engine.test_parity import record_model_logits
 
     llm = LLM(kv_cache_memory_mb=16)
+    assert llm.engine.runner.kv_dtype == torch.float16  # the CPU's default cache
     model = llm.engine.runner.model
     assert model.layers[0].mlp.down_proj.format == "blocks"
     # the file's blocks, 8 rows side by side (native.interleave)
@@ -156,8 +157,16 @@ def test_the_bundled_model_runs_on_the_blocks_and_its_prompt_logits_are_transfor
         )
     with torch.no_grad():
         ref = hf(torch.tensor([out.prompt_token_ids])).logits[0, -1]
-    # the prompt step runs float32 on the file's exact weights: transformers' fp32 model
-    assert (seen[out.request_id][0] - ref).abs().max().item() < 1e-3
+    # the prompt step runs float32 on the file's exact weights, attending over K/V as the
+    # float16 cache holds them: ~0.1% of the logits' scale off transformers' fp32 model
+    assert (seen[out.request_id][0] - ref).abs().max().item() < 5e-2
+    # and with a float32 cache, transformers' model itself
+    exact = LLM(kv_cache_memory_mb=16, kv_cache_dtype="float32")
+    assert exact.engine.runner.model.layers[0].self_attn.attn.k_cache.dtype == torch.float32
+    seen = record_model_logits(exact.engine.runner.model)
+    again = exact.chat(question, SamplingParams(temperature=0, max_tokens=8))[0]
+    assert again.text.startswith("The capital of France is Paris")
+    assert (seen[again.request_id][0] - ref).abs().max().item() < 1e-3
 
 
 @pytest.mark.parametrize("family", ["qwen3", "qwen2"])  # q/k norms; qkv bias
@@ -259,13 +268,14 @@ def _paged_decode_reference(q, k_cache, v_cache, tables, lens, scale):
     return torch.stack(out).float()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])  # the cache's
 @pytest.mark.parametrize(("heads", "kv_heads", "d"), [(9, 3, 64), (4, 4, 32), (8, 1, 36)])
 @pytest.mark.parametrize("lens", [[1], [7], [200], [600, 1, 33, 17]])
-def test_paged_decode_attention_is_softmax_over_each_rows_blocks(heads, kv_heads, d, lens):
+def test_paged_decode_attention_is_softmax_over_each_rows_blocks(heads, kv_heads, d, lens, dtype):
     g = torch.Generator().manual_seed(len(lens) * 1000 + lens[0])
     block_size, num_blocks = 16, 64
-    k_cache = torch.randn(num_blocks, block_size, kv_heads, d, generator=g)
-    v_cache = torch.randn(num_blocks, block_size, kv_heads, d, generator=g)
+    k_cache = torch.randn(num_blocks, block_size, kv_heads, d, generator=g).to(dtype)
+    v_cache = torch.randn(num_blocks, block_size, kv_heads, d, generator=g).to(dtype)
     width = -(-max(lens) // block_size)
     tables = torch.stack([torch.randperm(num_blocks, generator=g)[:width] for _ in lens])
     q = torch.randn(len(lens), heads, d, generator=g) * 2
@@ -335,6 +345,50 @@ def test_paged_decode_of_the_scalar_build_agrees(tmp_path, monkeypatch):
     q = torch.randn(2, 6, 64, generator=g)
     a = native.paged_decode(q, k_cache, v_cache, tables, lens, 0.125, lib=scalar)
     torch.testing.assert_close(a, native.paged_decode(q, k_cache, v_cache, tables, lens, 0.125))
+    k_half, v_half = k_cache.half(), v_cache.half()  # a float16 cache, widened as it is read
+    a = native.paged_decode(q, k_half, v_half, tables, lens, 0.125, lib=scalar)
+    torch.testing.assert_close(a, native.paged_decode(q, k_half, v_half, tables, lens, 0.125))
+    torch.testing.assert_close(
+        a, native.paged_decode(q, k_half.float(), v_half.float(), tables, lens, 0.125)
+    )
+
+
+# floats whose rounding to half is an edge: signed zeros, subnormal halves and their ties
+# (2^-25 rounds to 0, 3 x 2^-25 up to 2^-23), below the smallest subnormal, ties between
+# normals (1 + 2^-11 to 1, 1 + 3 x 2^-11 to 1 + 2^-9), the largest half and past it (65519.99
+# to 65504, 65520 and up to inf)
+HALF_EDGES = [0.0, -0.0, 2**-24, 2**-25, 3 * 2**-25, -(2**-26), 1e-9, 6.1e-5, 2**-14, 1.0,
+              1 + 2**-11, 1 + 3 * 2**-11, -(1 + 2**-10), 0.1, 65504.0, 65519.99, 65520.0,
+              -70000.0, 1e30, float("inf"), -float("inf"), 3.14159, -2.5e-6]  # fmt: skip
+
+
+def test_decode_writes_a_half_cache_rounded_as_torch_rounds(tmp_path, monkeypatch):
+    # K and V reach the cache as computed (no norms, no rotary): each stored half must be the
+    # bits of torch's .half() of it, by F16C (8 lanes at a time) and by the scalar tail and
+    # build (D = 36: four vectors and a tail of 4)
+    monkeypatch.setenv("HELEXA_NATIVE_DIR", str(tmp_path))
+    flags = (*(f for f in native.FLAGS if not f.startswith("-march")), "-march=x86-64")
+    scalar = native.load(native.build(native._compiler(), flags))
+    h, kvh, d, m = 2, 1, 36, 3
+    g = torch.Generator().manual_seed(3)
+    qkv = torch.randn(m, (h + 2 * kvh) * d, generator=g) * 100
+    edges = torch.tensor(HALF_EDGES)
+    qkv[0, h * d : h * d + len(edges)] = edges  # into K
+    qkv[1, (h + kvh) * d : (h + kvh) * d + len(edges)] = -edges  # into V
+    no_rotary = torch.empty(m, 1, 0)
+    slots = torch.tensor([5, 17, 30])
+    tables = torch.tensor([[0, 1]]).repeat(m, 1)
+    lens = torch.tensor([6, 18, 31], dtype=torch.int32)
+    for lib in (None, scalar):
+        k_cache, v_cache = torch.zeros(2, 2, 16, kvh, d, dtype=torch.float16)
+        native.decode_attention(
+            qkv.clone(), h, kvh, d, None, None, 0.0, no_rotary, no_rotary, slots,
+            k_cache, v_cache, tables, lens, d**-0.5, lib=lib,
+        )  # fmt: skip
+        k_new, v_new = qkv.view(m, h + 2 * kvh, d)[:, h:].split([kvh, kvh], dim=1)
+        for cache, new in ((k_cache, k_new), (v_cache, v_new)):
+            held = cache.view(-1, kvh, d)[slots]
+            assert torch.equal(held.view(torch.int16), new.half().view(torch.int16)), lib
 
 
 def test_argmax_and_finiteness_are_torchs(tmp_path, monkeypatch):

@@ -17,6 +17,9 @@ NUM_TOKENS = 32
 # there its kernels take fp32-accurate dots; an H100 (2026-11-27) landed within 2.8e-5 over
 # all 64 prompts of these files.
 LOGITS_ATOL = 1e-4
+HALF_KV_ATOL = 3e-2  # a float16 KV cache moves these tiny models' logits by up to ~1e-2
+# small chunks and blocks: prompts span several blocks and prefill in pieces
+SMALL_STEPS = dict(kv_cache_memory_mb=8, block_size=16, max_prefill_chunk=24)
 
 
 def _prompts(vocab: int) -> list[list[int]]:
@@ -79,35 +82,53 @@ def assert_matches_transformers(
 
 def assert_same_greedy_run(
     tokens: list[int], logits: torch.Tensor, ref_tokens: list[int], ref_logits: torch.Tensor,
-    label: str,
+    label: str, atol: float = LOGITS_ATOL,
 ) -> None:  # fmt: skip
-    """Our greedy tokens and per-step logits against the reference's: logits within
-    LOGITS_ATOL and the same tokens. Where the reference's top two logits lie within the
-    tolerance of each other, either pick is right; the runs part there, and what follows
-    is not compared."""
+    """Our greedy tokens and per-step logits against the reference's: logits within `atol`
+    and the same tokens. Where the reference's top two logits lie within the tolerance of
+    each other, either pick is right; the runs part there, and what follows is not
+    compared."""
     steps = len(ref_tokens)
     for i, (ours, ref) in enumerate(zip(tokens, ref_tokens, strict=True)):
         if ours != ref:
             top2 = ref_logits[i].topk(2).values
             gap = (top2[0] - top2[1]).item()
-            assert gap <= 2 * LOGITS_ATOL, (
-                f"{label}: step {i} picks {ours}, not {ref} (gap {gap:.2e})"
-            )
+            assert gap <= 2 * atol, f"{label}: step {i} picks {ours}, not {ref} (gap {gap:.2e})"
             steps = i + 1
             break
     diff = (logits[:steps] - ref_logits[:steps]).abs().max().item()
     print(f"{label}: max |Δlogits| {diff:.2e} over {steps} steps")  # gpu-check logs these
-    assert diff <= LOGITS_ATOL, f"{label}: max |Δlogits| {diff:.2e}"
+    assert diff <= atol, f"{label}: max |Δlogits| {diff:.2e}"
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_logits_and_greedy_tokens_match_transformers_for_a_mixed_batch(family, tmp_path):
     model_dir, hf = make_tiny_model(family, tmp_path, shard=family == "qwen3")
-    # Small chunks and blocks so prompts span several blocks and prefill in pieces.
-    llm = LLM(
-        str(model_dir), dtype="float32", kv_cache_memory_mb=8, block_size=16, max_prefill_chunk=24
-    )
+    # Small chunks and blocks so prompts span several blocks and prefill in pieces; a float32
+    # KV cache, so that transformers' logits are ours to float rounding (the CPU's default
+    # float16 cache: test_a_half_kv_cache_keeps_transformers_greedy_tokens)
+    llm = LLM(str(model_dir), dtype="float32", kv_cache_dtype="float32", **SMALL_STEPS)
     assert_matches_transformers(llm, hf, _prompts(hf.config.vocab_size), family)
+
+
+@pytest.mark.parametrize("family", ["smollm2", "qwen3"])
+def test_a_half_kv_cache_keeps_transformers_greedy_tokens(family, tmp_path):
+    # the CPU's default under a float32 model: K/V rounded to float16 as they are cached (a
+    # relative 2^-11 at most), and every step, prompt chunks included, attending over them
+    model_dir, hf = make_tiny_model(family, tmp_path)
+    llm = LLM(str(model_dir), dtype="float32", **SMALL_STEPS)
+    assert llm.engine.runner.kv_dtype == torch.float16
+    attn = llm.engine.runner.model.layers[0].self_attn.attn
+    assert attn.k_cache.dtype == attn.v_cache.dtype == torch.float16
+    seen = _record_logits(llm)
+    prompts = _prompts(hf.config.vocab_size)
+    outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    for prompt, out in zip(prompts, outputs, strict=True):
+        ref_tokens, ref_logits = _hf_greedy(hf, prompt, 12)
+        assert_same_greedy_run(
+            out.token_ids, torch.stack(seen[out.request_id]), ref_tokens, ref_logits,
+            f"{family} float16 cache, prompt len {len(prompt)}", atol=HALF_KV_ATOL,
+        )  # fmt: skip
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])

@@ -21,7 +21,9 @@ from tests.engine.tiny import FIXTURE_MODELS, make_tiny_model, make_tiny_new_fam
 pytestmark = pytest.mark.skipif(not FIXTURE_MODELS.is_dir(), reason="shared fixtures absent")
 
 # small blocks and chunks: prompts span blocks and prefill in pieces beside decodes
-ENGINE = dict(dtype="float32", num_kv_blocks=64, block_size=16, max_prefill_chunk=24)
+ENGINE = dict(
+    dtype="float32", kv_cache_dtype="float32", num_kv_blocks=64, block_size=16, max_prefill_chunk=24
+)
 GREEDY = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
 
 

@@ -39,6 +39,7 @@ PROMPT_LENGTHS = (1, 9, 40)  # 40 > the prefill chunk: prefilled in two pieces, 
 VOCAB = 509  # odd: each rank's vocabulary slice is padded with a zero row
 ENGINE = dict(
     dtype="float32",
+    kv_cache_dtype="float32",  # transformers' logits to float rounding
     device="cpu",
     num_kv_blocks=48,
     block_size=16,

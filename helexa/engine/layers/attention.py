@@ -1,6 +1,8 @@
 """Attention over the paged KV cache.
 
-Each layer owns k/v caches shaped [num_blocks, block_size, num_kv_heads, head_dim].
+Each layer owns k/v caches shaped [num_blocks, block_size, num_kv_heads, head_dim], in the
+model's dtype, or on the CPU float16 under a float32 model (`[engine] kv_cache_dtype`): the
+torch path then widens what it reads, the native kernels read halves in place.
 New tokens' K/V are written to their slots, then each token attends causally over its
 sequence's context. Two paths, chosen by the model runner for the whole step:
 
@@ -92,8 +94,17 @@ class PagedAttention(nn.Module):
         group = self.num_heads // kvh
         k_flat = self.k_cache.view(-1, kvh, d)
         v_flat = self.v_cache.view(-1, kvh, d)
-        k_flat.index_copy_(0, ctx.slot_mapping, k)
-        v_flat.index_copy_(0, ctx.slot_mapping, v)
+        if k_flat.dtype != k.dtype:
+            # a float16 cache under a float32 model (the CPU's default): the new tokens
+            # attend over the values the cache holds, as every later step will, so that a
+            # prompt gives the same logits computed whole, in chunks or after a cached prefix
+            k, v = k.to(k_flat.dtype), v.to(v_flat.dtype)
+            k_flat.index_copy_(0, ctx.slot_mapping, k)
+            v_flat.index_copy_(0, ctx.slot_mapping, v)
+            k, v = k.to(q.dtype), v.to(q.dtype)
+        else:
+            k_flat.index_copy_(0, ctx.slot_mapping, k)
+            v_flat.index_copy_(0, ctx.slot_mapping, v)
         if ctx.context_lens is not None:
             if ctx.cu_seqlens_q is None:
                 return kernels.paged_decode_attention(
@@ -125,12 +136,12 @@ class PagedAttention(nn.Module):
                 )
             elif seg.mask is None:  # a later chunk on the CPU: the cached prefix, then itself
                 prefix = seg.context_slots[: seg.cached]
-                kp = k_flat[prefix].transpose(0, 1)[None]
-                vp = v_flat[prefix].transpose(0, 1)[None]
+                kp = k_flat[prefix].to(q.dtype).transpose(0, 1)[None]
+                vp = v_flat[prefix].to(q.dtype).transpose(0, 1)[None]
                 o = prefix_then_causal(qs, kp, vp, ks, vs, self.scale)
             else:
-                ks = k_flat[seg.context_slots].transpose(0, 1)[None]
-                vs = v_flat[seg.context_slots].transpose(0, 1)[None]
+                ks = k_flat[seg.context_slots].to(q.dtype).transpose(0, 1)[None]
+                vs = v_flat[seg.context_slots].to(q.dtype).transpose(0, 1)[None]
                 o = F.scaled_dot_product_attention(
                     qs, ks, vs, attn_mask=seg.mask, scale=self.scale, enable_gqa=True
                 )
@@ -140,7 +151,8 @@ class PagedAttention(nn.Module):
             rows = ctx.decode_rows
             n = rows.shape[0]
             qd = q if ctx.all_decode else q[rows]
-            if native.usable(qd, self.k_cache, self.v_cache):  # the blocks read in place
+            if native.usable(qd) and native.kv_usable(self.k_cache, self.v_cache):
+                # the blocks read in place
                 o = native.paged_decode(
                     qd, self.k_cache, self.v_cache, ctx.decode_blocks, ctx.decode_lens, self.scale
                 )
@@ -151,8 +163,8 @@ class PagedAttention(nn.Module):
             # Grouped-query trick: the `group` query heads sharing a kv head become the
             # query-length axis of that kv head, so no K/V repeat is needed.
             qd = qd.view(n, kvh, group, d)
-            kd = self.k_cache[ctx.decode_blocks].view(n, -1, kvh, d).transpose(1, 2)
-            vd = self.v_cache[ctx.decode_blocks].view(n, -1, kvh, d).transpose(1, 2)
+            kd = self.k_cache[ctx.decode_blocks].to(qd.dtype).view(n, -1, kvh, d).transpose(1, 2)
+            vd = self.v_cache[ctx.decode_blocks].to(qd.dtype).view(n, -1, kvh, d).transpose(1, 2)
             # kd, vd: [n, kvh, max_blocks * block_size, d]
             if ctx.decode_mask is None and ctx.decode_ragged:
                 ctx.decode_mask = decode_mask(ctx.decode_lens, kd.shape[2], qd.dtype)

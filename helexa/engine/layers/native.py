@@ -104,25 +104,13 @@ def load(path: Path) -> ctypes.CDLL:
     ]  # fmt: skip
     lib.hx_qk_prepare.restype = ctypes.c_int
     lib.hx_paged_decode.argtypes = [
-        ptr,
-        i64,
-        i64,
-        i64,
-        i64,
-        ptr,
-        ptr,
-        i64,
-        ptr,
-        i64,
-        ptr,
-        ctypes.c_float,
-        ptr,
-        ctypes.c_int,
-    ]
+        ptr, i64, i64, i64, i64, ptr, ptr, ctypes.c_int, i64, ptr, i64, ptr, ctypes.c_float,
+        ptr, ctypes.c_int,
+    ]  # fmt: skip
     lib.hx_paged_decode.restype = ctypes.c_int
     lib.hx_decode_attention.argtypes = [
-        ptr, i64, i64, i64, i64, ptr, ptr, ctypes.c_float, ptr, ptr, i64, ptr, ptr, ptr, i64,
-        ptr, i64, ptr, ctypes.c_float, ptr, ctypes.c_int,
+        ptr, i64, i64, i64, i64, ptr, ptr, ctypes.c_float, ptr, ptr, i64, ptr, ptr, ptr,
+        ctypes.c_int, i64, ptr, i64, ptr, ctypes.c_float, ptr, ctypes.c_int,
     ]  # fmt: skip
     lib.hx_decode_attention.restype = ctypes.c_int
     lib.hx_silu_mul.argtypes = [ptr, i64, i64, ptr]
@@ -133,7 +121,8 @@ def load(path: Path) -> ctypes.CDLL:
     f32 = ctypes.c_float
     lib.hx_decode_layer.argtypes = [
         ptr, ptr, ptr, i64, i64, ptr, ptr, f32, lin, lin, lin, lin, i64, i64, i64, ptr, ptr,
-        f32, ptr, ptr, i64, ptr, ptr, ptr, i64, ptr, i64, ptr, f32, ptr, ctypes.c_int,
+        f32, ptr, ptr, i64, ptr, ptr, ptr, ctypes.c_int, i64, ptr, i64, ptr, f32, ptr,
+        ctypes.c_int,
     ]  # fmt: skip
     lib.hx_decode_layer.restype = ctypes.c_int
     lib.hx_decode_layers.argtypes = [
@@ -177,6 +166,7 @@ class HxLayer(ctypes.Structure):
         ("v_cache", ctypes.c_void_p),
         ("block_size", ctypes.c_int64),
         ("scale", ctypes.c_float),
+        ("kv_f16", ctypes.c_int),
     ]
 
 
@@ -268,6 +258,23 @@ def usable(*tensors: torch.Tensor) -> bool:
     )
 
 
+# what a KV cache may hold for the native kernels, and the flag that tells them which
+KV_DTYPES = {torch.float32: 0, torch.float16: 1}
+
+
+def kv_usable(*caches: torch.Tensor) -> bool:
+    """Whether the native decode attention may read and write these KV caches: native
+    kernels on (as `usable`), each cache a contiguous float32 or float16 tensor on the CPU
+    (the kernels address it in place)."""
+    return (
+        enabled()
+        and kernels.backend() == "auto"
+        and all(
+            c.device.type == "cpu" and c.dtype in KV_DTYPES and c.is_contiguous() for c in caches
+        )
+    )
+
+
 def rms_norm(
     x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
@@ -304,8 +311,10 @@ def paged_decode(
     lib=None,
 ) -> torch.Tensor:
     """One decode step's attention, float32: q [n, H, D]; caches [blocks, block_size, KVH,
-    D]; tables [n, max_blocks] int64; lens [n] int32 → [n, H, D]. The torch path gathers
-    the blocks and runs SDPA; this reads them in place. `lib`: another build (tests)."""
+    D], float32 or float16 (`kv_usable`); tables [n, max_blocks] int64; lens [n] int32 →
+    [n, H, D]. The torch path gathers the blocks and runs SDPA; this reads them in place.
+    `lib`: another build (tests)."""
+    assert k_cache.dtype == v_cache.dtype
     q, k_cache, v_cache = q.contiguous(), k_cache.contiguous(), v_cache.contiguous()
     tables, lens = tables.contiguous(), lens.to(torch.int32).contiguous()
     n, h, d = q.shape
@@ -319,6 +328,7 @@ def paged_decode(
         d,
         k_cache.data_ptr(),
         v_cache.data_ptr(),
+        KV_DTYPES[k_cache.dtype],
         block_size,
         tables.data_ptr(),
         tables.shape[1],
@@ -383,25 +393,28 @@ def decode_attention(
     tables: torch.Tensor,
     lens: torch.Tensor,
     scale: float,
+    lib=None,
 ) -> torch.Tensor:
     """A decode step's attention after the qkv projection, in one call: qkv [M, (H + 2 KVH)
     D] float32, a fresh tensor (it is overwritten: q and k normalised and rotated in place);
     q_norm / k_norm [D] or None; cos, signed_sin [M, 1, R] (rotary.py's tables); slots [M]
-    the new tokens' cache slots; tables [M, max_blocks] int64; lens [M] → [M, H D]. What
-    Attention.forward's torch ops compute: split, per-head norms, rotary, the K/V writes and
-    paged attention (`paged_decode`)."""
+    the new tokens' cache slots; caches as `paged_decode` takes them; tables [M, max_blocks]
+    int64; lens [M] → [M, H D]. What Attention.forward's torch ops compute: split, per-head
+    norms, rotary, the K/V writes (rounded to a float16 cache's values as torch rounds) and
+    paged attention (`paged_decode`). `lib`: another build (tests)."""
     m = qkv.shape[0]
     cos, signed_sin, r = _rotary_rows(cos, signed_sin, m)
     qkv, slots = qkv.contiguous(), slots.contiguous()
     tables, lens = tables.contiguous(), lens.to(torch.int32).contiguous()
     out = qkv.new_empty(m, num_heads * head_dim)
-    rc = library().hx_decode_attention(
+    rc = (lib or library()).hx_decode_attention(
         qkv.data_ptr(), m, num_heads, num_kv_heads, head_dim,
         q_norm.data_ptr() if q_norm is not None else None,
         k_norm.data_ptr() if k_norm is not None else None,
         eps, cos.data_ptr(), signed_sin.data_ptr(), r, slots.data_ptr(),
-        k_cache.data_ptr(), v_cache.data_ptr(), k_cache.shape[1], tables.data_ptr(),
-        tables.shape[1], lens.data_ptr(), scale, out.data_ptr(), torch.get_num_threads(),
+        k_cache.data_ptr(), v_cache.data_ptr(), KV_DTYPES[k_cache.dtype], k_cache.shape[1],
+        tables.data_ptr(), tables.shape[1], lens.data_ptr(), scale, out.data_ptr(),
+        torch.get_num_threads(),
     )  # fmt: skip
     if rc != 0:
         raise RuntimeError(f"native decode_attention refused qkv {list(qkv.shape)}")
@@ -632,8 +645,9 @@ def decode_layer(
         plan.q_norm.data_ptr() if plan.q_norm is not None else None,
         plan.k_norm.data_ptr() if plan.k_norm is not None else None,
         plan.qk_eps, cos.data_ptr(), ssin.data_ptr(), r, ctx.slot_mapping.data_ptr(),
-        attn.k_cache.data_ptr(), attn.v_cache.data_ptr(), attn.k_cache.shape[1],
-        tables.data_ptr(), tables.shape[1], lens.data_ptr(), attn.scale, out.data_ptr(),
+        attn.k_cache.data_ptr(), attn.v_cache.data_ptr(), KV_DTYPES[attn.k_cache.dtype],
+        attn.k_cache.shape[1], tables.data_ptr(), tables.shape[1], lens.data_ptr(), attn.scale,
+        out.data_ptr(),
         torch.get_num_threads(),
     )  # fmt: skip
     if rc != 0:
@@ -672,6 +686,7 @@ def stack_plan(plans: list[LayerPlan]) -> StackPlan:
         slot.qk_eps = p.qk_eps
         slot.k_cache, slot.v_cache = attn.k_cache.data_ptr(), attn.v_cache.data_ptr()
         slot.block_size, slot.scale = attn.k_cache.shape[1], attn.scale
+        slot.kv_f16 = KV_DTYPES[attn.k_cache.dtype]
         caches.append(attn.k_cache)
     most = max(len(p.rows_ok) for p in plans)
     rows_ok = [all(p.rows_ok[min(r, len(p.rows_ok) - 1)] for p in plans) for r in range(most)]

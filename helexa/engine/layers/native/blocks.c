@@ -58,6 +58,65 @@ static float f16_to_f32(uint16_t h) {
 #endif
 }
 
+/* float -> IEEE half, rounded to nearest even as F16C's vcvtps2ph and torch's .half() round:
+ * above the largest half (65504, up to where rounding stays below 65520) it is inf, NaN
+ * stays NaN, and below 2^-14 the result is subnormal, rounded by the FPU itself (adding a
+ * magic number whose last mantissa bit is worth the smallest half subnormal). */
+static uint16_t f32_to_f16(float f) {
+    uint32_t x;
+    memcpy(&x, &f, 4);
+    uint32_t sign = (x >> 16) & 0x8000;
+    x &= 0x7fffffffu;
+    if (x >= 0x47800000u) /* >= 65536, inf or NaN */
+        return (uint16_t)(sign | (x > 0x7f800000u ? 0x7e00 : 0x7c00));
+    if (x < 0x38800000u) { /* < 2^-14: a subnormal half, or zero */
+        const uint32_t magic = 126u << 23; /* 0.5: its mantissa's last bit is 2^-24 */
+        float fx, fm;
+        memcpy(&fx, &x, 4);
+        memcpy(&fm, &magic, 4);
+        fx += fm;
+        memcpy(&x, &fx, 4);
+        return (uint16_t)(sign | (x - magic));
+    }
+    uint32_t odd = (x >> 13) & 1; /* ties to even: round half up, less one when even */
+    x += 0xc8000fffu + odd;      /* rebias the exponent (-112 << 23) and round the mantissa */
+    return (uint16_t)(sign | (x >> 13)); /* 65504 < f < 65536 rounds up to inf here */
+}
+
+/* A layer's KV cache holds float32 values (f16 = 0) or IEEE halves (f16 = 1): half the bytes
+ * a decode step reads, as llama.cpp's default cache does. Reads widen to float32; writes
+ * round to nearest even. The helpers take `f16` as a constant of an inlined caller, so each
+ * loop compiles for one element type. */
+static inline float kv_get(const void *c, int64_t i, int f16) {
+    return f16 ? f16_to_f32(((const uint16_t *)c)[i]) : ((const float *)c)[i];
+}
+static inline const void *kv_at(const void *c, int64_t i, int f16) {
+    return (const char *)c + i * (f16 ? 2 : 4);
+}
+/* n floats of x into elements [i, i + n) of cache c */
+static void kv_put(void *c, int64_t i, const float *x, int64_t n, int f16) {
+    if (!f16) {
+        memcpy((float *)c + i, x, (size_t)n * sizeof(float));
+        return;
+    }
+    uint16_t *o = (uint16_t *)c + i;
+    int64_t j = 0;
+#ifdef __AVX2__
+    for (; j + 8 <= n; j += 8)
+        _mm_storeu_si128((__m128i *)(o + j),
+                         _mm256_cvtps_ph(_mm256_loadu_ps(x + j), _MM_FROUND_TO_NEAREST_INT));
+#endif
+    for (; j < n; j++) o[j] = f32_to_f16(x[j]);
+}
+
+#ifdef __AVX2__
+/* elements [i, i + 8) of cache row p, as floats */
+static inline __m256 kv_load8(const void *p, int64_t i, int f16) {
+    return f16 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)p + i)))
+               : _mm256_loadu_ps((const float *)p + i);
+}
+#endif
+
 /* bytes of one row's block: the file's, and an x8 kind's share of its group's */
 int hx_block_bytes(int kind) {
     kind = base_kind(kind);
@@ -742,9 +801,9 @@ static float softmax_exp(float *s, int64_t n) {
 /* scores[t - t0] = scale * q . k_t for tokens t0 <= t < t1 of one kv head; k_t found through the
  * block table. Eight tokens at a time where D allows: eight dot products accumulate side by
  * side and one transposing reduction sums them, instead of a horizontal sum per token. */
-static void head_scores(const float *q, const float *k_cache, const int64_t *table,
-                        int64_t block_size, int64_t KVH, int64_t kvh, int64_t D, int64_t t0,
-                        int64_t t1, float scale, float *scores) {
+static inline __attribute__((always_inline)) void head_scores(
+    const float *q, const void *k_cache, int f16, const int64_t *table, int64_t block_size,
+    int64_t KVH, int64_t kvh, int64_t D, int64_t t0, int64_t t1, float scale, float *scores) {
     const int shift = __builtin_ctzll((unsigned long long)block_size);
     const int64_t len = t1;
     int64_t t = t0;
@@ -752,16 +811,15 @@ static void head_scores(const float *q, const float *k_cache, const int64_t *tab
 #ifdef __AVX2__
     if (D % 8 == 0) {
         for (; t + 8 <= len; t += 8) {
-            const float *kp[8];
-            for (int j = 0; j < 8; j++) {
-                int64_t slot = SLOT(table, t + j);
-                kp[j] = k_cache + (slot * KVH + kvh) * D;
-            }
+            const void *kp[8];
+            for (int j = 0; j < 8; j++)
+                kp[j] = kv_at(k_cache, (SLOT(table, t + j) * KVH + kvh) * D, f16);
             __m256 acc[8];
             for (int j = 0; j < 8; j++) acc[j] = _mm256_setzero_ps();
             for (int64_t c = 0; c < D; c += 8) {
                 __m256 qc = _mm256_loadu_ps(q + c);
-                for (int j = 0; j < 8; j++) acc[j] = _mm256_fmadd_ps(qc, _mm256_loadu_ps(kp[j] + c), acc[j]);
+                for (int j = 0; j < 8; j++)
+                    acc[j] = _mm256_fmadd_ps(qc, kv_load8(kp[j], c, f16), acc[j]);
             }
             __m256 s01 = _mm256_hadd_ps(acc[0], acc[1]), s23 = _mm256_hadd_ps(acc[2], acc[3]);
             __m256 s45 = _mm256_hadd_ps(acc[4], acc[5]), s67 = _mm256_hadd_ps(acc[6], acc[7]);
@@ -773,14 +831,68 @@ static void head_scores(const float *q, const float *k_cache, const int64_t *tab
     }
 #endif
     for (; t < len; t++) {
-        int64_t slot = SLOT(table, t);
-        scores[t] = dot_f32(q, k_cache + (slot * KVH + kvh) * D, D) * scale;
+        int64_t at = (SLOT(table, t) * KVH + kvh) * D;
+        float dot = 0.f;
+        if (!f16) {
+            dot = dot_f32(q, (const float *)k_cache + at, D);
+        } else {
+            for (int64_t c = 0; c < D; c++) dot += q[c] * kv_get(k_cache, at + c, 1);
+        }
+        scores[t] = dot * scale;
+    }
+}
+
+/* y [n] += a * v [n], v a cache row */
+static inline __attribute__((always_inline)) void axpy_kv(float *y, float a, const void *v,
+                                                          int64_t n, int f16) {
+    if (!f16) {
+        axpy_f32(y, a, (const float *)v, n);
+        return;
+    }
+    int64_t i = 0;
+#ifdef __AVX2__
+    __m256 av = _mm256_set1_ps(a);
+    for (; i + 8 <= n; i += 8)
+        _mm256_storeu_ps(y + i, _mm256_fmadd_ps(av, kv_load8(v, i, 1), _mm256_loadu_ps(y + i)));
+#endif
+    for (; i < n; i++) y[i] += a * kv_get(v, i, 1);
+}
+
+/* one (row, span) task of hx_paged_decode, for one cache element type (see there) */
+static inline __attribute__((always_inline)) void decode_span(
+    const float *qi, const void *k_cache, const void *v_cache, int f16, const int64_t *table,
+    int64_t block_size, int64_t H, int64_t KVH, int64_t D, int64_t t0, int64_t t1,
+    float scale, float *s, int64_t span_max, float *part, int64_t S, int64_t sp,
+    int64_t stride) {
+    const int shift = __builtin_ctzll((unsigned long long)block_size);
+    const int64_t group = H / KVH, nt = t1 - t0, row = KVH * D;
+    for (int64_t t = t0; t < t1; t++) { /* the span's K, in the order it lies */
+        const char *krow = kv_at(k_cache, SLOT(table, t) * row, f16);
+        for (int64_t b = 0; b < row * (f16 ? 2 : 4); b += 64) __builtin_prefetch(krow + b, 0, 3);
+    }
+    for (int64_t h = 0; h < H; h++) /* eight tokens at a time, from the cache */
+        head_scores(qi + h * D, k_cache, f16, table, block_size, KVH, h / group, D, t0, t1,
+                    scale, s + h * span_max);
+    for (int64_t h = 0; h < H; h++) {
+        float *pp = part + (h * S + sp) * stride, *sh = s + h * span_max;
+        memset(pp, 0, (size_t)D * sizeof(float));
+        pp[D] = -INFINITY, pp[D + 1] = 0.f; /* an empty span weighs 0 in the merge */
+        if (nt < 1) continue;
+        float m = -INFINITY;
+        for (int64_t t = 0; t < nt; t++) m = sh[t] > m ? sh[t] : m;
+        pp[D] = m, pp[D + 1] = softmax_exp(sh, nt);
+    }
+    for (int64_t t = t0; t < t1; t++) {
+        const void *vrow = kv_at(v_cache, SLOT(table, t) * row, f16);
+        for (int64_t h = 0; h < H; h++)
+            axpy_kv(part + (h * S + sp) * stride, s[h * span_max + t - t0],
+                    kv_at(vrow, h / group * D, f16), D, f16);
     }
 }
 
 /* One decode step's attention over the paged cache, float32. q [n, H, D]; k_cache, v_cache
- * [num_blocks, block_size, KVH, D]; tables [n, max_blocks] int64 block ids; lens [n] the
- * tokens each row attends to (its own included); out [n, H, D].
+ * [num_blocks, block_size, KVH, D], float32 or (kv_f16) half; tables [n, max_blocks] int64
+ * block ids; lens [n] the tokens each row attends to (its own included); out [n, H, D].
  *
  * Split-K ("flash decoding"): each row's context is cut into S spans, and a task is one
  * (row, span) over every head. It reads the span's K and V as the cache lays them out (a
@@ -795,13 +907,12 @@ static void head_scores(const float *q, const float *k_cache, const int64_t *tab
  * the threads ~8 tasks each, none under 16 tokens. Returns 0, or -1 on a bad argument or
  * a failed allocation. */
 int hx_paged_decode(const float *q, int64_t n, int64_t H, int64_t KVH, int64_t D,
-                    const float *k_cache, const float *v_cache, int64_t block_size,
+                    const void *k_cache, const void *v_cache, int kv_f16, int64_t block_size,
                     const int64_t *tables, int64_t max_blocks, const int32_t *lens, float scale,
                     float *out, int num_threads) {
     if (n < 1 || KVH < 1 || H % KVH || D < 1 || block_size < 1 || num_threads < 1) return -1;
     if (block_size & (block_size - 1)) return -1; /* a power of two */
-    const int shift = __builtin_ctzll((unsigned long long)block_size);
-    int64_t group = H / KVH, max_len = 0;
+    int64_t max_len = 0;
     for (int64_t i = 0; i < n; i++) {
         if (lens[i] < 1 || lens[i] > max_blocks * block_size) return -1;
         if (lens[i] > max_len) max_len = lens[i];
@@ -824,32 +935,15 @@ int hx_paged_decode(const float *q, int64_t n, int64_t H, int64_t KVH, int64_t D
         for (int64_t task = 0; task < n * S; task++) {
             if (!s) continue;
             int64_t i = task / S, sp = task % S, len = lens[i], per = (len + S - 1) / S;
-            int64_t t0 = sp * per, t1 = t0 + per < len ? t0 + per : len, nt = t1 - t0;
+            int64_t t0 = sp * per, t1 = t0 + per < len ? t0 + per : len;
             const int64_t *table = tables + i * max_blocks;
-            const float *qi = q + i * H * D;
-            for (int64_t t = t0; t < t1; t++) { /* the span's K, in the order it lies */
-                const char *krow = (const char *)(k_cache + SLOT(table, t) * KVH * D);
-                for (int64_t b = 0; b < KVH * D * (int64_t)sizeof(float); b += 64)
-                    __builtin_prefetch(krow + b, 0, 3);
-            }
-            for (int64_t h = 0; h < H; h++) /* eight tokens at a time, from the cache */
-                head_scores(qi + h * D, k_cache, table, block_size, KVH, h / group, D, t0, t1,
-                            scale, s + h * span_max);
-            for (int64_t h = 0; h < H; h++) {
-                float *pp = part + ((i * H + h) * S + sp) * stride, *sh = s + h * span_max;
-                memset(pp, 0, (size_t)D * sizeof(float));
-                pp[D] = -INFINITY, pp[D + 1] = 0.f; /* an empty span weighs 0 in the merge */
-                if (nt < 1) continue;
-                float m = -INFINITY;
-                for (int64_t t = 0; t < nt; t++) m = sh[t] > m ? sh[t] : m;
-                pp[D] = m, pp[D + 1] = softmax_exp(sh, nt);
-            }
-            for (int64_t t = t0; t < t1; t++) {
-                const float *vrow = v_cache + SLOT(table, t) * KVH * D;
-                for (int64_t h = 0; h < H; h++)
-                    axpy_f32(part + ((i * H + h) * S + sp) * stride, s[h * span_max + t - t0],
-                             vrow + h / group * D, D);
-            }
+            float *pi = part + i * H * S * stride;
+            if (kv_f16)
+                decode_span(q + i * H * D, k_cache, v_cache, 1, table, block_size, H, KVH, D,
+                            t0, t1, scale, s, span_max, pi, S, sp, stride);
+            else
+                decode_span(q + i * H * D, k_cache, v_cache, 0, table, block_size, H, KVH, D,
+                            t0, t1, scale, s, span_max, pi, S, sp, stride);
         }
         free(s);
         if (!failed) { /* every thread sees the same value: set before the barrier above */
@@ -913,12 +1007,12 @@ int hx_qk_prepare(float *qkv, int64_t M, int64_t H, int64_t KVH, int64_t D,
 
 /* A decode step's attention block after the qkv projection, float32, in one call: split qkv
  * [M, (H + 2 KVH) D] into q, k, v; norms and rotary as hx_qk_prepare; write k and v to
- * their cache slots; attend over each row's lens[m] tokens (tables [M, max_blocks]) → out
+ * their cache slots (as halves where kv_f16); attend over each row's lens[m] tokens (tables [M, max_blocks]) → out
  * [M, H D]. qkv is used as scratch. */
 int hx_decode_attention(float *qkv, int64_t M, int64_t H, int64_t KVH, int64_t D,
                         const float *q_norm, const float *k_norm, float eps, const float *cos,
-                        const float *ssin, int64_t r, const int64_t *slots, float *k_cache,
-                        float *v_cache, int64_t block_size, const int64_t *tables,
+                        const float *ssin, int64_t r, const int64_t *slots, void *k_cache,
+                        void *v_cache, int kv_f16, int64_t block_size, const int64_t *tables,
                         int64_t max_blocks, const int32_t *lens, float scale, float *out,
                         int num_threads) {
     if (M < 1 || KVH < 1 || H % KVH ||
@@ -927,15 +1021,15 @@ int hx_decode_attention(float *qkv, int64_t M, int64_t H, int64_t KVH, int64_t D
     int64_t width = (H + 2 * KVH) * D;
     for (int64_t m = 0; m < M; m++) {
         const float *k = qkv + m * width + H * D, *v = k + KVH * D;
-        memcpy(k_cache + slots[m] * KVH * D, k, (size_t)(KVH * D) * sizeof(float));
-        memcpy(v_cache + slots[m] * KVH * D, v, (size_t)(KVH * D) * sizeof(float));
+        kv_put(k_cache, slots[m] * KVH * D, k, KVH * D, kv_f16);
+        kv_put(v_cache, slots[m] * KVH * D, v, KVH * D, kv_f16);
     }
     /* q rows of the batch sit `width` apart: copy them together for hx_paged_decode */
     float *qs = malloc((size_t)(M * H * D) * sizeof(float));
     if (!qs) return -1;
     for (int64_t m = 0; m < M; m++) memcpy(qs + m * H * D, qkv + m * width, (size_t)(H * D) * sizeof(float));
-    int rc = hx_paged_decode(qs, M, H, KVH, D, k_cache, v_cache, block_size, tables, max_blocks,
-                             lens, scale, out, num_threads);
+    int rc = hx_paged_decode(qs, M, H, KVH, D, k_cache, v_cache, kv_f16, block_size, tables,
+                             max_blocks, lens, scale, out, num_threads);
     free(qs);
     return rc;
 }
@@ -1185,8 +1279,8 @@ int hx_decode_layer(const float *x, const float *residual_in, float *residual_ou
                     const hx_linear *qkv, const hx_linear *o, const hx_linear *gate_up,
                     const hx_linear *down, int64_t H, int64_t KVH, int64_t D,
                     const float *q_norm, const float *k_norm, float qk_eps, const float *cos,
-                    const float *ssin, int64_t r, const int64_t *slots, float *k_cache,
-                    float *v_cache, int64_t block_size, const int64_t *tables,
+                    const float *ssin, int64_t r, const int64_t *slots, void *k_cache,
+                    void *v_cache, int kv_f16, int64_t block_size, const int64_t *tables,
                     int64_t max_blocks, const int32_t *lens, float scale, float *out,
                     int num_threads) {
     int64_t inter = gate_up->n / 2, width = qkv->n;
@@ -1204,8 +1298,8 @@ int hx_decode_layer(const float *x, const float *residual_in, float *residual_ou
     if (rc == 0) rc = linear_run(qkv, h, M, buf, num_threads);
     if (rc == 0)
         rc = hx_decode_attention(buf, M, H, KVH, D, q_norm, k_norm, qk_eps, cos, ssin, r, slots,
-                                 k_cache, v_cache, block_size, tables, max_blocks, lens, scale,
-                                 attn, num_threads);
+                                 k_cache, v_cache, kv_f16, block_size, tables, max_blocks, lens,
+                                 scale, attn, num_threads);
     if (rc == 0) rc = linear_run(o, attn, M, out, num_threads);
     if (rc == 0)
         rc = hx_rms_norm(out, residual_out, norm2, h, residual_out, M, hidden, eps, num_threads);
@@ -1227,9 +1321,10 @@ typedef struct {
     int64_t H, KVH, D;
     const float *q_norm, *k_norm; /* [D] or NULL */
     float qk_eps;
-    float *k_cache, *v_cache; /* [blocks, block_size, KVH, D] */
+    void *k_cache, *v_cache; /* [blocks, block_size, KVH, D], float32 or (kv_f16) half */
     int64_t block_size;
     float scale;
+    int kv_f16;
 } hx_layer;
 
 /* hx_decode_layer over `n_layers` layers in turn, from the embeddings x [M, hidden] (the first
@@ -1253,8 +1348,8 @@ int hx_decode_layers(const hx_layer *layers, int64_t n_layers, const float *x, f
         rc = hx_decode_layer(cur, l ? residual : NULL, residual, M, hidden, y->norm1, y->norm2,
                              y->eps, y->qkv, y->o, y->gate_up, y->down, y->H, y->KVH, y->D,
                              y->q_norm, y->k_norm, y->qk_eps, cos, ssin, r, slots, y->k_cache,
-                             y->v_cache, y->block_size, tables, max_blocks, lens, y->scale, dst,
-                             num_threads);
+                             y->v_cache, y->kv_f16, y->block_size, tables, max_blocks, lens,
+                             y->scale, dst, num_threads);
         cur = dst;
     }
     free(spare);
