@@ -798,64 +798,132 @@ static float softmax_exp(float *s, int64_t n) {
  * and hx_paged_decode checks), so a shift and a mask rather than a 64-bit division */
 #define SLOT(table, t) ((table[(t) >> shift] << shift) | ((t) & (block_size - 1)))
 
-/* scores[t - t0] = scale * q . k_t for tokens t0 <= t < t1 of one kv head; k_t found through the
- * block table. Eight tokens at a time where D allows: eight dot products accumulate side by
- * side and one transposing reduction sums them, instead of a horizontal sum per token. */
-static inline __attribute__((always_inline)) void head_scores(
-    const float *q, const void *k_cache, int f16, const int64_t *table, int64_t block_size,
-    int64_t KVH, int64_t kvh, int64_t D, int64_t t0, int64_t t1, float scale, float *scores) {
+#ifdef __AVX2__
+/* [a0 . 1, a1 . 1, a2 . 1, a3 . 1]: four vectors' sums */
+static inline __m128 hsum4x8(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
+    __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+    return _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
+}
+#endif
+
+/* s[i * span_max + t - t0] = scale * q_i . k_t for the nh (1-3) query heads q_i (D apart)
+ * that share kv head kvh, tokens t0 <= t < t1, k_t found through the block table. Four
+ * tokens at a time where D allows, each key row loaded (and widened) once for all nh heads:
+ * 4 x nh dot products accumulate side by side, one transposing reduction a head. Eight
+ * tokens of one head at a time loaded every key once per head of its group, widening a
+ * float16 cache's three times over. */
+static inline __attribute__((always_inline)) void group_scores(
+    const float *q, const int nh, const void *k_cache, int f16, const int64_t *table,
+    int64_t block_size, int64_t KVH, int64_t kvh, int64_t D, int64_t t0, int64_t t1,
+    float scale, float *s, int64_t span_max) {
     const int shift = __builtin_ctzll((unsigned long long)block_size);
-    const int64_t len = t1;
     int64_t t = t0;
-    scores -= t0;
 #ifdef __AVX2__
     if (D % 8 == 0) {
-        for (; t + 8 <= len; t += 8) {
-            const void *kp[8];
-            for (int j = 0; j < 8; j++)
+        const __m128 sc = _mm_set1_ps(scale);
+        for (; t + 4 <= t1; t += 4) {
+            const void *kp[4];
+            for (int j = 0; j < 4; j++)
                 kp[j] = kv_at(k_cache, (SLOT(table, t + j) * KVH + kvh) * D, f16);
-            __m256 acc[8];
-            for (int j = 0; j < 8; j++) acc[j] = _mm256_setzero_ps();
+            __m256 acc[3][4];
+            for (int i = 0; i < nh; i++)
+                for (int j = 0; j < 4; j++) acc[i][j] = _mm256_setzero_ps();
             for (int64_t c = 0; c < D; c += 8) {
-                __m256 qc = _mm256_loadu_ps(q + c);
-                for (int j = 0; j < 8; j++)
-                    acc[j] = _mm256_fmadd_ps(qc, kv_load8(kp[j], c, f16), acc[j]);
+                for (int j = 0; j < 4; j++) {
+                    __m256 kc = kv_load8(kp[j], c, f16);
+                    for (int i = 0; i < nh; i++)
+                        acc[i][j] = _mm256_fmadd_ps(kc, _mm256_loadu_ps(q + i * D + c), acc[i][j]);
+                }
             }
-            __m256 s01 = _mm256_hadd_ps(acc[0], acc[1]), s23 = _mm256_hadd_ps(acc[2], acc[3]);
-            __m256 s45 = _mm256_hadd_ps(acc[4], acc[5]), s67 = _mm256_hadd_ps(acc[6], acc[7]);
-            __m256 s0123 = _mm256_hadd_ps(s01, s23), s4567 = _mm256_hadd_ps(s45, s67);
-            __m256 sum = _mm256_add_ps(_mm256_permute2f128_ps(s0123, s4567, 0x20),
-                                       _mm256_permute2f128_ps(s0123, s4567, 0x31));
-            _mm256_storeu_ps(scores + t, _mm256_mul_ps(sum, _mm256_set1_ps(scale)));
+            for (int i = 0; i < nh; i++)
+                _mm_storeu_ps(s + i * span_max + t - t0,
+                              _mm_mul_ps(hsum4x8(acc[i][0], acc[i][1], acc[i][2], acc[i][3]), sc));
         }
     }
 #endif
-    for (; t < len; t++) {
+    for (; t < t1; t++) {
         int64_t at = (SLOT(table, t) * KVH + kvh) * D;
-        float dot = 0.f;
-        if (!f16) {
-            dot = dot_f32(q, (const float *)k_cache + at, D);
-        } else {
-            for (int64_t c = 0; c < D; c++) dot += q[c] * kv_get(k_cache, at + c, 1);
+        for (int i = 0; i < nh; i++) {
+            float dot = 0.f;
+            if (!f16) {
+                dot = dot_f32(q + i * D, (const float *)k_cache + at, D);
+            } else {
+                for (int64_t c = 0; c < D; c++) dot += q[i * D + c] * kv_get(k_cache, at + c, 1);
+            }
+            s[i * span_max + t - t0] = dot * scale;
         }
-        scores[t] = dot * scale;
     }
 }
 
-/* y [n] += a * v [n], v a cache row */
-static inline __attribute__((always_inline)) void axpy_kv(float *y, float a, const void *v,
-                                                          int64_t n, int f16) {
-    if (!f16) {
-        axpy_f32(y, a, (const float *)v, n);
-        return;
+/* group_scores for every head of the task: each kv head's `group` query heads in sets of
+ * up to three (12 accumulators, four keys' worth, in the 16 registers) */
+static inline __attribute__((always_inline)) void span_scores(
+    const float *q, const void *k_cache, int f16, const int64_t *table, int64_t block_size,
+    int64_t H, int64_t KVH, int64_t D, int64_t t0, int64_t t1, float scale, float *s,
+    int64_t span_max) {
+    const int64_t group = H / KVH;
+    for (int64_t kvh = 0; kvh < KVH; kvh++) {
+        for (int64_t h = kvh * group; h < (kvh + 1) * group;) {
+            int64_t left = (kvh + 1) * group - h;
+            const float *qh = q + h * D;
+            float *sh = s + h * span_max;
+            if (left >= 3) {
+                group_scores(qh, 3, k_cache, f16, table, block_size, KVH, kvh, D, t0, t1, scale,
+                             sh, span_max);
+                h += 3;
+            } else if (left == 2) {
+                group_scores(qh, 2, k_cache, f16, table, block_size, KVH, kvh, D, t0, t1, scale,
+                             sh, span_max);
+                h += 2;
+            } else {
+                group_scores(qh, 1, k_cache, f16, table, block_size, KVH, kvh, D, t0, t1, scale,
+                             sh, span_max);
+                h += 1;
+            }
+        }
     }
-    int64_t i = 0;
+}
+
+/* o [D] = sum over tokens t0 <= t < t1 of p[t - t0] * v_t, v_t one kv head's value row found
+ * through the block table: token by token with the output in registers, 64 dims at a time
+ * (an axpy into memory per token and head loaded and stored the output each time; ~2x the
+ * instructions) */
+static inline __attribute__((always_inline)) void head_values(
+    const float *p, const void *v_cache, int f16, const int64_t *table, int64_t block_size,
+    int64_t KVH, int64_t kvh, int64_t D, int64_t t0, int64_t t1, float *o) {
+    const int shift = __builtin_ctzll((unsigned long long)block_size);
+    const int64_t row = KVH * D;
+    int64_t d0 = 0;
 #ifdef __AVX2__
-    __m256 av = _mm256_set1_ps(a);
-    for (; i + 8 <= n; i += 8)
-        _mm256_storeu_ps(y + i, _mm256_fmadd_ps(av, kv_load8(v, i, 1), _mm256_loadu_ps(y + i)));
+    for (; D % 8 == 0 && d0 < D; d0 += 64) {
+        __m256 acc[8];
+        for (int j = 0; j < 8; j++) acc[j] = _mm256_setzero_ps();
+        if (D - d0 >= 64) {
+            for (int64_t t = t0; t < t1; t++) {
+                const void *vr = kv_at(v_cache, SLOT(table, t) * row + kvh * D + d0, f16);
+                __m256 pt = _mm256_set1_ps(p[t - t0]);
+                for (int j = 0; j < 8; j++)
+                    acc[j] = _mm256_fmadd_ps(pt, kv_load8(vr, 8 * j, f16), acc[j]);
+            }
+            for (int j = 0; j < 8; j++) _mm256_storeu_ps(o + d0 + 8 * j, acc[j]);
+        } else {
+            const int nv = (int)((D - d0) / 8);
+            for (int64_t t = t0; t < t1; t++) {
+                const void *vr = kv_at(v_cache, SLOT(table, t) * row + kvh * D + d0, f16);
+                __m256 pt = _mm256_set1_ps(p[t - t0]);
+                for (int j = 0; j < nv; j++)
+                    acc[j] = _mm256_fmadd_ps(pt, kv_load8(vr, 8 * j, f16), acc[j]);
+            }
+            for (int j = 0; j < nv; j++) _mm256_storeu_ps(o + d0 + 8 * j, acc[j]);
+        }
+    }
 #endif
-    for (; i < n; i++) y[i] += a * kv_get(v, i, 1);
+    if (d0 >= D) return;
+    for (int64_t d = 0; d < D; d++) o[d] = 0.f;
+    for (int64_t t = t0; t < t1; t++) {
+        int64_t at = SLOT(table, t) * row + kvh * D;
+        for (int64_t d = 0; d < D; d++) o[d] += p[t - t0] * kv_get(v_cache, at + d, f16);
+    }
 }
 
 /* one (row, span) task of hx_paged_decode, for one cache element type (see there) */
@@ -870,23 +938,18 @@ static inline __attribute__((always_inline)) void decode_span(
         const char *krow = kv_at(k_cache, SLOT(table, t) * row, f16);
         for (int64_t b = 0; b < row * (f16 ? 2 : 4); b += 64) __builtin_prefetch(krow + b, 0, 3);
     }
-    for (int64_t h = 0; h < H; h++) /* eight tokens at a time, from the cache */
-        head_scores(qi + h * D, k_cache, f16, table, block_size, KVH, h / group, D, t0, t1,
-                    scale, s + h * span_max);
+    span_scores(qi, k_cache, f16, table, block_size, H, KVH, D, t0, t1, scale, s, span_max);
     for (int64_t h = 0; h < H; h++) {
         float *pp = part + (h * S + sp) * stride, *sh = s + h * span_max;
-        memset(pp, 0, (size_t)D * sizeof(float));
         pp[D] = -INFINITY, pp[D + 1] = 0.f; /* an empty span weighs 0 in the merge */
-        if (nt < 1) continue;
+        if (nt < 1) {
+            memset(pp, 0, (size_t)D * sizeof(float));
+            continue;
+        }
         float m = -INFINITY;
         for (int64_t t = 0; t < nt; t++) m = sh[t] > m ? sh[t] : m;
         pp[D] = m, pp[D + 1] = softmax_exp(sh, nt);
-    }
-    for (int64_t t = t0; t < t1; t++) {
-        const void *vrow = kv_at(v_cache, SLOT(table, t) * row, f16);
-        for (int64_t h = 0; h < H; h++)
-            axpy_kv(part + (h * S + sp) * stride, s[h * span_max + t - t0],
-                    kv_at(vrow, h / group * D, f16), D, f16);
+        head_values(sh, v_cache, f16, table, block_size, KVH, h / group, D, t0, t1, pp);
     }
 }
 
@@ -895,10 +958,10 @@ static inline __attribute__((always_inline)) void decode_span(
  * block ids; lens [n] the tokens each row attends to (its own included); out [n, H, D].
  *
  * Split-K ("flash decoding"): each row's context is cut into S spans, and a task is one
- * (row, span) over every head. It reads the span's K and V as the cache lays them out (a
- * token's [KVH, D] rows after one another, a block's tokens after one another): K first
- * prefetched in that order, then scored head by head from the cache; V accumulated token
- * by token into every head's output. By (row, head) tasks over whole contexts, each head
+ * (row, span) over every head. It prefetches the span's K as the cache lays it out (a
+ * token's [KVH, D] rows after one another, a block's tokens after one another), scores it
+ * a kv head's query heads together (span_scores), then weighs V into each head's output
+ * held in registers (head_values). By (row, head) tasks over whole contexts, each head
  * read its kv head's 256 bytes out of every 768 and a 512-token context cost ~115-190 us a
  * layer against ~70-110 now (SmolLM2's 9 heads, 3 kv heads, 30 layers, the cache out of
  * the L3 as the streaming weights leave it in a decode step), and one row's 9 tasks left
