@@ -147,13 +147,15 @@ def test_half_precision_runs_close_to_float32(dtype, tmp_path):
 
 def test_unfused_projections_give_the_same_logits(tmp_path, monkeypatch):
     model_dir, _ = make_tiny_model("qwen2", tmp_path)
-    fused = LLM(str(model_dir), dtype="float32", kv_cache_memory_mb=8)
+    # a float32 cache: the two ways' K may differ in the last bit, which a float16 cache can
+    # round a whole half-ulp apart (one CI run saw 1.0014e-05)
+    fused = LLM(str(model_dir), dtype="float32", kv_cache_memory_mb=8, kv_cache_dtype="float32")
 
     def refuse(linears):
         raise ValueError("held differently")
 
     monkeypatch.setattr("helexa.engine.models.llama.fuse", refuse)
-    unfused = LLM(str(model_dir), dtype="float32", kv_cache_memory_mb=8)
+    unfused = LLM(str(model_dir), dtype="float32", kv_cache_memory_mb=8, kv_cache_dtype="float32")
     assert not hasattr(unfused.engine.runner.model.layers[0].self_attn, "qkv_proj")
     seen_f, seen_u = _record_logits(fused), _record_logits(unfused)
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
@@ -180,7 +182,13 @@ def test_a_prompt_steps_last_layer_runs_past_attention_on_its_sampled_rows_only(
     try:
         for selects in (False, True):
             # small chunks: prompt steps that sample nothing, decode rows beside prompt rows
-            llm = LLM(str(model_dir), dtype="float32", kv_cache_memory_mb=8, max_prefill_chunk=24)
+            llm = LLM(
+                str(model_dir),
+                dtype="float32",
+                kv_cache_dtype="float32",  # as in test_unfused_projections_give_the_same_logits
+                kv_cache_memory_mb=8,
+                max_prefill_chunk=24,
+            )
             llm.engine.runner.selects_output_rows = selects
             mlp, mlp_rows = llm.engine.runner.model.layers[-1].mlp, []
 
