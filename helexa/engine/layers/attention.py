@@ -94,17 +94,14 @@ class PagedAttention(nn.Module):
         group = self.num_heads // kvh
         k_flat = self.k_cache.view(-1, kvh, d)
         v_flat = self.v_cache.view(-1, kvh, d)
-        if k_flat.dtype != k.dtype:
-            # a float16 cache under a float32 model (the CPU's default): the new tokens
-            # attend over the values the cache holds, as every later step will, so that a
-            # prompt gives the same logits computed whole, in chunks or after a cached prefix
-            k, v = k.to(k_flat.dtype), v.to(v_flat.dtype)
-            k_flat.index_copy_(0, ctx.slot_mapping, k)
-            v_flat.index_copy_(0, ctx.slot_mapping, v)
-            k, v = k.to(q.dtype), v.to(q.dtype)
-        else:
-            k_flat.index_copy_(0, ctx.slot_mapping, k)
-            v_flat.index_copy_(0, ctx.slot_mapping, v)
+        # A float16 cache under a float32 model (the CPU's default): the new tokens attend
+        # over the values the cache holds, as every later step will, so that a prompt gives
+        # the same logits computed whole, in chunks or after a cached prefix. (Each .to is
+        # a no-op where the dtypes agree.)
+        k, v = k.to(k_flat.dtype), v.to(v_flat.dtype)
+        k_flat.index_copy_(0, ctx.slot_mapping, k)
+        v_flat.index_copy_(0, ctx.slot_mapping, v)
+        k, v = k.to(q.dtype), v.to(q.dtype)
         if ctx.context_lens is not None:
             if ctx.cu_seqlens_q is None:
                 return kernels.paged_decode_attention(
@@ -151,8 +148,7 @@ class PagedAttention(nn.Module):
             rows = ctx.decode_rows
             n = rows.shape[0]
             qd = q if ctx.all_decode else q[rows]
-            if native.usable(qd) and native.kv_usable(self.k_cache, self.v_cache):
-                # the blocks read in place
+            if native.usable(qd, caches=(self.k_cache, self.v_cache)):  # read in place
                 o = native.paged_decode(
                     qd, self.k_cache, self.v_cache, ctx.decode_blocks, ctx.decode_lens, self.scale
                 )

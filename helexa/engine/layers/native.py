@@ -20,6 +20,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -247,28 +248,19 @@ def matmul(
     return y
 
 
-def usable(*tensors: torch.Tensor) -> bool:
-    """Whether the small native ops (RMSNorm, decode attention) may take these tensors:
-    native kernels on, torch's kernel backend "auto" (not an A/B run of "naive" or
-    "triton"), and every tensor a float32 one on the CPU (made contiguous for the call)."""
-    return (
-        enabled()
-        and kernels.backend() == "auto"
-        and all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors)
-    )
-
-
 # what a KV cache may hold for the native kernels, and the flag that tells them which
 KV_DTYPES = {torch.float32: 0, torch.float16: 1}
 
 
-def kv_usable(*caches: torch.Tensor) -> bool:
-    """Whether the native decode attention may read and write these KV caches: native
-    kernels on (as `usable`), each cache a contiguous float32 or float16 tensor on the CPU
-    (the kernels address it in place)."""
+def usable(*tensors: torch.Tensor, caches: Sequence[torch.Tensor] = ()) -> bool:
+    """Whether the native ops may take these tensors: native kernels on, torch's kernel
+    backend "auto" (not an A/B run of "naive" or "triton"), every tensor a float32 one on
+    the CPU (made contiguous for the call), and every KV cache in `caches` a contiguous
+    float32 or float16 one on the CPU (the kernels address it in place)."""
     return (
         enabled()
         and kernels.backend() == "auto"
+        and all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors)
         and all(
             c.device.type == "cpu" and c.dtype in KV_DTYPES and c.is_contiguous() for c in caches
         )
@@ -311,7 +303,7 @@ def paged_decode(
     lib=None,
 ) -> torch.Tensor:
     """One decode step's attention, float32: q [n, H, D]; caches [blocks, block_size, KVH,
-    D], float32 or float16 (`kv_usable`); tables [n, max_blocks] int64; lens [n] int32 →
+    D], float32 or float16 (`usable`'s caches); tables [n, max_blocks] int64; lens [n] int32 →
     [n, H, D]. The torch path gathers the blocks and runs SDPA; this reads them in place.
     `lib`: another build (tests)."""
     assert k_cache.dtype == v_cache.dtype

@@ -80,7 +80,7 @@ class Attention(nn.Module):
         if self.q_parts == 1 and ctx.cos is not None and native.usable(qkv, ctx.cos):
             norms = (self.q_norm.weight, self.k_norm.weight) if self.qk_norm else (None, None)
             eps = self.q_norm.eps if self.qk_norm else 0.0
-            if _native_decode_step(ctx) and native.kv_usable(attn.k_cache, attn.v_cache):
+            if _native_decode_step(ctx) and native.usable(caches=(attn.k_cache, attn.v_cache)):
                 o = native.decode_attention(  # one C call for what follows (decode steps)
                     qkv, h, kvh, d, *norms, eps, ctx.cos, ctx.sin, ctx.slot_mapping,
                     attn.k_cache, attn.v_cache, ctx.decode_blocks, ctx.decode_lens, attn.scale,
@@ -169,8 +169,7 @@ class DecoderLayer(nn.Module):
             if (
                 plan is not None
                 and plan.rows_ok[min(x.shape[0], len(plan.rows_ok) - 1)]
-                and native.usable(x, ctx.cos)
-                and native.kv_usable(plan.attn.k_cache, plan.attn.v_cache)
+                and native.usable(x, ctx.cos, caches=(plan.attn.k_cache, plan.attn.v_cache))
             ):
                 return output_rows(*native.decode_layer(plan, x, residual, ctx), rows)
         # .forward() directly: Module.__call__'s hook machinery costs ~3 µs a call, and
@@ -340,8 +339,7 @@ class LlamaForCausalLM(nn.Module):
         if (
             stack is not None
             and stack.rows_ok[min(x.shape[0], len(stack.rows_ok) - 1)]
-            and native.usable(x, ctx.cos)
-            and native.kv_usable(*stack.caches)
+            and native.usable(x, ctx.cos, caches=stack.caches)
         ):
             x, residual = native.decode_layers(stack, x, ctx)  # every layer, one C call
             x, residual = output_rows(x, residual, ctx.output_rows)
