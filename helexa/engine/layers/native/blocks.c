@@ -856,33 +856,44 @@ static inline __attribute__((always_inline)) void group_scores(
 }
 
 /* group_scores for every head of the task: each kv head's `group` query heads in sets of
- * up to three (12 accumulators, four keys' worth, in the 16 registers) */
+ * up to three (12 accumulators, four keys' worth, in the 16 registers), nh a constant in
+ * each call so that the kernel unrolls over it */
 static inline __attribute__((always_inline)) void span_scores(
     const float *q, const void *k_cache, int f16, const int64_t *table, int64_t block_size,
     int64_t H, int64_t KVH, int64_t D, int64_t t0, int64_t t1, float scale, float *s,
     int64_t span_max) {
     const int64_t group = H / KVH;
-    for (int64_t kvh = 0; kvh < KVH; kvh++) {
-        for (int64_t h = kvh * group; h < (kvh + 1) * group;) {
-            int64_t left = (kvh + 1) * group - h;
-            const float *qh = q + h * D;
-            float *sh = s + h * span_max;
-            if (left >= 3) {
-                group_scores(qh, 3, k_cache, f16, table, block_size, KVH, kvh, D, t0, t1, scale,
-                             sh, span_max);
-                h += 3;
-            } else if (left == 2) {
-                group_scores(qh, 2, k_cache, f16, table, block_size, KVH, kvh, D, t0, t1, scale,
-                             sh, span_max);
-                h += 2;
-            } else {
-                group_scores(qh, 1, k_cache, f16, table, block_size, KVH, kvh, D, t0, t1, scale,
-                             sh, span_max);
-                h += 1;
-            }
-        }
+    for (int64_t h = 0, nh; h < H; h += nh) {
+        nh = group - h % group < 3 ? group - h % group : 3; /* the rest of h's kv head's */
+        const float *qh = q + h * D;
+        float *sh = s + h * span_max;
+#define SCORES(NH) group_scores(qh, NH, k_cache, f16, table, block_size, KVH, h / group, D, \
+                                t0, t1, scale, sh, span_max)
+        if (nh == 3) SCORES(3);
+        else if (nh == 2) SCORES(2);
+        else SCORES(1);
+#undef SCORES
     }
 }
+
+#ifdef __AVX2__
+/* o [8 nv] = sum over tokens t0 <= t < t1 of p[t - t0] * v_t[d0 : d0 + 8 nv], nv <= 8 (a
+ * constant where the caller can make it one, so that the loop over it unrolls) */
+static inline __attribute__((always_inline)) void values_chunk(
+    const float *p, const void *v_cache, int f16, const int64_t *table, int64_t block_size,
+    int64_t KVH, int64_t kvh, int64_t D, int64_t d0, const int nv, int64_t t0, int64_t t1,
+    float *o) {
+    const int shift = __builtin_ctzll((unsigned long long)block_size);
+    __m256 acc[8];
+    for (int j = 0; j < nv; j++) acc[j] = _mm256_setzero_ps();
+    for (int64_t t = t0; t < t1; t++) {
+        const void *vr = kv_at(v_cache, SLOT(table, t) * KVH * D + kvh * D + d0, f16);
+        __m256 pt = _mm256_set1_ps(p[t - t0]);
+        for (int j = 0; j < nv; j++) acc[j] = _mm256_fmadd_ps(pt, kv_load8(vr, 8 * j, f16), acc[j]);
+    }
+    for (int j = 0; j < nv; j++) _mm256_storeu_ps(o + d0 + 8 * j, acc[j]);
+}
+#endif
 
 /* o [D] = sum over tokens t0 <= t < t1 of p[t - t0] * v_t, v_t one kv head's value row found
  * through the block table: token by token with the output in registers, 64 dims at a time
@@ -891,37 +902,22 @@ static inline __attribute__((always_inline)) void span_scores(
 static inline __attribute__((always_inline)) void head_values(
     const float *p, const void *v_cache, int f16, const int64_t *table, int64_t block_size,
     int64_t KVH, int64_t kvh, int64_t D, int64_t t0, int64_t t1, float *o) {
-    const int shift = __builtin_ctzll((unsigned long long)block_size);
-    const int64_t row = KVH * D;
-    int64_t d0 = 0;
 #ifdef __AVX2__
-    for (; D % 8 == 0 && d0 < D; d0 += 64) {
-        __m256 acc[8];
-        for (int j = 0; j < 8; j++) acc[j] = _mm256_setzero_ps();
-        if (D - d0 >= 64) {
-            for (int64_t t = t0; t < t1; t++) {
-                const void *vr = kv_at(v_cache, SLOT(table, t) * row + kvh * D + d0, f16);
-                __m256 pt = _mm256_set1_ps(p[t - t0]);
-                for (int j = 0; j < 8; j++)
-                    acc[j] = _mm256_fmadd_ps(pt, kv_load8(vr, 8 * j, f16), acc[j]);
-            }
-            for (int j = 0; j < 8; j++) _mm256_storeu_ps(o + d0 + 8 * j, acc[j]);
-        } else {
-            const int nv = (int)((D - d0) / 8);
-            for (int64_t t = t0; t < t1; t++) {
-                const void *vr = kv_at(v_cache, SLOT(table, t) * row + kvh * D + d0, f16);
-                __m256 pt = _mm256_set1_ps(p[t - t0]);
-                for (int j = 0; j < nv; j++)
-                    acc[j] = _mm256_fmadd_ps(pt, kv_load8(vr, 8 * j, f16), acc[j]);
-            }
-            for (int j = 0; j < nv; j++) _mm256_storeu_ps(o + d0 + 8 * j, acc[j]);
+    if (D % 8 == 0) {
+        for (int64_t d0 = 0; d0 < D; d0 += 64) {
+            if (D - d0 >= 64)
+                values_chunk(p, v_cache, f16, table, block_size, KVH, kvh, D, d0, 8, t0, t1, o);
+            else
+                values_chunk(p, v_cache, f16, table, block_size, KVH, kvh, D, d0,
+                             (int)((D - d0) / 8), t0, t1, o);
         }
+        return;
     }
 #endif
-    if (d0 >= D) return;
+    const int shift = __builtin_ctzll((unsigned long long)block_size);
     for (int64_t d = 0; d < D; d++) o[d] = 0.f;
     for (int64_t t = t0; t < t1; t++) {
-        int64_t at = SLOT(table, t) * row + kvh * D;
+        int64_t at = SLOT(table, t) * KVH * D + kvh * D;
         for (int64_t d = 0; d < D; d++) o[d] += p[t - t0] * kv_get(v_cache, at + d, f16);
     }
 }
@@ -1070,8 +1066,8 @@ int hx_qk_prepare(float *qkv, int64_t M, int64_t H, int64_t KVH, int64_t D,
 
 /* A decode step's attention block after the qkv projection, float32, in one call: split qkv
  * [M, (H + 2 KVH) D] into q, k, v; norms and rotary as hx_qk_prepare; write k and v to
- * their cache slots (as halves where kv_f16); attend over each row's lens[m] tokens (tables [M, max_blocks]) → out
- * [M, H D]. qkv is used as scratch. */
+ * their cache slots (as halves where kv_f16); attend over each row's lens[m] tokens (tables
+ * [M, max_blocks]) → out [M, H D]. qkv is used as scratch. */
 int hx_decode_attention(float *qkv, int64_t M, int64_t H, int64_t KVH, int64_t D,
                         const float *q_norm, const float *k_norm, float eps, const float *cos,
                         const float *ssin, int64_t r, const int64_t *slots, void *k_cache,
