@@ -17,7 +17,12 @@ from helexa.engine.layers.linear import Linear
 from helexa.engine.layers.moe import Experts
 from helexa.engine.loader.gguf import load_gguf
 from tests.engine.test_gguf_parity import _gguf_name
-from tests.engine.test_parity import _hf_greedy, _record_logits, assert_same_greedy_run
+from tests.engine.test_parity import (
+    EXACT,
+    _hf_greedy,
+    _record_logits,
+    assert_same_greedy_run,
+)
 from tests.engine.tiny import tiny_hf_model
 
 PROMPT_LENGTHS = (1, 7, 37, 90)
@@ -104,14 +109,7 @@ def _prompts() -> list[list[int]]:
 
 def _run(path: Path) -> tuple[LLM, dict[int, tuple[list[int], torch.Tensor]]]:
     """Greedy tokens and per-step logits of each prompt, batched and prefilled in small chunks."""
-    llm = LLM(
-        str(path),
-        dtype="float32",
-        kv_cache_dtype="float32",  # transformers' logits to float rounding
-        kv_cache_memory_mb=8,
-        block_size=16,
-        max_prefill_chunk=24,
-    )
+    llm = LLM(str(path), **EXACT)
     seen = _record_logits(llm)
     prompts = _prompts()
     params = SamplingParams(temperature=0, max_tokens=NUM_TOKENS, ignore_eos=True)

@@ -9,6 +9,7 @@ import torch
 from helexa.engine import LLM, SamplingParams
 from helexa.engine.layers.linear import Linear
 from tests.engine.test_parity import (
+    EXACT,
     LOGITS_ATOL,
     _prompts,
     _record_logits,
@@ -27,14 +28,7 @@ def test_logits_and_greedy_tokens_match_transformers_for_a_mixed_batch(kind, tmp
     model_dir, hf = make_tiny_new_family(kind, tmp_path)
     # Small chunks: long prompts prefill in pieces (the recurrent state carried from chunk to
     # chunk) while short ones already decode in the same steps.
-    llm = LLM(
-        str(model_dir),
-        dtype="float32",
-        kv_cache_dtype="float32",  # transformers' logits to float rounding
-        kv_cache_memory_mb=8,
-        block_size=16,
-        max_prefill_chunk=24,
-    )
+    llm = LLM(str(model_dir), **EXACT)
     assert_matches_transformers(llm, hf, _prompts(512), kind)
 
 

@@ -20,6 +20,9 @@ LOGITS_ATOL = 1e-4
 HALF_KV_ATOL = 3e-2  # a float16 KV cache moves these tiny models' logits by up to ~1e-2
 # small chunks and blocks: prompts span several blocks and prefill in pieces
 SMALL_STEPS = dict(kv_cache_memory_mb=8, block_size=16, max_prefill_chunk=24)
+# against transformers to float rounding: float32 throughout, the KV cache included (the
+# CPU's default float16 cache: test_a_half_kv_cache_keeps_transformers_greedy_tokens)
+EXACT = dict(dtype="float32", kv_cache_dtype="float32", **SMALL_STEPS)
 
 
 def _prompts(vocab: int) -> list[list[int]]:
@@ -104,10 +107,7 @@ def assert_same_greedy_run(
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_logits_and_greedy_tokens_match_transformers_for_a_mixed_batch(family, tmp_path):
     model_dir, hf = make_tiny_model(family, tmp_path, shard=family == "qwen3")
-    # Small chunks and blocks so prompts span several blocks and prefill in pieces; a float32
-    # KV cache, so that transformers' logits are ours to float rounding (the CPU's default
-    # float16 cache: test_a_half_kv_cache_keeps_transformers_greedy_tokens)
-    llm = LLM(str(model_dir), dtype="float32", kv_cache_dtype="float32", **SMALL_STEPS)
+    llm = LLM(str(model_dir), **EXACT)
     assert_matches_transformers(llm, hf, _prompts(hf.config.vocab_size), family)
 
 
