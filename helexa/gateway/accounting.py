@@ -1,5 +1,6 @@
 """After a proxied request: what the node's answer said, and the books — settle the budget
-reservation and write the ledger row (one durable step), count the spend. Counts come from
+reservation and write the ledger row (one durable step), count the spend. A request on
+which no model ran writes no row (the ledger grows only with work). Counts come from
 the node's own usage (on errors too: an error envelope that ran the model carries it), or,
 for a stream cut before its usage arrived, from what the node says the exchange used
 (`GET /v1/exchanges/{id}/usage`) and never less than the generated-text events that did
@@ -212,12 +213,24 @@ class Accountant:
     def close(self, ex: Exchange, status: int) -> tuple[tuple[int, int, int, int], Any]:
         """Queue the exchange's settlement (its reservation replaced by its ledger row) and
         count its spend; returns the counts settled (as `settled_counts`) and the op's
-        future, answered once the row is durable."""
+        future, answered once the row is durable. An exchange on which no model ran (every
+        count zero: refused by the node before its engine ran, or never reached it) writes
+        no row, so the ledger grows only with work: its reservation is released and it is
+        counted in `helexa_requests_unbooked_total`; the future is None when there is
+        nothing to write."""
         counts = settled_counts(ex)
+        key = ex.principal.key
+        lock = key.id if key else ""
+        if not any(counts):  # nothing ran: no row, only its reservation (if any) released
+            labels = (key.account_id, key.id) if key else ("", "")
+            self.metrics.unbooked.labels(*labels, str(status)).inc()
+            if ex.reservation is None:
+                return counts, None
+            return counts, self.ledger.submit(
+                self.budgets.release_op(ex.reservation), keep=True, lock=lock
+            )
         prompt, completion, cached, reasoning = counts
-        in_price, out_price = ex.price
-        cost = cost_usd(prompt, completion, in_price, out_price)
-        key, tally = ex.principal.key, ex.tally
+        tally = ex.tally
         row = dict(
             account_id=key.account_id if key else None,
             key_id=key.id if key else None,
@@ -227,14 +240,14 @@ class Accountant:
             completion_tokens=completion,
             cached_tokens=cached,
             reasoning_tokens=reasoning,
-            cost_usd=cost,
+            cost_usd=cost_usd(prompt, completion, *ex.price),
             status=status,
             finish_reason=tally.finish_reason,
             ttft_ms=(tally.first_byte - ex.started) * 1000 if tally.first_byte else None,
             latency_ms=((tally.last_byte or tally.first_byte or ex.started) - ex.started) * 1000,
         )
         op = self.budgets.settle_op(ex.reservation, row)
-        future = self.ledger.submit(op, keep=True, lock=key.id if key else "")
+        future = self.ledger.submit(op, keep=True, lock=lock)
         if key is not None and prompt + completion:
             self.metrics.spend_tokens.labels(key.account_id, key.id).inc(prompt + completion)
         return counts, future

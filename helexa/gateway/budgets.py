@@ -134,6 +134,11 @@ class Budgets:
             return lambda s: _settle(s, res.id, row)
         return lambda s: book_row(s, row)
 
+    def release_op(self, res: Reservation) -> Callable[[Connection], Any]:
+        """The op that drops a reservation whose request ran no model: nothing to book."""
+        self._live.pop(res.id, None)
+        return lambda s: _release(s, res.id)
+
     def outstanding(self) -> tuple[int, float]:
         """Tokens and cost this gateway holds reserved and has not settled."""
         live = self._live.values()

@@ -173,7 +173,7 @@ class Exchanges:
                 self.finish(ex, 499)
             raise
         except BaseException:
-            self.finish(ex, 503)  # nothing ran: its row (0 tokens) is queued, not awaited
+            self.finish(ex, 503)  # nothing ran: no row; a reservation's release is queued
             raise
         self.router.begin(route)
         ex.route = route

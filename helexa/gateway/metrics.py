@@ -53,6 +53,13 @@ class GatewayMetrics:
             ["account", "key"],
             registry=reg,
         )
+        self.unbooked = Counter(
+            "helexa_requests_unbooked",
+            "Requests sent towards a node that ran no model there (refused before its engine "
+            "ran, or never reached it): no ledger row; anonymous ones under empty labels",
+            ["account", "key", "code"],
+            registry=reg,
+        )
         self.requests = Counter(
             "helexa_requests", "Requests by route and status code", ["route", "code"], registry=reg
         )

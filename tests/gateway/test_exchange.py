@@ -214,7 +214,7 @@ def test_a_budgeted_key_reserves_its_bound_and_settles_to_what_the_node_used(gat
     assert (row.prompt_tokens, row.completion_tokens) == FAKE_USAGE
 
 
-def test_a_node_that_cannot_be_reached_is_a_503_and_the_attempt_is_booked(gateway):
+def test_a_node_that_cannot_be_reached_is_a_503_and_writes_no_ledger_row(gateway):
     record = RequestRecord("gone")
 
     async def work(gw: Gateway) -> None:
@@ -229,8 +229,8 @@ def test_a_node_that_cannot_be_reached_is_a_503_and_the_attempt_is_booked(gatewa
     assert "node fake could not be reached" in refused.value.message
     assert not gateway.fleet.nodes["fake"].up  # it leaves routing until it answers again
     assert record.open_parts == 1 and record.node is None
-    [row] = ledger(gateway)
-    assert (row.status, row.node, row.completion_tokens) == (503, None, 0)
+    assert (record.prompt_tokens, record.completion_tokens) == (0, 0)
+    assert ledger(gateway) == []  # no model ran: the books grow only with work
 
 
 def test_node_headers_carry_the_principal_and_never_the_clients_credentials_or_claims(gateway):
