@@ -136,7 +136,8 @@ class NodeConfig(_Listens):
     max_running_requests: PositiveInt = 64
     max_waiting_requests: NonNegativeInt = 128
     max_queue_wait_s: PositiveFloat = 30.0
-    per_principal_max: NonNegativeInt = 2
+    # A hard cap on one gateway key's running + queued requests; 0: none (fair shares only).
+    per_principal_max: NonNegativeInt = 0
     drain_timeout_s: NonNegativeFloat = 60.0
     advertise_endpoint: Url | None = None
     # A stream whose client reads nothing for this long is cut, freeing its slot and KV.

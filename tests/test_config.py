@@ -47,7 +47,7 @@ def test_defaults_without_a_file_make_a_zero_config_node():
     cfg = load_config(env={})
     assert (cfg.node.host, cfg.node.port) == ("0.0.0.0", 13131)
     assert cfg.node.default_models == []
-    assert cfg.node.per_principal_max == 2
+    assert cfg.node.per_principal_max == 0  # fair shares, no hard cap
     assert cfg.engine.device == "auto" and cfg.engine.dtype == "auto"
     assert cfg.engine.block_size == 16 and cfg.engine.max_num_seqs == 64
     assert (cfg.gateway.port, cfg.gateway.metrics_port) == (31313, 31314)

@@ -205,8 +205,8 @@ async def _sample(
 def _hint(error: Exception, plan: Plan) -> str:
     if plan.scenario.concurrency > 1 and "HTTP 429" in str(error):
         return (
-            " (the target caps one client's concurrent requests: on a helexa node set [node] "
-            "per_principal_max = 0, or bench through a gateway with a key)"
+            " (the target caps one client's concurrent requests: on a helexa node, "
+            "[node] per_principal_max caps a gateway key; bench with a key that has no cap)"
         )
     return ""
 

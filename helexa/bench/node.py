@@ -273,7 +273,6 @@ def write_node_config(
         "state_dir": str(path.parent / "state"),
         "max_running_requests": room,
         "max_waiting_requests": room,
-        "per_principal_max": 0,  # every client of the benchmark shares one address
     }
     engine = {f.name: getattr(cfg.engine, f.name) for f in fields(cfg.engine)}
     engine = {k: v for k, v in {**engine, "num_threads": args.threads}.items() if v is not None}

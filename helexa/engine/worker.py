@@ -87,6 +87,7 @@ class ModelFacts(msgspec.Struct):
     memory_mb: int  # weights and KV pools, every rank
     pids: list[int]  # every rank's worker process, rank order
     graphs_off_reason: str | None = None
+    max_num_seqs: int = 0  # sequences the engine runs at once (0: unknown)
 
 
 class Ready(msgspec.Struct, tag="ready", array_like=True):
@@ -204,6 +205,7 @@ def model_facts(engine: LLMEngine) -> ModelFacts:
         memory_mb=memory,
         pids=engine.rank_pids,
         graphs_off_reason=engine.runner.graphs_off_reason if device.type == "cuda" else None,
+        max_num_seqs=engine.scheduler.config.max_num_seqs,
     )
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from dataclasses import replace
 from typing import Any
 
 from helexa.config import Config
@@ -41,6 +42,13 @@ class ModelRegistry:
             max_wait_s=cfg.node.max_queue_wait_s,
             per_principal_max=cfg.node.per_principal_max,
         )
+
+    def _admission_limits(self, llm: WorkerClient) -> AdmissionLimits:
+        """The node's limits, running no more at once than the engine can: past that,
+        requests wait in admission, whose queue is fair across callers, rather than in the
+        engine's, which is first come first served."""
+        engine_max = llm.facts.max_num_seqs or self._limits.max_running
+        return replace(self._limits, max_running=min(self._limits.max_running, engine_max))
 
     # -- lookup ----------------------------------------------------------------------
     def get(self, model_id: str) -> ServedModel:
@@ -114,7 +122,7 @@ class ModelRegistry:
             raise LoadError("load_failed", model_id, f"{type(e).__name__}: {e}") from e
         finally:
             self._loading.pop(model_id, None)
-        served = ServedModel(model_id, options, llm, Admission(self._limits))
+        served = ServedModel(model_id, options, llm, Admission(self._admission_limits(llm)))
         served.load_seconds = time.monotonic() - t0
         cap = self.cfg.node.max_model_memory_mb
         held = sum(m.memory_mb for m in self.models.values())

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from helexa.config import NodeConfig
 from helexa.errors import HelexaError, invalid_request
+from helexa.node.admission import direct_caller
 from helexa.protocol.wire import ACCOUNT_HEADER, BUDGET_HEADER, KEY_HEADER, VIA_HEADER, SpendBudget
 
 # A hub id: `org/name`, optionally `scheme:org/name` ([sources.<scheme>]).
@@ -58,17 +59,18 @@ def key_matches(given: str | None, api_key: str) -> bool:
 
 
 def principal_of(headers: Mapping[str, str], trusted: bool, client: str | None) -> str | None:
-    """Who is calling, for the per-principal cap: `account/key` as the gateway stamps it;
-    None for the gateway's anonymous traffic (it caps that itself); anyone else is an
-    anonymous direct caller, counted by client address. `trusted`: whether the gateway's
-    headers may be believed (NodeGuard decides)."""
+    """Who is calling, for fair shares of the queue and the optional per-key cap:
+    `account/key` as the gateway stamps it; None for the gateway's anonymous traffic (one
+    share); anyone else is an anonymous direct caller, its share named by its address and
+    never capped. `trusted`: whether the gateway's headers may be believed (NodeGuard
+    decides)."""
     if trusted:
         account, key = headers.get(ACCOUNT_HEADER), headers.get(KEY_HEADER)
         if account or key:
             return f"{account or '-'}/{key or '-'}"
         if headers.get(VIA_HEADER):
             return None
-    return f"client:{client or '?'}"
+    return direct_caller(client)
 
 
 def budget_of(headers: Mapping[str, str], trusted: bool) -> SpendBudget | None:

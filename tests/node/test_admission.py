@@ -1,4 +1,5 @@
-"""Admission on a real event loop: slots, the FIFO queue, its limits, and per-principal caps.
+"""Admission on a real event loop: slots, the queue and its fair shares, its limits, and the
+per-key cap.
 
 Each test runs its own loop with `asyncio.run`. Assertions are on the counters
 (`num_running`, `queue_depth`, `held_by`), never on how long something took; a wait is
@@ -326,6 +327,18 @@ def test_queued_requests_count_toward_the_principal_cap():
     asyncio.run(scenario())
 
 
+def test_direct_callers_named_by_their_address_are_never_capped():
+    async def scenario() -> None:
+        adm = admission(max_running=5, per_principal_max=1)
+        permits = [without_waiting(adm.acquire("client:10.0.0.9")) for _ in range(5)]
+        assert (adm.num_running, adm.held_by("client:10.0.0.9")) == (5, 5)
+        for p in permits:
+            p.release()
+        assert adm.num_running == 0
+
+    asyncio.run(scenario())
+
+
 def test_anonymous_requests_are_never_capped():
     async def scenario() -> None:
         adm = admission(max_running=5, per_principal_max=1)
@@ -370,5 +383,119 @@ def test_releasing_a_permit_twice_frees_one_slot_only():
         permit.release()
         permit.release()
         assert (adm.num_running, adm.queue_depth, adm.held_by("alice")) == (0, 0, 0)
+
+    asyncio.run(scenario())
+
+
+# -- fair shares ------------------------------------------------------------------------------
+
+
+def test_a_freed_slot_goes_to_the_waiting_lane_with_the_fewest_running():
+    async def scenario() -> None:
+        adm = admission(max_running=2, max_waiting=64)
+        alice_running = [await adm.acquire("alice") for _ in range(2)]
+        alice_queued = [queued(adm, "alice") for _ in range(8)]
+        await settle()
+        bob = queued(adm, "bob")  # behind eight of alice's
+        await settle()
+        assert (adm.queue_depth, adm.held_by("alice"), adm.held_by("bob")) == (9, 10, 1)
+
+        alice_running[0].release()  # alice runs 1, bob 0: bob's turn, not alice's next
+        await settle()
+        assert bob.done() and not any(t.done() for t in alice_queued)
+        alice_running[1].release()  # alice 0 running, bob 1: alice's oldest
+        await settle()
+        assert alice_queued[0].done() and not any(t.done() for t in alice_queued[1:])
+        (await bob).release()  # bob has nothing waiting: alice's next, in arrival order
+        await settle()
+        assert alice_queued[1].done() and not any(t.done() for t in alice_queued[2:])
+        for t in alice_queued:
+            (await t).release()
+        assert (adm.num_running, adm.queue_depth, adm.held_by("alice")) == (0, 0, 0)
+
+    asyncio.run(scenario())
+
+
+def test_lanes_that_run_equally_many_are_served_oldest_waiter_first():
+    async def scenario() -> None:
+        adm = admission(max_running=1, max_waiting=8)
+        held = await adm.acquire(None)
+        order: list[str] = []
+
+        async def request(principal: str) -> None:
+            permit = await adm.acquire(principal)
+            order.append(principal)
+            await settle()
+            permit.release()
+
+        tasks = []
+        for p in ("carol", "alice", "bob"):
+            tasks.append(asyncio.create_task(request(p)))
+            await settle()
+        held.release()
+        await asyncio.gather(*tasks)
+        assert order == ["carol", "alice", "bob"]
+
+    asyncio.run(scenario())
+
+
+def test_a_full_queue_makes_room_for_a_lighter_lane_by_refusing_the_heaviests_newest():
+    async def scenario() -> None:
+        adm = admission(max_running=1, max_waiting=3)
+        running = await adm.acquire("alice")
+        alices = [queued(adm, "alice") for _ in range(3)]
+        await settle()
+        assert adm.queue_depth == 3
+
+        bob = queued(adm, "bob")  # the queue is full, but alice holds 4 against bob's 0
+        await settle()
+        with pytest.raises(HelexaError) as pushed:
+            await alices[2]  # alice's newest waiter makes room
+        assert_rate_limited(pushed.value, 503)
+        assert not bob.done() and not alices[0].done() and not alices[1].done()
+        assert (adm.queue_depth, adm.held_by("alice"), adm.held_by("bob")) == (3, 3, 1)
+
+        carol = queued(adm, "carol")  # alice 3 against carol's 0: alice's newest again
+        await settle()
+        with pytest.raises(HelexaError):
+            await alices[1]
+        dave = queued(adm, "dave")  # alice 2 against dave's 0: her last waiter goes too
+        await settle()
+        with pytest.raises(HelexaError):
+            await alices[0]
+        # alice 1 (running), bob, carol and dave 1 each (queued): a fifth lane gains nothing
+        # by pushing out another, so it is the one refused
+        with pytest.raises(HelexaError) as full:
+            without_waiting(adm.acquire("erin"))
+        assert_rate_limited(full.value, 503)
+        with pytest.raises(HelexaError):
+            adm.check("erin")
+        assert (adm.queue_depth, adm.held_by("erin"), adm.held_by("alice")) == (3, 0, 1)
+
+        running.release()  # bob, carol and dave run 0 each: the oldest waiter, bob's
+        await settle()
+        assert bob.done() and not carol.done() and not dave.done()
+        for t in (bob, carol, dave):
+            (await t).release()
+        assert (adm.num_running, adm.queue_depth) == (0, 0)
+        assert [adm.held_by(p) for p in ("alice", "bob", "carol", "dave")] == [0, 0, 0, 0]
+
+    asyncio.run(scenario())
+
+
+def test_a_lane_never_pushes_out_its_own_waiters_or_a_lane_as_light_as_itself():
+    async def scenario() -> None:
+        adm = admission(max_running=1, max_waiting=2)
+        running = await adm.acquire("alice")
+        waiting = [queued(adm, "bob"), queued(adm, "carol")]
+        await settle()
+        for principal in ("bob", "dave"):  # bob would push out its own; dave would tie
+            with pytest.raises(HelexaError):
+                without_waiting(adm.acquire(principal))
+        assert not any(t.done() for t in waiting)
+        running.release()
+        for t in waiting:
+            (await t).release()
+        assert (adm.num_running, adm.queue_depth) == (0, 0)
 
     asyncio.run(scenario())

@@ -121,8 +121,6 @@ def start_node(
         "default_models": [str(m) for m in models],
         "state_dir": str(tmp / "state"),
         "model_dirs": [tempfile.gettempdir()],  # where the tests' model dirs live
-        # every test client is 127.0.0.1: the per-address cap is tested where it is set
-        "per_principal_max": 0,
         **(node or {}),
     }
     # autotune off: each node process would time its quantized shapes anew (a second or
