@@ -226,6 +226,9 @@ class GatewayConfig(_Listens):
     reservation_lease_s: PositiveFloat = 30.0
     # Writes the database has not taken yet, past which new requests get 503.
     ledger_backlog_max: PositiveInt = 10_000
+    # Ledger rows older than this many days are deleted by the gateway (hourly, in small
+    # batches); 0 keeps them forever. Budgets lose nothing (docs/gateway.md § The spend ledger).
+    ledger_retention_days: NonNegativeInt = 90
     # Origins a browser may call the API from ("*": any); none: no CORS headers at all.
     cors_allow_origins: list[str] = field(default_factory=list)
 

@@ -1,7 +1,7 @@
 """The gateway as one object: what its handlers use, built whole from the config by
 `build_gateway` (the database opened and migrated, the catalogue seeded and loaded), then
-`start()`ed on the running loop (the connection pool, the poller, the ledger's writer) and
-`stop()`ped at shutdown (every pending ledger row written)."""
+`start()`ed on the running loop (the connection pool, the poller, the ledger's writer and
+its retention) and `stop()`ped at shutdown (every pending ledger row written)."""
 
 from __future__ import annotations
 
@@ -27,6 +27,7 @@ from helexa.gateway.metrics import GatewayMetrics
 from helexa.gateway.model_jobs import ModelJobs
 from helexa.gateway.poller import DatabaseSync, NodeCalls, Poller
 from helexa.gateway.proxy import Upstream
+from helexa.gateway.retention import Retention
 from helexa.gateway.router import Router
 
 log = logging.getLogger(__name__)
@@ -48,14 +49,16 @@ class Gateway:
     console: Console
     connections: Connections
     poller: Poller
+    retention: Retention  # prunes the ledger past [gateway] ledger_retention_days
     started_at: int = field(default_factory=lambda: int(time.time()))
 
     async def start(self) -> None:
         """What needs the running loop: the pool to the nodes, the poller, the books'
-        writer and this gateway's reservation lease."""
+        writer, this gateway's reservation lease and the ledger's pruning."""
         await self.connections.open()
         self.ledger.start()
         self.budgets.start()
+        self.retention.start()
         self.poller.start()
 
     async def stop(self) -> None:
@@ -63,6 +66,7 @@ class Gateway:
             await self.poller.stop()
             await self.exchanges.drain()  # cut exchanges still asking their node
             await self.budgets.stop()
+            await self.retention.stop()
             await self.ledger.close()  # every pending row is written before we exit
         finally:
             await self.connections.close()
@@ -111,6 +115,7 @@ def build_gateway(cfg: Config) -> Gateway:
         console=Console.from_config(cfg.admin),
         connections=connections,
         poller=poller,
+        retention=Retention(ledger, g.ledger_retention_days),
     )
 
 
