@@ -18,10 +18,8 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 # at import time, so it is set before any test module imports it.
 os.environ["HF_HUB_OFFLINE"] = "1"
 
-from tests.engine.tiny import FIXTURE_MODELS  # noqa: E402  (where ../shared is found)
 from tests.pg import PostgresCluster, PostgresUnavailable  # noqa: E402
-
-FIXTURES_DIR = FIXTURE_MODELS.parent
+from tests.shared_fixtures import FIXTURE_MODELS, FIXTURES_DIR, need_shared  # noqa: E402
 
 
 def _triton_interprets_on_cpu() -> None:
@@ -39,11 +37,14 @@ _triton_interprets_on_cpu()
 
 @pytest.fixture(scope="session")
 def fixtures_dir() -> Path:
-    """`<repo>/../shared/fixtures` or `<repo>/shared/fixtures` (models/ holds real upstream
-    configs and tokenizers)."""
-    if not FIXTURES_DIR.is_dir():
-        pytest.skip(f"shared fixtures not found at {FIXTURES_DIR} (expected beside the repo)")
-    return FIXTURES_DIR
+    """The shared fixtures (tests/shared_fixtures.py): skipped without them, failed under CI."""
+    return need_shared(FIXTURES_DIR)
+
+
+@pytest.fixture(scope="session")
+def fixture_models() -> Path:
+    """The shared fixture models (real upstream configs and tokenizers), as `fixtures_dir`."""
+    return need_shared(FIXTURE_MODELS)
 
 
 def write_byte_tokenizer_json(

@@ -9,7 +9,7 @@ import signal
 
 import pytest
 
-from tests.engine.tiny import FIXTURE_MODELS
+from tests.shared_fixtures import need_shared
 from tests.web.node_proc import scripted_model, start_node, tiny_model
 
 SCRIPT = "Hello world. The answer is 42, and that is final."
@@ -17,8 +17,7 @@ SCRIPT = "Hello world. The answer is 42, and that is final."
 
 @pytest.fixture(scope="session")
 def model_dirs(tmp_path_factory):
-    if not FIXTURE_MODELS.is_dir():
-        pytest.skip("shared fixtures absent")
+    need_shared()
     root = tmp_path_factory.mktemp("models")
     return {
         "scripted": scripted_model(root, SCRIPT),
@@ -84,8 +83,7 @@ AGENT_SCRIPTS = {
 
 @pytest.fixture(scope="session")
 def agent_models(tmp_path_factory) -> dict[str, str]:
-    if not FIXTURE_MODELS.is_dir():
-        pytest.skip("shared fixtures absent")
+    need_shared()
     root = tmp_path_factory.mktemp("agent-models")
     dirs = {
         name: scripted_model(

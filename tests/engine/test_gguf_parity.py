@@ -13,8 +13,9 @@ import torch
 from helexa.engine import LLM, SamplingParams
 from tests.engine.test_parity import _hf_greedy, _record_logits
 from tests.engine.tiny import FIXTURE_MODELS, hub_snapshot, make_tiny_model, run_offline
+from tests.shared_fixtures import needs_shared
 
-pytestmark = pytest.mark.skipif(not FIXTURE_MODELS.is_dir(), reason="shared fixtures absent")
+pytestmark = needs_shared
 
 # HF module suffix → llama.cpp tensor name (the inverse of the loader's table).
 BLOCK = {

@@ -13,7 +13,8 @@ from helexa.engine import LLM, SamplingParams
 from helexa.engine.loader.load import bundled_model_path
 from helexa.engine.model_runner import model_memory_mb
 from tests.engine.test_parity import _prompts
-from tests.engine.tiny import FIXTURE_MODELS, make_tiny_model
+from tests.engine.tiny import make_tiny_model
+from tests.shared_fixtures import needs_shared
 
 pytestmark = [
     pytest.mark.gpu,
@@ -34,7 +35,7 @@ def test_the_bundled_gguf_stays_quantized_on_the_gpu_and_answers_paris():
     assert "Paris" in out.text
 
 
-@pytest.mark.skipif(not FIXTURE_MODELS.is_dir(), reason="shared fixtures absent")
+@needs_shared
 def test_cuda_graphs_give_the_tokens_of_eager_decoding(tmp_path):
     model_dir, _ = make_tiny_model("qwen3", tmp_path)
     prompts = _prompts(512)
@@ -49,7 +50,7 @@ def test_cuda_graphs_give_the_tokens_of_eager_decoding(tmp_path):
     assert a == b
 
 
-@pytest.mark.skipif(not FIXTURE_MODELS.is_dir(), reason="shared fixtures absent")
+@needs_shared
 def test_a_decode_step_reads_back_only_its_tokens(tmp_path):
     model_dir, _ = make_tiny_model("qwen3", tmp_path)
     llm = LLM(str(model_dir), device="cuda", kv_cache_memory_mb=64)

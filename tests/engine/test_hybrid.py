@@ -15,9 +15,10 @@ from tests.engine.test_parity import (
     _record_logits,
     assert_matches_transformers,
 )
-from tests.engine.tiny import FIXTURE_MODELS, make_tiny_new_family
+from tests.engine.tiny import make_tiny_new_family
+from tests.shared_fixtures import needs_shared
 
-pytestmark = pytest.mark.skipif(not FIXTURE_MODELS.is_dir(), reason="shared fixtures absent")
+pytestmark = needs_shared
 
 KINDS = ("qwen3_moe", "qwen3_5", "qwen3_5_text", "qwen3_5_moe")
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)

@@ -12,9 +12,10 @@ from helexa.engine.detokenizer import IncrementalDetokenizer
 from helexa.engine.layers.sampler import Sampler
 from helexa.engine.model_runner import NonFiniteLogitsError, NonFiniteRowError
 from helexa.engine.sequence import Sequence
-from tests.engine.tiny import FIXTURE_MODELS, make_tiny_model
+from tests.engine.tiny import make_tiny_model
+from tests.shared_fixtures import needs_shared
 
-pytestmark = pytest.mark.skipif(not FIXTURE_MODELS.is_dir(), reason="shared fixtures absent")
+pytestmark = needs_shared
 
 NUM_SEQS = 8
 NUM_TOKENS = 16

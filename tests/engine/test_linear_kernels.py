@@ -12,8 +12,9 @@ import helexa.kernels as kernels
 from helexa.engine.layers.linear import Linear, UnsupportedQuantError, fuse
 from helexa.engine.loader.dequant import dequantize
 from helexa.engine.loader.gguf import GGUFTensor
-from tests.engine.tiny import FIXTURE_MODELS, make_tiny_new_family
+from tests.engine.tiny import make_tiny_new_family
 from tests.kernels import needs_triton
+from tests.shared_fixtures import needs_shared
 
 GGUF_KINDS = ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
 
@@ -116,7 +117,7 @@ def test_moving_a_quantized_linear_moves_every_tensor_it_holds(device_layout):
     assert torch.equal(lin.dequantize(), before)
 
 
-@pytest.mark.skipif(not FIXTURE_MODELS.is_dir(), reason="shared fixtures absent")
+@needs_shared
 def test_quantized_experts_are_stacked_for_the_fused_kernel_and_agree_with_the_sorted_path(
     device_layout, tmp_path, monkeypatch
 ):

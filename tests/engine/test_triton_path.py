@@ -9,10 +9,11 @@ import helexa.kernels as kernels
 from helexa.engine import LLM, SamplingParams
 from helexa.engine.cuda_graph import batch_buckets
 from tests.engine.test_parity import _prompts, assert_matches_transformers
-from tests.engine.tiny import FIXTURE_MODELS, make_tiny_model, make_tiny_new_family
+from tests.engine.tiny import make_tiny_model, make_tiny_new_family
 from tests.kernels import needs_triton
+from tests.shared_fixtures import needs_shared
 
-pytestmark = pytest.mark.skipif(not FIXTURE_MODELS.is_dir(), reason="shared fixtures absent")
+pytestmark = needs_shared
 
 
 @pytest.fixture(autouse=True)

@@ -8,12 +8,7 @@ from pathlib import Path
 
 import torch
 
-# `<repo>/../shared` beside a checkout; `<repo>/shared` (git-ignored) where only the checkout
-# travels, as to a GPU host (scripts/gpu-check).
-_REPO = Path(__file__).resolve().parents[2]
-FIXTURE_MODELS = _REPO / "shared" / "fixtures" / "models"
-if not FIXTURE_MODELS.is_dir():
-    FIXTURE_MODELS = (_REPO / ".." / "shared" / "fixtures" / "models").resolve()
+from tests.shared_fixtures import FIXTURE_MODELS
 
 # Fixture config → what it exercises.
 FAMILIES = {

@@ -10,13 +10,13 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.conftest import FIXTURES_DIR
 from tests.gateway.anthropic_events import assert_well_formed, parse_events
 from tests.gateway.gateway_proc import start_gateway
+from tests.shared_fixtures import captures, need_shared
 from tests.web.conftest import SCRIPT
 from tests.web.node_proc import start_node
 
-CAPTURES = sorted((FIXTURES_DIR / "traffic" / "claude-code").glob("*.json"))
+CAPTURES = captures("claude-code")
 COUNTS = [c for c in CAPTURES if "count-tokens" in c.name]
 # Hop-by-hop and body-describing headers are the transport's business, not the replay's.
 _DROP = {"host", "content-length", "connection", "accept-encoding", "transfer-encoding"}
@@ -50,10 +50,9 @@ def _replay(gw, record: dict) -> httpx.Response | list[tuple[str, dict]]:
         return parse_events(r.iter_lines())
 
 
-@pytest.mark.skipif(not CAPTURES, reason="no Claude Code traffic fixtures")
 @pytest.mark.parametrize("capture", CAPTURES, ids=lambda p: p.stem)
 def test_a_claude_code_request_is_answered_as_it_was_sent(gw, capture: Path):
-    record = json.loads(capture.read_text())
+    record = json.loads(need_shared(capture).read_text())
     assert "?beta=true" in record["raw_path"]
     answer = _replay(gw, record)
     if "count_tokens" in record["path"]:
@@ -79,9 +78,8 @@ def test_a_claude_code_request_is_answered_as_it_was_sent(gw, capture: Path):
     assert message["usage"]["output_tokens"] > 0
 
 
-@pytest.mark.skipif(not COUNTS, reason="no Claude Code traffic fixtures")
 def test_the_fourteen_parallel_count_tokens_calls_of_slash_context_all_answer(gw):
-    records = [json.loads(c.read_text()) for c in COUNTS]
+    records = [json.loads(need_shared(c).read_text()) for c in COUNTS or CAPTURES]
     with ThreadPoolExecutor(len(records)) as pool:
         answers = list(pool.map(lambda r: _replay(gw, r), records))
     assert [a.status_code for a in answers] == [200] * len(records)

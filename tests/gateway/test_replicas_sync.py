@@ -31,9 +31,9 @@ from helexa.gateway.keys import KeyStore
 from helexa.gateway.poller import DatabaseSync
 from helexa.gateway.router import Router
 from helexa.passwords import hash_password
-from tests.engine.tiny import FIXTURE_MODELS
 from tests.gateway.gateway_proc import GatewayProcess, start_gateway
 from tests.model_fixtures import SCRIPT
+from tests.shared_fixtures import need_shared
 from tests.web.node_proc import NodeProcess, free_port, scripted_model, start_node
 
 PASSWORD = "correct horse battery"
@@ -205,8 +205,7 @@ def test_an_unreadable_database_keeps_the_catalogue_and_is_logged_once(sessions,
 def pair(request, tmp_path_factory):
     """Gateways A and B on one database (a SQLite file, then PostgreSQL), in front of one
     node with a scripted model."""
-    if not FIXTURE_MODELS.is_dir():
-        pytest.skip("shared fixtures absent")
+    need_shared()
     tmp = tmp_path_factory.mktemp("replicas")
     if request.param == "sqlite":
         url, drop = f"sqlite:///{tmp / 'helexa.db'}", lambda: None

@@ -25,7 +25,7 @@ from helexa.node.served import ServedModel
 from helexa.node.service import Node, build_node
 from helexa.protocol.openai import parse_chat_request, parse_completion_request
 from helexa.protocol.wire import SSE_DONE, SpendBudget
-from tests.engine.tiny import FIXTURE_MODELS
+from tests.shared_fixtures import need_shared
 from tests.web.node_proc import scripted_model
 
 SCRIPT = " ".join(["word"] * 200)  # long enough to still be generating when a test looks
@@ -33,8 +33,7 @@ SCRIPT = " ".join(["word"] * 200)  # long enough to still be generating when a t
 
 @pytest.fixture(scope="module")
 def scripted_dir(tmp_path_factory) -> Path:
-    if not FIXTURE_MODELS.is_dir():
-        pytest.skip("shared fixtures absent")
+    need_shared()
     return scripted_model(tmp_path_factory.mktemp("serving"), SCRIPT)
 
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import copy
 import json
 import random
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -19,10 +18,7 @@ from helexa.protocol.openai import (
     template_messages,
     template_tools,
 )
-
-TRAFFIC_DIR = (
-    Path(__file__).resolve().parents[2] / ".." / "shared" / "fixtures" / "traffic"
-).resolve()
+from tests.shared_fixtures import TRAFFIC_DIR, need_shared
 
 
 def _opencode_bodies() -> list[tuple[str, dict[str, Any]]]:
@@ -42,10 +38,8 @@ def _tools(*names: str) -> list[dict[str, Any]]:
 
 @pytest.mark.parametrize("name", [n for n, _ in _opencode_bodies()] or ["<none>"])
 def test_every_opencode_request_parses_and_maps_to_sampling_params(name: str) -> None:
-    bodies = dict(_opencode_bodies())
-    if name not in bodies:
-        pytest.skip(f"no traffic fixtures at {TRAFFIC_DIR}")
-    body = bodies[name]
+    need_shared(TRAFFIC_DIR / "opencode" / name)
+    body = dict(_opencode_bodies())[name]
     req = parse_chat_request(body)
     params = to_sampling_params(req)
     assert params.max_tokens == body["max_tokens"]
@@ -63,10 +57,9 @@ def test_every_opencode_request_parses_and_maps_to_sampling_params(name: str) ->
 
 
 def test_reasoning_content_echoed_by_opencode_is_kept_on_the_assistant_turn() -> None:
-    bodies = dict(_opencode_bodies())
     name = "011-reasoning-content-echo-post-v1-chat-completions.json"
-    if name not in bodies:
-        pytest.skip(f"no traffic fixture {name}")
+    bodies = dict(_opencode_bodies())
+    need_shared(TRAFFIC_DIR / "opencode" / name)
     assistant = template_messages(parse_chat_request(bodies[name]))[2]
     assert assistant["role"] == "assistant"
     assert assistant["reasoning_content"] == "Canned capture-server reasoning."

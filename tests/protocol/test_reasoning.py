@@ -11,6 +11,7 @@ from helexa.protocol.reasoning import (
     split_reasoning,
 )
 from tests.engine.tiny import FIXTURE_MODELS
+from tests.shared_fixtures import needs_shared
 
 THINK = ReasoningMarkers("<think>", "</think>")
 ANSWER = "<think>\nThe user asks 2+2. That is 4.\n</think>\n\nThe answer is 4."
@@ -70,7 +71,7 @@ def test_several_blocks_and_bracket_markers():
     assert split_reasoning(text, brackets) == ("ac", "bd")
 
 
-@pytest.mark.skipif(not FIXTURE_MODELS.is_dir(), reason="shared fixtures absent")
+@needs_shared
 def test_markers_come_from_the_vocabulary_not_the_model_name():
     qwen3 = load_hf_tokenizer(FIXTURE_MODELS / "Qwen3-0.6B")
     assert ReasoningMarkers.from_vocab(qwen3) == THINK

@@ -17,6 +17,7 @@ from helexa.protocol.tool_calls import (
     tool_schemas,
 )
 from tests.engine.tiny import FIXTURE_MODELS
+from tests.shared_fixtures import needs_shared
 
 MARKERS = ToolCallMarkers("<tool_call>", "</tool_call>")
 TOOLS = [
@@ -56,7 +57,7 @@ XML_CALL = (
 )
 
 
-@pytest.mark.skipif(not FIXTURE_MODELS.is_dir(), reason="shared fixtures absent")
+@needs_shared
 def test_markers_come_from_the_vocabulary():
     qwen = load_hf_tokenizer(FIXTURE_MODELS / "Qwen3-0.6B")
     smol = load_hf_tokenizer(FIXTURE_MODELS / "SmolLM2-135M-Instruct")

@@ -21,7 +21,8 @@ from helexa.engine.grammar import OutputGrammar
 from helexa.engine.llm_engine import LLMEngine
 from helexa.engine.sampling_params import SamplingParams
 from helexa.protocol.structured import check_schema
-from tests.engine.tiny import FIXTURE_MODELS, make_tiny_model
+from tests.engine.tiny import make_tiny_model
+from tests.shared_fixtures import need_shared
 from tests.structured.schemas import load_drawn
 
 # Every format is checked, by the validators of jsonschema's format extra (calendar dates,
@@ -35,8 +36,7 @@ MAX_TOKENS = 128
 
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
-    if not FIXTURE_MODELS.is_dir():
-        pytest.skip("shared fixtures absent")
+    need_shared()
     model_dir, _ = make_tiny_model("smollm2", tmp_path_factory.mktemp("random"), vocab_size=49152)
     return LLMEngine(EngineArgs(model=str(model_dir)))
 

@@ -14,10 +14,11 @@ import signal
 import httpx
 import pytest
 
-from tests.engine.tiny import FIXTURE_MODELS, make_tiny_new_family
+from tests.engine.tiny import make_tiny_new_family
+from tests.shared_fixtures import needs_shared
 from tests.web.node_proc import NodeProcess, start_node
 
-pytestmark = pytest.mark.skipif(not FIXTURE_MODELS.is_dir(), reason="shared fixtures absent")
+pytestmark = needs_shared
 
 TOKENIZER = "Qwen3-0.6B"
 # The tokenizer's whole vocabulary (added tokens included: <|im_start|> is 151644), as the

@@ -15,7 +15,7 @@ import openai
 import pytest
 
 from helexa.engine.loader.load import BUNDLED_MODEL_ID, bundled_model_path
-from tests.engine.tiny import FIXTURE_MODELS
+from tests.shared_fixtures import need_shared
 from tests.structured_models import (
     SCHEMAS,
     TOOL_CALL_ID,
@@ -263,8 +263,7 @@ def test_the_openai_sdk_parse_returns_a_pydantic_instance(node, tiny_id):
 
 @pytest.fixture(scope="module")
 def tool_models(tmp_path_factory) -> dict[str, str]:
-    if not FIXTURE_MODELS.is_dir():
-        pytest.skip("shared fixtures absent")
+    need_shared()
     root = tmp_path_factory.mktemp("qwen3-random")
     return {
         "hermes": str(qwen3_random_model(root, "hermes")),

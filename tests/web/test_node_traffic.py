@@ -8,18 +8,17 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.conftest import FIXTURES_DIR
+from tests.shared_fixtures import captures, need_shared
 from tests.web.conftest import REASONING, SCRIPT
 
-CAPTURES = sorted((FIXTURES_DIR / "traffic" / "opencode").glob("*.json"))
+CAPTURES = captures("opencode")
 # Hop-by-hop and body-describing headers are the transport's business, not the replay's.
 _DROP = {"host", "content-length", "connection", "accept-encoding", "transfer-encoding"}
 
 
-@pytest.mark.skipif(not CAPTURES, reason="no opencode traffic fixtures")
 @pytest.mark.parametrize("capture", CAPTURES, ids=lambda p: p.stem)
 def test_an_opencode_request_is_answered_as_it_was_sent(node, scripted_id, capture: Path):
-    record = json.loads(capture.read_text())
+    record = json.loads(need_shared(capture).read_text())
     body = {**record["body"], "model": scripted_id}
     headers = {k: v for k, v in record["headers"].items() if k.lower() not in _DROP}
     url = node.base_url + record["path"]
@@ -39,7 +38,6 @@ def test_an_opencode_request_is_answered_as_it_was_sent(node, scripted_id, captu
         assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["prompt_tokens"] > 0
 
 
-@pytest.mark.skipif(not CAPTURES, reason="no opencode traffic fixtures")
 @pytest.mark.parametrize("answer", ["think", "calls"])
 @pytest.mark.parametrize("capture", CAPTURES, ids=lambda p: p.stem)
 def test_an_opencode_request_renders_through_qwen3_and_gets_parsed_answers(
@@ -47,7 +45,7 @@ def test_an_opencode_request_renders_through_qwen3_and_gets_parsed_answers(
 ):
     """The same traffic against the real Qwen3 template, with answers that reason or call
     tools: tools and earlier tool turns render, and what comes back is structured."""
-    record = json.loads(capture.read_text())
+    record = json.loads(need_shared(capture).read_text())
     body = {**record["body"], "model": agent_models[answer], "stream": True}
     headers = {k: v for k, v in record["headers"].items() if k.lower() not in _DROP}
     url = agent_node.base_url + record["path"]
