@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from helexa.engine.layers.attention import prefix_then_causal, split_prefix_attention
+from tests.shared_fixtures import need_shared
 
 
 def _masked(q, k, v, cached, scale):
@@ -63,14 +64,13 @@ def test_the_kv_cache_is_float16_on_the_cpu_under_a_float32_model_unless_asked_o
 
 def test_a_float16_cache_holds_twice_the_tokens_in_the_same_memory(tmp_path):
     from helexa.engine import LLM
-    from tests.engine.tiny import FIXTURE_MODELS, make_tiny_model
+    from tests.engine.tiny import make_tiny_model
 
-    if not FIXTURE_MODELS.is_dir():
-        pytest.skip("shared fixtures absent")
+    need_shared()
     model_dir, _ = make_tiny_model("smollm2", tmp_path)
     blocks = {}
     for setting in ("auto", "float32"):
-        llm = LLM(str(model_dir), kv_cache_memory_mb=4, kv_cache_dtype=setting)
+        llm = LLM(str(model_dir), device="cpu", kv_cache_memory_mb=4, kv_cache_dtype=setting)
         cache = llm.engine.runner.model.layers[0].self_attn.attn.k_cache
         blocks[setting] = (cache.dtype, llm.engine.block_manager.num_blocks)
     assert blocks["auto"][0] == torch.float16 and blocks["float32"][0] == torch.float32

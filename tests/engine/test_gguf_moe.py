@@ -228,7 +228,7 @@ def test_stacked_quantized_experts_follow_the_model_to_another_device(hf, tmp_pa
     for module in (linear, llama):
         monkeypatch.setattr(module, "kernel_layout", lambda device: True)
     path = write_qwen3moe_gguf(hf, tmp_path / "moe-Q8_0.gguf", expert_qtype="Q8_0")
-    model = LLM(str(path), kv_cache_memory_mb=8).engine.runner.model
+    model = LLM(str(path), device="cpu", kv_cache_memory_mb=8).engine.runner.model
     experts = [m for m in model.modules() if isinstance(m, Experts)]
     assert experts and all(e.qw13 is not None and e.qw13.kind == "Q8_0" for e in experts)
     model.to("meta")

@@ -12,6 +12,7 @@ from gguf import GGMLQuantizationType as QT
 
 from helexa.engine import LLM, SamplingParams
 from helexa.engine.layers import hugepages
+from tests.shared_fixtures import need_shared
 
 THP = "/sys/kernel/mm/transparent_hugepage/enabled"
 
@@ -54,10 +55,9 @@ def test_a_loaded_models_packed_weights_move_into_one_arena_and_compute_the_same
 ):
     from tests.engine.test_gguf_parity import write_gguf_from_hf
     from tests.engine.test_parity import _record_logits
-    from tests.engine.tiny import FIXTURE_MODELS, make_tiny_model
+    from tests.engine.tiny import make_tiny_model
 
-    if not FIXTURE_MODELS.is_dir():
-        pytest.skip("shared fixtures absent")
+    need_shared()
     _, hf = make_tiny_model("smollm2", tmp_path, head_dim=16)
     add = gguf.GGUFWriter.add_tensor
 
@@ -75,7 +75,7 @@ def test_a_loaded_models_packed_weights_move_into_one_arena_and_compute_the_same
     for held in (True, False):
         if not held:
             monkeypatch.setattr(hugepages, "arena", lambda nbytes: None)
-        llm = LLM(str(path), kv_cache_memory_mb=8, autotune=False)
+        llm = LLM(str(path), device="cpu", kv_cache_memory_mb=8, autotune=False)  # a CPU arena
         linears = hugepages.packed_linears(llm.engine.runner.model)
         # the qkv / gate-up fusions, o, down and the tied table, of both layers
         assert len(linears) == 2 * 4 + 1

@@ -6,9 +6,10 @@ import pytest
 import torch
 
 from helexa.engine import LLM, SamplingParams
-from tests.engine.tiny import FAMILIES, FIXTURE_MODELS, make_tiny_model
+from tests.engine.tiny import FAMILIES, make_tiny_model
+from tests.shared_fixtures import needs_shared
 
-pytestmark = pytest.mark.skipif(not FIXTURE_MODELS.is_dir(), reason="shared fixtures absent")
+pytestmark = needs_shared
 
 PROMPT_LENGTHS = (1, 7, 16, 37, 90)
 NUM_TOKENS = 32
@@ -114,9 +115,10 @@ def test_logits_and_greedy_tokens_match_transformers_for_a_mixed_batch(family, t
 @pytest.mark.parametrize("family", ["smollm2", "qwen3"])
 def test_a_half_kv_cache_keeps_transformers_greedy_tokens(family, tmp_path):
     # the CPU's default under a float32 model: K/V rounded to float16 as they are cached (a
-    # relative 2^-11 at most), and every step, prompt chunks included, attending over them
+    # relative 2^-11 at most), and every step, prompt chunks included, attending over them;
+    # on the CPU wherever it runs (under CUDA's Triton kernels the cache is the model's dtype)
     model_dir, hf = make_tiny_model(family, tmp_path)
-    llm = LLM(str(model_dir), dtype="float32", **SMALL_STEPS)
+    llm = LLM(str(model_dir), device="cpu", dtype="float32", **SMALL_STEPS)
     assert llm.engine.runner.kv_dtype == torch.float16
     attn = llm.engine.runner.model.layers[0].self_attn.attn
     assert attn.k_cache.dtype == attn.v_cache.dtype == torch.float16
@@ -188,6 +190,9 @@ def test_a_prompt_steps_last_layer_runs_past_attention_on_its_sampled_rows_only(
                 kv_cache_dtype="float32",  # as in test_unfused_projections_give_the_same_logits
                 kv_cache_memory_mb=8,
                 max_prefill_chunk=24,
+                # on CUDA too every step runs eagerly: a replayed decode graph calls no
+                # Python, so the counting MLP would see the prompt steps' rows alone
+                cuda_graphs=False,
             )
             llm.engine.runner.selects_output_rows = selects
             mlp, mlp_rows = llm.engine.runner.model.layers[-1].mlp, []

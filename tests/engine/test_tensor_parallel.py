@@ -16,13 +16,21 @@ import torch
 from helexa.engine import LLM, RankLostError, SamplingParams
 from helexa.engine.parallel import PlacementError, tp
 from tests.engine.test_parity import _prompts, assert_matches_transformers
-from tests.engine.tiny import FIXTURE_MODELS, make_tiny_model, make_tiny_new_family
+from tests.engine.tiny import make_tiny_model, make_tiny_new_family
+from tests.shared_fixtures import needs_shared
 
-pytestmark = pytest.mark.skipif(not FIXTURE_MODELS.is_dir(), reason="shared fixtures absent")
+pytestmark = needs_shared
 
-# small blocks and chunks: prompts span blocks and prefill in pieces beside decodes
+# small blocks and chunks: prompts span blocks and prefill in pieces beside decodes; ranks on
+# the CPU wherever the tests run (a host with one GPU has no room for two CUDA ranks; CUDA's
+# own: test_two_gpus_give_one_gpus_greedy_tokens)
 ENGINE = dict(
-    dtype="float32", kv_cache_dtype="float32", num_kv_blocks=64, block_size=16, max_prefill_chunk=24
+    device="cpu",
+    dtype="float32",
+    kv_cache_dtype="float32",
+    num_kv_blocks=64,
+    block_size=16,
+    max_prefill_chunk=24,
 )
 GREEDY = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
 
