@@ -172,10 +172,10 @@ def test_the_bundled_model_runs_on_the_blocks_and_its_prompt_logits_are_transfor
 @pytest.mark.parametrize("family", ["qwen3", "qwen2"])  # q/k norms; qkv bias
 def test_native_decode_steps_give_the_torch_paths_logits(family, tmp_path, monkeypatch):
     from tests.engine.test_parity import _prompts, _record_logits
-    from tests.engine.tiny import FIXTURE_MODELS, make_tiny_model
+    from tests.engine.tiny import make_tiny_model
+    from tests.shared_fixtures import need_shared
 
-    if not FIXTURE_MODELS.is_dir():
-        pytest.skip("shared fixtures absent")
+    need_shared()
     model_dir, hf = make_tiny_model(family, tmp_path)
     calls = {"decode_attention": 0, "qk_prepare": 0, "rms_norm": 0, "silu_mul": 0}
     for name in calls:
@@ -221,10 +221,10 @@ def test_all_layers_or_one_layer_in_one_call_compute_what_the_layers_op_by_op_do
 
     from tests.engine.test_gguf_parity import write_gguf_from_hf
     from tests.engine.test_parity import _record_logits
-    from tests.engine.tiny import FIXTURE_MODELS, make_tiny_model
+    from tests.engine.tiny import make_tiny_model
+    from tests.shared_fixtures import need_shared
 
-    if not FIXTURE_MODELS.is_dir():
-        pytest.skip("shared fixtures absent")
+    need_shared()
     _, hf = make_tiny_model(family, tmp_path, head_dim=16)
     add = gguf.GGUFWriter.add_tensor
 

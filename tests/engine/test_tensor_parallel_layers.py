@@ -23,14 +23,14 @@ from helexa.engine.parallel import PlacementError, TensorParallel
 from helexa.engine.sampling_params import SamplingParams
 from tests.engine.test_parity import _hf_greedy, record_model_logits
 from tests.engine.tiny import (
-    FIXTURE_MODELS,
     HYBRID_TEXT,
     make_tiny_model,
     make_tiny_new_family,
     shrunk_config,
 )
+from tests.shared_fixtures import needs_shared
 
-pytestmark = pytest.mark.skipif(not FIXTURE_MODELS.is_dir(), reason="shared fixtures absent")
+pytestmark = needs_shared
 
 REPO = Path(__file__).resolve().parents[2]
 WORLD = 2
