@@ -1,46 +1,93 @@
-"""Reading single rows out of torch's CPU int4 packing (`_convert_weight_to_int4pack_for_cpu`)
-without dequantizing the whole weight: how the token embeddings share a tied lm_head's
-packed table instead of holding a float copy of it.
+"""Reading torch's CPU int4 packing (`_convert_weight_to_int4pack_for_cpu`) back: single rows
+(how the token embeddings share a tied lm_head's packed table instead of holding a float copy
+of it) and the whole weight (what a wide prompt chunk's float32 GEMM takes), exactly to the
+held (scale, zero) pairs, for any row count the packing takes.
 
-The packing interleaves blocks of BLOCK_N output rows: [N / BLOCK_N, K, BLOCK_N / 2] bytes,
-the low nibble of column j holding row j of the block and the high nibble row j + BLOCK_N/2.
-BLOCK_N follows the CPU's vector width (64 with AVX-512, 32 with AVX2), so it is found by
-packing a probe once per process rather than assumed.
+The packing cuts the N rows into blocks of BLOCK_N ([K, BLOCK_N / 2] bytes each, k-major); the
+last block holds what is left over (N % BLOCK_N rows: 16, 32 or 48). A full block pairs row j
+with row j + BLOCK_N / 2 in byte j (low nibble, high nibble) where torch's kernels are vectorized
+(BLOCK_N 64 with AVX-512, 32 with AVX2); every other block (the short last one, or all of them
+under torch's scalar kernels) pairs rows 2j and 2j + 1. So a 32-row shard on AVX-512 is packed
+in pairs where the whole 64-row weight is packed in halves: the layout depends on the row count,
+the values and their arithmetic do not. BLOCK_N and the pairing are found by packing a probe
+once per process rather than assumed from the CPU.
 """
 
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 
 GROUP = 32  # int4 group along K: one scale and zero per 32 weights
-_CANDIDATE_BLOCK_N = (64, 32, 16, 8)
+_CANDIDATE_BLOCK_N = (64, 32, 16)
+# Rows of the probe: a short last block for every candidate (2 x 64 + 48, 5 x 32 + 16, ...).
+_PROBE_ROWS = 176
+
+
+@dataclass(frozen=True, slots=True)
+class Layout:
+    """How this process's torch packs int4 rows: blocks of `block_n` rows; `halves`: a full
+    block pairs row j with row j + block_n / 2 (else rows 2j and 2j + 1, as short blocks do)."""
+
+    block_n: int
+    halves: bool
 
 
 @functools.cache
-def block_n(num_rows: int) -> int | None:
-    """The interleave of a [num_rows, K] packing on this CPU, or None where no candidate
-    reproduces a probe (a torch whose layout this module does not know)."""
+def layout() -> Layout | None:
+    """The packing's layout on this CPU, or None where no candidate reproduces a probe (a
+    torch whose packing this module does not know)."""
     gen = torch.Generator().manual_seed(0)
-    q = torch.randint(0, 16, (num_rows, 64), dtype=torch.int32, generator=gen)
+    q = torch.randint(0, 16, (_PROBE_ROWS, 64), dtype=torch.int32, generator=gen)
     packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 2)
-    ids = torch.arange(num_rows)
-    if packed.numel() != num_rows * 32:  # not one nibble a weight: another packing
+    if packed.numel() != q.numel() // 2:  # not one nibble a weight: another packing
         return None
     for bn in _CANDIDATE_BLOCK_N:
-        if num_rows % bn == 0 and torch.equal(_nibbles(packed, ids, bn, 64), q):
-            return bn
+        for halves in (True, False):
+            candidate = Layout(bn, halves)
+            if torch.equal(_unpack(packed, _PROBE_ROWS, 64, candidate), q):
+                return candidate
     return None
 
 
-def _nibbles(packed: torch.Tensor, ids: torch.Tensor, bn: int, k: int) -> torch.Tensor:
-    """The 4-bit values (0..15) of rows `ids`: [len(ids), k] int32."""
-    half = bn // 2
-    blocks = packed.view(-1, k, half)  # [N / bn, k, bn / 2]
-    j = ids % bn
-    sel = blocks[ids // bn, :, j % half].to(torch.int32)  # [n, k]
-    return torch.where((j < half)[:, None], sel & 0x0F, sel >> 4)
+def _unpack(packed: torch.Tensor, num_rows: int, k: int, lay: Layout) -> torch.Tensor:
+    """All 4-bit values (0..15) of a [num_rows, k] packing: [num_rows, k] uint8, block by
+    block (no gathers)."""
+    flat = packed.reshape(-1)
+    bn = lay.block_n
+    num_full = num_rows // bn
+    split = num_full * k * bn // 2
+    parts = []
+    if num_full:
+        parts.append(_block_values(flat[:split].view(num_full, k, bn // 2), lay.halves))
+    if num_rows % bn:
+        parts.append(_block_values(flat[split:].view(1, k, (num_rows % bn) // 2), False))
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+def _block_values(blocks: torch.Tensor, halves: bool) -> torch.Tensor:
+    """blocks [num_blocks, k, w] bytes → their rows' values [num_blocks * 2w, k]."""
+    lo, hi = blocks & 0x0F, blocks >> 4
+    q = torch.cat([lo, hi], dim=2) if halves else torch.stack([lo, hi], dim=3).flatten(2)
+    return q.transpose(1, 2).reshape(-1, blocks.shape[1])  # [nb, 2w, k]: rows in order
+
+
+def _nibbles(packed: torch.Tensor, ids: torch.Tensor, num_rows: int, k: int) -> torch.Tensor:
+    """The 4-bit values (0..15) of rows `ids` of a [num_rows, k] packing: [len(ids), k] int32."""
+    lay = layout()
+    assert lay is not None, "int4 rows read from a packing whose layout is unknown"
+    bn, half = lay.block_n, lay.block_n // 2
+    block, r = ids // bn, ids % bn
+    is_full = block < num_rows // bn
+    width = torch.where(is_full, bn, num_rows % bn) // 2  # bytes a k of the block takes
+    in_halves = is_full & lay.halves
+    pos = torch.where(in_halves, r % half, r // 2)
+    shift = torch.where(in_halves, (r >= half) * 4, (r % 2) * 4)
+    start = block * k * half + pos  # byte of k = 0
+    index = start[:, None] + torch.arange(k) * width[:, None]  # [n, k]
+    return (packed.reshape(-1)[index].to(torch.int32) >> shift[:, None]) & 0x0F
 
 
 def rows(
@@ -52,9 +99,7 @@ def rows(
     w = (q - 8) * scale + zero; k_repeat: how many times the input is read (Q8_0 held as
     two int4 halves), whose weights add up.
     """
-    bn = block_n(num_rows)
-    assert bn is not None, "rows() called on a packing whose layout is unknown"
-    q = _nibbles(packed, ids, bn, scales.shape[0] * GROUP)  # [n, K]
+    q = _nibbles(packed, ids, num_rows, scales.shape[0] * GROUP)  # [n, K]
     return _weights(q, scales[:, ids, :], k_repeat)
 
 
@@ -63,12 +108,10 @@ def dequantize(
 ) -> torch.Tensor:
     """The whole weight as float32 [num_rows, K / k_repeat], unpacked block by block (no
     gathers): what a wide prompt chunk's float32 GEMM takes instead of a copy kept."""
-    bn = block_n(num_rows)
-    assert bn is not None, "dequantize() called on a packing whose layout is unknown"
-    k = scales.shape[0] * GROUP
-    blocks = packed.view(num_rows // bn, k, bn // 2)
-    q = torch.cat([blocks & 0x0F, blocks >> 4], dim=2)  # [N / bn, k, bn]: rows j, j + bn/2
-    return _weights(q.transpose(1, 2).reshape(num_rows, k), scales, k_repeat)
+    lay = layout()
+    assert lay is not None, "int4 weight dequantized from a packing whose layout is unknown"
+    q = _unpack(packed, num_rows, scales.shape[0] * GROUP, lay)
+    return _weights(q, scales, k_repeat)
 
 
 def _weights(q: torch.Tensor, scales: torch.Tensor, k_repeat: int) -> torch.Tensor:

@@ -51,7 +51,9 @@ if TYPE_CHECKING:
 QUANTS = (None, "int8", "int4", "fp8")
 FLOAT_QTYPES = ("F32", "F16", "BF16")  # GGUF tensors that are plain floats
 GROUP = int4_cpu.GROUP  # int4 group along in_features: one GGUF Q4_0/Q4_1/Q8_0 block
-PACK_BLOCK_N = 64  # rows the CPU int4 packing interleaves (AVX512); fuse concatenates whole ones
+# rows of the CPU int4 packing's widest block (AVX-512; int4_cpu): packings of whole blocks
+# concatenate, so fuse takes parts of multiples of it (but the last)
+PACK_BLOCK_N = 64
 PACKED_DTYPE = torch.bfloat16  # the only activation dtype the CPU packed kernels vectorize
 # float32, not bfloat16: a whole prefill in bf16 (weights and activations rounded) turns
 # SmolLM2's greedy "The capital of France is Paris." into "L'Étoile, ...". f32 costs ~45%
@@ -327,7 +329,8 @@ class Linear(nn.Module):
         return torch.ops.aten._weight_int4pack_mm_for_cpu(h, self.weight, GROUP, self.scales)
 
     def dequantize(self) -> torch.Tensor:
-        """The weight as float32 [out, in], whatever the storage (int4: to bf16 precision)."""
+        """The weight as float32 [out, in], whatever the storage (int4 read through the
+        kernel, where int4_cpu does not know torch's packing: to bf16 precision)."""
         if self.format == "float":
             return self.weight.float()
         if self.format == "quant":
@@ -348,7 +351,7 @@ class Linear(nn.Module):
     def can_read_rows(self) -> bool:
         """Whether `rows` reads single rows of W without dequantizing the rest of it."""
         if self.format == "int4":
-            return int4_cpu.block_n(self.out_features) is not None
+            return int4_cpu.layout() is not None
         return self.format in ("float", "int8", "blocks")
 
     def rows(self, ids: torch.Tensor, scales: torch.Tensor | None = None) -> torch.Tensor:
