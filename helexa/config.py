@@ -67,6 +67,7 @@ HostPort = Annotated[str, Check('"host:port"', _is_host_port)]
 Url = Annotated[str, Check("an http(s) URL", _is_url)]
 NonEmpty = Annotated[str, Check("a non-empty string", lambda v: v.strip() != "")]
 DatabaseUrl = Annotated[str, Check("a SQLAlchemy URL", lambda v: v == "" or "://" in v)]
+RetentionDays = Annotated[int, Check("days from 0 (forever) to 36500", lambda v: 0 <= v <= 36_500)]
 Device = Annotated[
     str,
     Check('"auto", "cpu", "cuda" or "cuda:N"', lambda v: re.fullmatch(r"auto|cpu|cuda(:\d+)?", v)),
@@ -228,7 +229,7 @@ class GatewayConfig(_Listens):
     ledger_backlog_max: PositiveInt = 10_000
     # Ledger rows older than this many days are deleted by the gateway (hourly, in small
     # batches); 0 keeps them forever. Budgets lose nothing (docs/gateway.md § The spend ledger).
-    ledger_retention_days: NonNegativeInt = 90
+    ledger_retention_days: RetentionDays = 90
     # Origins a browser may call the API from ("*": any); none: no CORS headers at all.
     cors_allow_origins: list[str] = field(default_factory=list)
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from sqlalchemy import Engine, select
 
-from helexa.config import load_config
+from helexa.config import ConfigError, load_config
 from helexa.db.models import KeySpend, SpendRecord
 from helexa.db.session import make_engine, session_factory, upgrade
 from helexa.gateway.budgets import Budgets
@@ -184,3 +184,13 @@ def test_the_gateway_prunes_its_own_ledger_when_it_starts(tmp_path: Path):
     assert asyncio.run(main()) == 4
     assert _left(engine) == {None: [29]}
     engine.dispose()
+
+
+def test_the_retention_defaults_to_90_days_and_a_nonsense_value_is_refused(tmp_path: Path):
+    config = tmp_path / "helexa.toml"
+    config.write_text("[gateway]\n")
+    assert load_config(config, env={}).gateway.ledger_retention_days == 90
+    for bad in (-1, 36_501):
+        config.write_text(f"[gateway]\nledger_retention_days = {bad}\n")
+        with pytest.raises(ConfigError, match=f"ledger_retention_days: .* got {bad}"):
+            load_config(config, env={})
