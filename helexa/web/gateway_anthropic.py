@@ -34,9 +34,18 @@ from helexa.protocol.anthropic_out import (
     from_openai_chat,
     message_id,
 )
+from helexa.protocol.bodies import (
+    AnthropicErrorBody,
+    CountTokensBody,
+    MessageAnswer,
+    MessageEvent,
+    MessagesBody,
+    TokenCount,
+)
 from helexa.protocol.wire import CHARS_PER_TOKEN, SSEReader, sse_event
 from helexa.web.common import as_helexa_error, parse_json_body, unless_client_leaves
 from helexa.web.gateway_deps import record_of
+from helexa.web.openapi import wire
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +73,11 @@ def anthropic_error_response(request: Request, exc: Exception) -> Response:
     )
 
 
-@post("/v1/messages", status_code=200)
+@post(
+    "/v1/messages",
+    status_code=200,
+    opt=wire(MessagesBody, MessageAnswer, events=MessageEvent, error=AnthropicErrorBody),
+)
 async def messages(request: Request, gateway: Gateway) -> Response:
     principal = await gateway.auth.authenticate(request.headers)
     t = to_openai_chat(parse_json_body(await request.body(), _decoder.decode))
@@ -100,7 +113,11 @@ async def _exchange(
     return Response(content=from_openai_chat(answer, t, msg_id), headers=reply.headers)
 
 
-@post("/v1/messages/count_tokens", status_code=200)
+@post(
+    "/v1/messages/count_tokens",
+    status_code=200,
+    opt=wire(CountTokensBody, TokenCount, error=AnthropicErrorBody),
+)
 async def count_tokens(request: Request, gateway: Gateway) -> dict[str, int]:
     """The prompt's token count from a node serving the model (its `/tokenize`, the chat
     template and tools included); no budget is reserved and no ledger row written."""

@@ -22,6 +22,17 @@ from helexa.gateway.catalogue import model_list, nodes_view
 from helexa.gateway.ledger import Ledger
 from helexa.gateway.service import Gateway, build_gateway
 from helexa.logs import event
+from helexa.protocol.bodies import (
+    ChatCompletion,
+    ChatCompletionBody,
+    ChatCompletionChunk,
+    Completion,
+    CompletionBody,
+    ModelList,
+    ResponseEvent,
+    ResponseObject,
+    ResponsesBody,
+)
 from helexa.version import build_info
 from helexa.web.admin import admin_router, admin_static, admin_templates
 from helexa.web.common import (
@@ -38,6 +49,15 @@ from helexa.web.gateway_anthropic import (
 )
 from helexa.web.gateway_asgi import Cors, GatewayASGI
 from helexa.web.gateway_deps import STATE_KEY, dependencies, gateway_of, record_of
+from helexa.web.openapi import (
+    API_KEY,
+    API_KEY_SCHEME,
+    BEARER,
+    BEARER_SCHEME,
+    PUBLIC,
+    api_document,
+    wire,
+)
 
 log = logging.getLogger(__name__)
 
@@ -82,22 +102,28 @@ async def _exchange(
     )
 
 
-@post("/v1/chat/completions", status_code=200)
+@post(
+    "/v1/chat/completions",
+    status_code=200,
+    opt=wire(ChatCompletionBody, ChatCompletion, events=ChatCompletionChunk),
+)
 async def chat_completions(request: Request, gateway: Gateway) -> Response:
     return await _proxy(request, gateway, "/v1/chat/completions")
 
 
-@post("/v1/completions", status_code=200)
+@post("/v1/completions", status_code=200, opt=wire(CompletionBody, Completion, events=Completion))
 async def completions(request: Request, gateway: Gateway) -> Response:
     return await _proxy(request, gateway, "/v1/completions")
 
 
-@post("/v1/responses", status_code=200)
+@post(
+    "/v1/responses", status_code=200, opt=wire(ResponsesBody, ResponseObject, events=ResponseEvent)
+)
 async def responses(request: Request, gateway: Gateway) -> Response:
     return await _proxy(request, gateway, "/v1/responses")
 
 
-@get("/v1/models")
+@get("/v1/models", opt=wire(answer=ModelList))
 async def v1_models(request: Request, gateway: Gateway) -> dict[str, Any]:
     principal = await gateway.auth.authenticate(request.headers)
     models = model_list(gateway.router, gateway.started_at)
@@ -107,18 +133,18 @@ async def v1_models(request: Request, gateway: Gateway) -> dict[str, Any]:
     return {"object": "list", "data": models}
 
 
-@get("/")
+@get("/", opt=PUBLIC)
 async def root() -> dict[str, Any]:
     """What this is, for a person or a client probing the base URL."""
     return {"name": "helexa", "role": "gateway", "api": "/v1", "admin": "/admin"}
 
 
-@head("/")
+@head("/", opt=PUBLIC)
 async def root_head() -> None:
     """Claude Code sends `HEAD /` before each session."""
 
 
-@get("/health")
+@get("/health", opt=PUBLIC)
 async def health(gateway: Gateway) -> dict[str, Any]:
     up = gateway.fleet.up()
     return {
@@ -130,7 +156,7 @@ async def health(gateway: Gateway) -> dict[str, Any]:
     }
 
 
-@get("/version")
+@get("/version", opt=PUBLIC)
 async def version() -> dict[str, Any]:
     """What is running: package version, git commit and dirty flag, build time, Python.
     Open to anyone, like /health (no torch here: the gateway never loads it)."""
@@ -149,7 +175,7 @@ def books_view(ledger: Ledger) -> dict[str, Any]:
     }
 
 
-@get("/metrics")
+@get("/metrics", media_type=METRICS_CONTENT_TYPE)
 async def metrics(gateway: Gateway) -> Response:
     return Response(content=gateway.metrics.render(), media_type=METRICS_CONTENT_TYPE)
 
@@ -167,6 +193,17 @@ def create_gateway_apps(cfg: Config) -> tuple[GatewayASGI, Litestar]:
         finally:
             await gateway.stop()
 
+    document, openapi_json = api_document(
+        "helexa gateway",
+        "One OpenAI- and Anthropic-compatible API over a fleet of nodes. Keys go in "
+        "`Authorization: Bearer <key>` or `x-api-key`"
+        + ("." if cfg.gateway.require_auth else "; without one a request is served anonymously."),
+        schemes={BEARER: BEARER_SCHEME, API_KEY: API_KEY_SCHEME},
+        security=[{BEARER: []}, {API_KEY: []}, *([] if cfg.gateway.require_auth else [{}])],
+    )
+    metrics_document, metrics_json = api_document(
+        "helexa gateway metrics", "The gateway's Prometheus metrics, on their own port."
+    )
     api = Litestar(
         route_handlers=[
             chat_completions,
@@ -181,19 +218,20 @@ def create_gateway_apps(cfg: Config) -> tuple[GatewayASGI, Litestar]:
             root_head,
             admin_router(),
             admin_static(),
+            openapi_json,
         ],
         template_config=admin_templates(),
         exception_handlers={Exception: _handle_error},
         lifespan=[lifespan],
         dependencies=dependencies(),
         request_max_body_size=cfg.http.max_body_mb << 20,
-        openapi_config=None,
+        openapi_config=document,
         logging_config=None,
     )
     metrics_app = Litestar(
-        route_handlers=[metrics],
+        route_handlers=[metrics, metrics_json],
         dependencies=dependencies(),
-        openapi_config=None,
+        openapi_config=metrics_document,
         logging_config=None,
         exception_handlers={Exception: error_response},
     )

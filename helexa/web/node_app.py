@@ -23,6 +23,21 @@ from helexa.node.exchanges import NOTHING_RAN, Exchange, parse_wait_s
 from helexa.node.security import budget_of, principal_of
 from helexa.node.service import Node
 from helexa.node.version import build_info
+from helexa.protocol.bodies import (
+    ChatCompletion,
+    ChatCompletionBody,
+    ChatCompletionChunk,
+    Completion,
+    CompletionBody,
+    LoadBody,
+    ModelList,
+    ResponseEvent,
+    ResponseObject,
+    ResponsesBody,
+    TokenizeBody,
+    Tokens,
+    UnloadBody,
+)
 from helexa.protocol.openai import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -37,6 +52,7 @@ from helexa.web.common import (
     parse_json_body,
     unless_client_leaves,
 )
+from helexa.web.openapi import BEARER, BEARER_SCHEME, PUBLIC, api_document, wire
 
 log = logging.getLogger(__name__)
 
@@ -132,17 +148,23 @@ def _responses(body: Any) -> Parsed:
     return parsed.chat, parsed.echo
 
 
-@post("/v1/chat/completions", status_code=200)
+@post(
+    "/v1/chat/completions",
+    status_code=200,
+    opt=wire(ChatCompletionBody, ChatCompletion, events=ChatCompletionChunk),
+)
 async def chat_completions(node: Node, request: Request) -> Response:
     return await _answer(node, request, _chat)
 
 
-@post("/v1/completions", status_code=200)
+@post("/v1/completions", status_code=200, opt=wire(CompletionBody, Completion, events=Completion))
 async def completions(node: Node, request: Request) -> Response:
     return await _answer(node, request, _completion)
 
 
-@post("/v1/responses", status_code=200)
+@post(
+    "/v1/responses", status_code=200, opt=wire(ResponsesBody, ResponseObject, events=ResponseEvent)
+)
 async def responses(node: Node, request: Request) -> Response:
     return await _answer(node, request, _responses)
 
@@ -155,7 +177,7 @@ async def exchange_usage(node: Node, request: Request, exchange_id: str) -> dict
     return await node.exchanges.final_usage(exchange_id, wait_s)
 
 
-@post("/tokenize", status_code=200)
+@post("/tokenize", status_code=200, opt=wire(TokenizeBody, Tokens))
 async def tokenize(node: Node, request: Request) -> dict[str, Any]:
     """The prompt's token ids as a generation would see them (vLLM's shape): a chat body
     (`messages`, `tools`, …, the template applied) or a completions body (`prompt`)."""
@@ -167,7 +189,7 @@ async def tokenize(node: Node, request: Request) -> dict[str, Any]:
     return await serving.tokenize(node, req, _notes(request))
 
 
-@get("/v1/models")
+@get("/v1/models", opt=wire(answer=ModelList))
 async def v1_models(node: Node) -> dict[str, Any]:
     models = node.registry.models.values()
     return {"object": "list", "data": [openai_out.model_card(m) for m in models]}
@@ -176,7 +198,7 @@ async def v1_models(node: Node) -> dict[str, Any]:
 # -- node management ----------------------------------------------------------------------
 
 
-@get("/health")
+@get("/health", opt=PUBLIC)
 async def health(node: Node) -> dict[str, Any]:
     return await node.health()
 
@@ -202,17 +224,17 @@ async def model_info(node: Node, request: Request, rest: str) -> dict[str, Any]:
     return node.model_info(rest, str(request.base_url))
 
 
-@post("/models/load", status_code=200)
+@post("/models/load", status_code=200, opt=wire(LoadBody))
 async def load_model(node: Node, request: Request) -> dict[str, Any]:
     return await node.load(await _json_body(request), _notes(request))
 
 
-@post("/models/unload", status_code=200)
+@post("/models/unload", status_code=200, opt=wire(UnloadBody))
 async def unload_model(node: Node, request: Request) -> dict[str, Any]:
     return await node.unload(await _json_body(request))
 
 
-@get("/metrics")
+@get("/metrics", media_type=METRICS_CONTENT_TYPE)
 async def metrics(node: Node) -> Response:
     return Response(content=node.metrics.render(), media_type=METRICS_CONTENT_TYPE)
 
@@ -235,6 +257,14 @@ def create_node_app(node: Node) -> Litestar:
     def provide_node() -> Node:
         return node
 
+    document, openapi_json = api_document(
+        "helexa node",
+        "One host's models: OpenAI-compatible inference and the node's own management. "
+        "With `[node] api_key` set, every route but `GET /health` (and this document) "
+        "needs `Authorization: Bearer <api_key>`.",
+        schemes={BEARER: BEARER_SCHEME},
+        security=[{BEARER: []}] if node.cfg.node.api_key else None,
+    )
     return Litestar(
         route_handlers=[
             chat_completions,
@@ -251,11 +281,12 @@ def create_node_app(node: Node) -> Litestar:
             load_model,
             unload_model,
             metrics,
+            openapi_json,
         ],
         dependencies={"node": Provide(provide_node, use_cache=True, sync_to_thread=False)},
         exception_handlers={Exception: error_response},
         lifespan=[lifespan],
         request_max_body_size=node.cfg.http.max_body_mb << 20,
-        openapi_config=None,
+        openapi_config=document,
         logging_config=None,  # the CLI configures logging once
     )

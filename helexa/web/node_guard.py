@@ -1,7 +1,8 @@
 """The node's door: every HTTP request passes here before any handler.
 
-- Authentication: with `[node] api_key` set, every route but `GET /health` needs
-  `Authorization: Bearer <api_key>` (compared in constant time); anything else is a 401.
+- Authentication: with `[node] api_key` set, every route but `GET /health` and the API
+  document (`/openapi.json`, `/docs`) needs `Authorization: Bearer <api_key>` (compared in
+  constant time); anything else is a 401.
 - Trust: whether the gateway's `x-helexa-*` headers on this request may be believed
   (`scope["state"]["trusted"]`): with an api_key, only requests that carry it get this
   far; without one, only loopback peers are believed.
@@ -24,9 +25,11 @@ from helexa.logs import request_done, request_id
 from helexa.node.security import is_loopback, key_matches
 from helexa.protocol.wire import REQUEST_ID_HEADER, SECRET_HEADER, bearer_token
 from helexa.web.common import scope_header, send_envelope
+from helexa.web.openapi import DOCUMENT_ROUTES
 
 log = logging.getLogger("helexa.node.requests")
-_OPEN = {("GET", "/health"), ("HEAD", "/health")}
+# /health, and the API document with its page (see helexa/web/openapi.py)
+_OPEN = {(method, path) for method in ("GET", "HEAD") for path in ("/health", *DOCUMENT_ROUTES)}
 _REQUEST_ID, _SECRET = REQUEST_ID_HEADER.encode(), SECRET_HEADER.encode()
 
 
