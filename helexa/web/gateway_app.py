@@ -55,7 +55,7 @@ from helexa.web.openapi import (
     BEARER,
     BEARER_SCHEME,
     PUBLIC,
-    api_document,
+    ApiDocument,
     wire,
 )
 
@@ -193,17 +193,6 @@ def create_gateway_apps(cfg: Config) -> tuple[GatewayASGI, Litestar]:
         finally:
             await gateway.stop()
 
-    document, openapi_json = api_document(
-        "helexa gateway",
-        "One OpenAI- and Anthropic-compatible API over a fleet of nodes. Keys go in "
-        "`Authorization: Bearer <key>` or `x-api-key`"
-        + ("." if cfg.gateway.require_auth else "; without one a request is served anonymously."),
-        schemes={BEARER: BEARER_SCHEME, API_KEY: API_KEY_SCHEME},
-        security=[{BEARER: []}, {API_KEY: []}, *([] if cfg.gateway.require_auth else [{}])],
-    )
-    metrics_document, metrics_json = api_document(
-        "helexa gateway metrics", "The gateway's Prometheus metrics, on their own port."
-    )
     api = Litestar(
         route_handlers=[
             chat_completions,
@@ -218,26 +207,45 @@ def create_gateway_apps(cfg: Config) -> tuple[GatewayASGI, Litestar]:
             root_head,
             admin_router(),
             admin_static(),
-            openapi_json,
         ],
         template_config=admin_templates(),
         exception_handlers={Exception: _handle_error},
         lifespan=[lifespan],
         dependencies=dependencies(),
         request_max_body_size=cfg.http.max_body_mb << 20,
-        openapi_config=document,
+        plugins=[_api_document(cfg.gateway.require_auth)],
         logging_config=None,
     )
-    metrics_app = Litestar(
-        route_handlers=[metrics, metrics_json],
-        dependencies=dependencies(),
-        openapi_config=metrics_document,
-        logging_config=None,
-        exception_handlers={Exception: error_response},
-    )
+    metrics_app = _metrics_app()
     api.state[STATE_KEY] = metrics_app.state[STATE_KEY] = gateway
     cors = Cors(cfg.gateway.cors_allow_origins) if cfg.gateway.cors_allow_origins else None
     return GatewayASGI(api, gateway.metrics, cors), metrics_app
+
+
+def _api_document(require_auth: bool) -> ApiDocument:
+    """The API's document: keys in either header, and (without `require_auth`) none."""
+    anonymous = "." if require_auth else "; without one a request is served anonymously."
+    return ApiDocument(
+        "helexa gateway",
+        "One OpenAI- and Anthropic-compatible API over a fleet of nodes. Keys go in "
+        "`Authorization: Bearer <key>` or `x-api-key`" + anonymous,
+        schemes={BEARER: BEARER_SCHEME, API_KEY: API_KEY_SCHEME},
+        security=[{BEARER: []}, {API_KEY: []}, *([] if require_auth else [{}])],
+    )
+
+
+def _metrics_app() -> Litestar:
+    """Prometheus on its own port, with its own small document."""
+    document = ApiDocument(
+        "helexa gateway metrics", "The gateway's Prometheus metrics, on their own port."
+    )
+    return Litestar(
+        route_handlers=[metrics],
+        dependencies=dependencies(),
+        plugins=[document],
+        logging_config=None,
+        exception_handlers={Exception: error_response},
+    )
 
 
 def _handle_error(request: Request, exc: Exception) -> Response:

@@ -52,7 +52,7 @@ from helexa.web.common import (
     parse_json_body,
     unless_client_leaves,
 )
-from helexa.web.openapi import BEARER, BEARER_SCHEME, PUBLIC, api_document, wire
+from helexa.web.openapi import BEARER, BEARER_SCHEME, PUBLIC, ApiDocument, wire
 
 log = logging.getLogger(__name__)
 
@@ -257,14 +257,6 @@ def create_node_app(node: Node) -> Litestar:
     def provide_node() -> Node:
         return node
 
-    document, openapi_json = api_document(
-        "helexa node",
-        "One host's models: OpenAI-compatible inference and the node's own management. "
-        "With `[node] api_key` set, every route but `GET /health` (and this document) "
-        "needs `Authorization: Bearer <api_key>`.",
-        schemes={BEARER: BEARER_SCHEME},
-        security=[{BEARER: []}] if node.cfg.node.api_key else None,
-    )
     return Litestar(
         route_handlers=[
             chat_completions,
@@ -281,12 +273,23 @@ def create_node_app(node: Node) -> Litestar:
             load_model,
             unload_model,
             metrics,
-            openapi_json,
         ],
         dependencies={"node": Provide(provide_node, use_cache=True, sync_to_thread=False)},
         exception_handlers={Exception: error_response},
         lifespan=[lifespan],
         request_max_body_size=node.cfg.http.max_body_mb << 20,
-        openapi_config=document,
+        plugins=[_api_document(bool(node.cfg.node.api_key))],
         logging_config=None,  # the CLI configures logging once
+    )
+
+
+def _api_document(keyed: bool) -> ApiDocument:
+    """The node's document: with an api_key, every route not marked PUBLIC needs it."""
+    return ApiDocument(
+        "helexa node",
+        "One host's models: OpenAI-compatible inference and the node's own management. "
+        "With `[node] api_key` set, every route but `GET /health` (and this document) "
+        "needs `Authorization: Bearer <api_key>`.",
+        schemes={BEARER: BEARER_SCHEME},
+        security=[{BEARER: []}] if keyed else None,
     )

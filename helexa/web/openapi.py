@@ -21,11 +21,12 @@ from typing import Any
 
 import msgspec
 from litestar import Litestar, Request, get
+from litestar.config.app import AppConfig
 from litestar.enums import MediaType
-from litestar.handlers import HTTPRouteHandler
 from litestar.openapi import OpenAPIConfig
 from litestar.openapi.plugins import OpenAPIRenderPlugin, SwaggerRenderPlugin
 from litestar.openapi.spec import Components, SecurityRequirement, SecurityScheme
+from litestar.plugins import InitPlugin
 from litestar.routes import HTTPRoute
 
 import helexa
@@ -61,47 +62,49 @@ def wire(
     events: type | None = None,
     error: type = ErrorEnvelope,
 ) -> dict[str, Any]:
-    """A route's `opt` for a handler that reads its body itself: the types of the JSON body
-    it takes, of its whole answer, of each server-sent event when the body asks to
-    `stream`, and of its error answers."""
+    """A route's `opt` naming what Litestar cannot read from its handler's signature: the
+    type of the JSON body the handler reads itself, of its whole answer, of each
+    server-sent event when the body asks to `stream`, and of its error answers."""
     return {_BODY: body, _ANSWER: answer, _EVENTS: events, _ERROR: error}
 
 
-def api_document(
-    title: str,
-    description: str,
-    *,
-    schemes: dict[str, SecurityScheme] | None = None,
-    security: list[SecurityRequirement] | None = None,
-) -> tuple[OpenAPIConfig, HTTPRouteHandler]:
-    """An app's `openapi_config`, and the `/openapi.json` route to add to its handlers.
-    `schemes` are the ways to authenticate; `security`, which of them the routes need
-    (routes marked `PUBLIC` need none)."""
-    document = _Document()
-    config = OpenAPIConfig(
-        title=title,
-        version=helexa.__version__,
-        description=description,
-        path=UI_PATH,
-        render_plugins=[_Page(document), _Json(document)],
-        components=Components(security_schemes=schemes),  # type: ignore[arg-type]
-        security=security,
-        use_handler_docstrings=True,
-    )
+class ApiDocument(InitPlugin):
+    """An app's document, as a plugin (`Litestar(plugins=[ApiDocument(...)])`): it sets the
+    app's `openapi_config` (Swagger UI at /docs) and adds the /openapi.json route. `schemes`
+    are the ways to authenticate; `security`, which of them the routes need (routes marked
+    `PUBLIC` need none). Built once, when first asked for."""
 
-    @get(DOCUMENT_PATH, include_in_schema=False, media_type=MediaType.JSON, sync_to_thread=False)
-    def openapi_json(request: Request) -> bytes:
-        return document.as_json(request.app)
-
-    return config, openapi_json
-
-
-class _Document:
-    """An app's document, built once when first asked for."""
-
-    def __init__(self) -> None:
+    def __init__(
+        self,
+        title: str,
+        description: str,
+        *,
+        schemes: dict[str, SecurityScheme] | None = None,
+        security: list[SecurityRequirement] | None = None,
+    ) -> None:
+        self.config = OpenAPIConfig(
+            title=title,
+            version=helexa.__version__,
+            description=description,
+            path=UI_PATH,
+            render_plugins=[_Page(self), _Json(self)],
+            components=Components(security_schemes=schemes),  # type: ignore[arg-type]
+            security=security,
+            use_handler_docstrings=True,
+        )
         self._dict: dict[str, Any] | None = None
         self._json: bytes | None = None
+
+    def on_app_init(self, app_config: AppConfig) -> AppConfig:
+        @get(
+            DOCUMENT_PATH, include_in_schema=False, media_type=MediaType.JSON, sync_to_thread=False
+        )
+        def openapi_json(request: Request) -> bytes:
+            return self.as_json(request.app)
+
+        app_config.openapi_config = self.config
+        app_config.route_handlers.append(openapi_json)
+        return app_config
 
     def as_dict(self, app: Litestar) -> dict[str, Any]:
         if self._dict is None:
@@ -117,7 +120,7 @@ class _Document:
 class _Json(OpenAPIRenderPlugin):
     """`/docs/openapi.json`: the document as JSON."""
 
-    def __init__(self, document: _Document) -> None:
+    def __init__(self, document: ApiDocument) -> None:
         super().__init__(path=DOCUMENT_PATH, media_type=MediaType.JSON)
         self.document = document
 
@@ -128,7 +131,7 @@ class _Json(OpenAPIRenderPlugin):
 class _Page(SwaggerRenderPlugin):
     """`/docs`: Swagger UI over the document (Litestar's page embeds the one it is given)."""
 
-    def __init__(self, document: _Document) -> None:
+    def __init__(self, document: ApiDocument) -> None:
         super().__init__(path="/", favicon="")
         self.document = document
 
