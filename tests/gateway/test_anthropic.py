@@ -479,15 +479,22 @@ def test_a_node_dying_mid_stream_still_closes_the_events_with_an_error(long_flee
 
 
 def test_a_silent_upstream_gets_pings_until_it_speaks():
-    async def slow_node():
-        await asyncio.sleep(0.35)
-        yield b'data: {"choices":[{"index":0,"delta":{"content":"hi"},"finish_reason":"stop"}]}\n\n'
-        yield b"data: [DONE]\n\n"
-
     async def collect() -> list[bytes]:
+        pinged = asyncio.Event()  # the node stays silent until the client has had 3 pings
+
+        async def silent_node():
+            await asyncio.wait_for(pinged.wait(), 60)  # a hang guard only
+            yield b'data: {"choices":[{"index":0,"delta":{"content":"hi"},"finish_reason":"stop"}]}\n\n'
+            yield b"data: [DONE]\n\n"
+
         t = to_openai_chat(_hello())
-        events = anthropic_events(slow_node(), StreamTranslator(t, "msg_1"), ping_interval_s=0.1)
-        return [e async for e in events]
+        events = anthropic_events(silent_node(), StreamTranslator(t, "msg_1"), ping_interval_s=0.1)
+        out: list[bytes] = []
+        async for e in events:
+            out.append(e)
+            if sum(b"event: ping" in o for o in out) == 3:
+                pinged.set()
+        return out
 
     lines = b"".join(asyncio.run(collect())).decode().splitlines()
     events = parse_events(lines)
