@@ -6,10 +6,12 @@ client its own address."""
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 
 import httpx
+import openai
 import pytest
 
 from tests.web.node_proc import start_node
@@ -197,24 +199,27 @@ def test_one_keys_flood_neither_starves_another_key_nor_is_refused_while_the_que
                 h.close()
 
 
-def test_a_default_node_serves_one_clients_eight_concurrent_streams(saturated, long_id):
-    # the official SDK's pattern: one process, one address, eight streams at once
-    body = {"model": long_id, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}
-    results: list[int] = []
+def test_a_default_node_serves_one_clients_eight_concurrent_streams(tmp_path_factory, long_id):
+    """The official SDK's pattern: one process, one address, eight streams at once; a
+    default node (no per-principal setting at all) serves every one."""
+    node = start_node(tmp_path_factory.mktemp("sdk"), [long_id])
 
-    def chat() -> None:
-        with (
-            httpx.Client(timeout=HANG_GUARD_S) as c,
-            c.stream(
-                "POST", saturated.v1 + "/chat/completions", json={**body, "stream": True}
-            ) as r,
-        ):
-            r.read()
-            results.append(r.status_code)
+    async def chat(client: openai.AsyncOpenAI) -> str:
+        stream = await client.chat.completions.create(
+            model=long_id,
+            messages=[{"role": "user", "content": "Hi"}],
+            max_tokens=4,
+            stream=True,
+        )
+        return "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
 
-    threads = [threading.Thread(target=chat) for _ in range(8)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(HANG_GUARD_S)
-    assert results == [200] * 8
+    async def eight() -> list[str]:
+        client = openai.AsyncOpenAI(base_url=node.v1, api_key="none", max_retries=0)
+        async with client:
+            return await asyncio.gather(*(chat(client) for _ in range(8)))
+
+    try:
+        answers = asyncio.run(eight())  # a refusal raises openai.RateLimitError
+        assert len(answers) == 8 and all(answers), answers
+    finally:
+        node.stop()
