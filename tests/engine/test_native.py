@@ -31,6 +31,15 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
+@pytest.fixture(scope="module")
+def scalar(tmp_path_factory):
+    """blocks.c built for x86-64 without AVX2 (its #else loops), once, outside the cache."""
+    flags = (*(f for f in native.FLAGS if not f.startswith("-march")), "-march=x86-64")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("HELEXA_NATIVE_DIR", str(tmp_path_factory.mktemp("scalar")))
+        return native.load(native.build(native._compiler(), flags))
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_dequantize_is_ggufs_arithmetic(kind):
     raw, ref = blocks(kind, 40, 96)
@@ -83,11 +92,7 @@ def test_rows_in_8s_interleaved_are_the_same_bytes_and_the_same_products(kind):
         assert rel(exact, x.double() @ ref.double().T) < 1e-6
 
 
-def test_the_scalar_build_for_cpus_without_avx2_agrees(tmp_path, monkeypatch):
-    monkeypatch.setenv("HELEXA_NATIVE_DIR", str(tmp_path))
-    cc = native._compiler()
-    flags = (*(f for f in native.FLAGS if not f.startswith("-march")), "-march=x86-64")
-    scalar = native.load(native.build(cc, flags))
+def test_the_scalar_build_for_cpus_without_avx2_agrees(scalar):
     for kind in KINDS:
         raw, ref = blocks(kind, 40, 576)
         for w, held in ((raw, kind), native.interleave(raw, kind)):
@@ -340,10 +345,7 @@ def test_rms_norm_with_and_without_a_residual_is_torchs(rows):
     torch.testing.assert_close(got, kernels.naive_rms_norm(x + res, w, 1e-5))
 
 
-def test_paged_decode_of_the_scalar_build_agrees(tmp_path, monkeypatch):
-    monkeypatch.setenv("HELEXA_NATIVE_DIR", str(tmp_path))
-    flags = (*(f for f in native.FLAGS if not f.startswith("-march")), "-march=x86-64")
-    scalar = native.load(native.build(native._compiler(), flags))
+def test_paged_decode_of_the_scalar_build_agrees(scalar):
     g = torch.Generator().manual_seed(1)
     k_cache, v_cache = torch.randn(2, 8, 16, 2, 64, generator=g)
     tables = torch.arange(16).view(1, 16).repeat(2, 1)
@@ -368,13 +370,10 @@ HALF_EDGES = [0.0, -0.0, 2**-24, 2**-25, 3 * 2**-25, -(2**-26), 1e-9, 6.1e-5, 2*
               -70000.0, 1e30, float("inf"), -float("inf"), 3.14159, -2.5e-6]  # fmt: skip
 
 
-def test_decode_writes_a_half_cache_rounded_as_torch_rounds(tmp_path, monkeypatch):
+def test_decode_writes_a_half_cache_rounded_as_torch_rounds(scalar):
     # K and V reach the cache as computed (no norms, no rotary): each stored half must be the
     # bits of torch's .half() of it, by F16C (8 lanes at a time) and by the scalar tail and
     # build (D = 36: four vectors and a tail of 4)
-    monkeypatch.setenv("HELEXA_NATIVE_DIR", str(tmp_path))
-    flags = (*(f for f in native.FLAGS if not f.startswith("-march")), "-march=x86-64")
-    scalar = native.load(native.build(native._compiler(), flags))
     h, kvh, d, m = 2, 1, 36, 3
     g = torch.Generator().manual_seed(3)
     qkv = torch.randn(m, (h + 2 * kvh) * d, generator=g) * 100
@@ -397,10 +396,7 @@ def test_decode_writes_a_half_cache_rounded_as_torch_rounds(tmp_path, monkeypatc
             assert torch.equal(held.view(torch.int16), new.half().view(torch.int16)), lib
 
 
-def test_argmax_and_finiteness_are_torchs(tmp_path, monkeypatch):
-    monkeypatch.setenv("HELEXA_NATIVE_DIR", str(tmp_path))
-    flags = (*(f for f in native.FLAGS if not f.startswith("-march")), "-march=x86-64")
-    scalar = native.load(native.build(native._compiler(), flags))
+def test_argmax_and_finiteness_are_torchs(scalar):
     g = torch.Generator().manual_seed(0)
     for n in (1, 7, 8, 49152, 49155):
         x = torch.randn(6, n, generator=g)

@@ -182,7 +182,7 @@ def library() -> ctypes.CDLL | None:
         )
         return None
     try:
-        path = build(cc)
+        path = build(cc, FLAGS)  # read now: tests/engine/test_cpu_isas.py narrows -march
         lib = load(path)
     except (OSError, RuntimeError, subprocess.SubprocessError) as e:
         log.warning("the native CPU kernels did not build with %s: %s", cc, e)
