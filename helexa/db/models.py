@@ -86,7 +86,8 @@ _SUMS = ("prompt_tokens", "completion_tokens", "cost_usd")
 
 
 class SpendRecord(Base):
-    """One row per request the gateway answered (anonymous ones too)."""
+    """One row per request on which a model ran (anonymous ones too); kept
+    `[gateway] ledger_retention_days`."""
 
     __tablename__ = "spend_ledger"
     # the sums' columns ride along so the admin console's totals are index-only scans
