@@ -97,7 +97,8 @@ def test_a_follower_killed_mid_generation_fails_the_next_step_at_once(tmp_path):
             while True:
                 engine.step()
         killer.join()
-        assert time.monotonic() - start < 10  # not the 120 s collective timeout
+        # a hang guard with room for a loaded machine: not the 120 s collective timeout
+        assert time.monotonic() - start < 60
         assert lost.value.rank == 1 and lost.value.exit_code == -signal.SIGKILL
         assert "rank 1" in str(lost.value)
         with pytest.raises(RankLostError):  # the group stays lost

@@ -276,7 +276,9 @@ def test_an_abort_a_hung_worker_never_answers_ends_its_request_after_the_report_
             t0 = time.monotonic()
             seen += await _read_until_aborted(client, agen, "h")
             waited = time.monotonic() - t0
-            assert ABORT_REPORT_TIMEOUT_S - 0.1 < waited < ABORT_REPORT_TIMEOUT_S + 1.5
+            # ended by the report timeout, not before; the upper bound only tells it from the
+            # step timeout (120 s), with room for a loaded machine
+            assert ABORT_REPORT_TIMEOUT_S - 0.1 < waited < 60, waited
             assert not any(isinstance(o, AbortedOutput) for o in seen)  # what is known
             assert client.num_in_flight == 0
         finally:
