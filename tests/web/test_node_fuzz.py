@@ -414,11 +414,15 @@ def test_non_object_and_non_json_bodies_are_a_400_never_a_500(
     node, scripted_id, tiny_id, data, path
 ):
     payload = data.draw(raw_bodies([scripted_id, tiny_id]), label="payload")
+    exchange(node, path, _decoded(payload), payload)
+
+
+def _decoded(payload: bytes) -> Any:
+    """The JSON value `payload` holds, or None when it is not JSON."""
     try:
-        sent = json.loads(payload)
+        return json.loads(payload)
     except (ValueError, RecursionError):
-        sent = None
-    exchange(node, path, sent, payload)
+        return None
 
 
 # -- bugs the fuzz found once, kept as regressions ---------------------------------------------
@@ -500,18 +504,34 @@ def test_known_routes_with_the_wrong_method_get_an_openai_405(node):
             check_envelope(r.status_code, r.headers, r.content)
 
 
-def test_the_node_survives_the_fuzz_with_every_slot_released(node, scripted_id):
-    """Runs after the fuzz above (file order): nothing leaked, nothing stuck, still serving."""
+def test_the_node_survives_a_fuzz_with_every_slot_released(node, scripted_id, tiny_id):
+    """A burst of all three kinds of bodies of its own (so that alone, or in any order, it
+    has something to survive), then: nothing leaked, nothing stuck, still serving."""
+    models = [scripted_id, tiny_id]
+    sent_bodies: list[bytes] = []
+
+    @settings(FUZZ, max_examples=60)
+    @given(data=st.data(), path=st.sampled_from(["/v1/chat/completions", "/v1/completions"]))
+    def burst(data, path):
+        bodies = (
+            chat_bodies(models) if path == "/v1/chat/completions" else completion_bodies(models)
+        )
+        payload = data.draw(st.one_of(bodies.map(encode), raw_bodies(models)), label="payload")
+        sent_bodies.append(payload)
+        exchange(node, path, _decoded(payload), payload)
+
+    burst()
+    assert len(sent_bodies) >= 30  # the burst ran (hypothesis may stop short of 60)
     assert node.proc.poll() is None, node.log()[-4000:]
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 30  # a hang guard: slots come back as their requests end
     while True:
-        models = node.get("/health").json()["models"]
-        busy = [m for m in models if m["in_flight"] or m["queue_depth"]]
+        health = node.get("/health").json()["models"]
+        busy = [m for m in health if m["in_flight"] or m["queue_depth"]]
         if not busy:
             break
         assert time.monotonic() < deadline, f"slots still held after the fuzz: {busy}"
         time.sleep(0.2)
-    assert {m["status"] for m in models} == {"loaded"}, models
+    assert {m["status"] for m in health} == {"loaded"}, health
     body = {"model": scripted_id, "messages": MESSAGE, "max_tokens": 64}
     r = node.post("/v1/chat/completions", body)
     assert r.status_code == 200, r.text
