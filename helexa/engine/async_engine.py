@@ -135,8 +135,8 @@ class AsyncLLM:
     # -- engine thread -------------------------------------------------------------
     def _loop(self) -> None:
         while True:
-            if not self.engine.has_unfinished():
-                self._wake.wait()
+            while not self.engine.has_unfinished() and self.engine.idle(self._wake):
+                pass  # idle: busy-machine plans measured again (layers/retune.py)
             self._wake.clear()
             if not self._drain():
                 break

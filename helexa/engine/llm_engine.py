@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import threading
 import time
 import weakref
 from dataclasses import dataclass
@@ -25,8 +26,9 @@ from helexa.engine.block_manager import BlockManager
 from helexa.engine.engine_args import EngineArgs, available_memory_bytes, kv_dtype
 from helexa.engine.grammar import GrammarCompiler
 from helexa.engine.layers import native
-from helexa.engine.layers.autotune import Autotuner
 from helexa.engine.layers.linear import Linear
+from helexa.engine.layers.retune import Retuner
+from helexa.engine.layers.tuner import Autotuner, TuneReport
 from helexa.engine.loader.load import (
     LoadedModel,
     bundled_model_path,
@@ -175,6 +177,8 @@ class LLMEngine:
             self.runner.capture_graphs(max_num_seqs, self.max_model_len)
         elif device.type == "cuda":
             self.runner.graphs_off_reason = "[engine] cuda_graphs = false"
+        self.tuner: Autotuner | None = None
+        self.retuner: Retuner | None = None  # while plans wait for a quiet machine
         if device.type == "cpu" and args.autotune:
             self._autotune(args)
         self._seqs: dict[str, Sequence] = {}
@@ -182,18 +186,38 @@ class LLMEngine:
         self._grammars: GrammarCompiler | None = None  # built at the first structured request
 
     def _autotune(self, args: EngineArgs) -> None:
-        """How each CPU-packed Linear runs each row count: measured, or from the cache."""
+        """How each CPU-packed Linear runs each row count: from the plan file (checked), or
+        measured; one line says which, and whether the plans are this run's only."""
         t0 = time.perf_counter()
         tuner = Autotuner(args.autotune_dir, torch.get_num_threads())
         tuner.tune(m for m in self.loaded.model.modules() if isinstance(m, Linear))
-        if tuner.measured:
+        self.tuner = tuner
+        if tuner.pending:
+            self.retuner = Retuner(tuner, self._plans_swapped)
+        report = tuner.report()
+        if report.state != "off":
             where = tuner.path or "not kept: no autotune_dir"
-            log.info(
-                "autotune: %d weight shapes measured in %.1fs (%s)",
-                len(tuner.measured),
-                time.perf_counter() - t0,
-                where,
-            )
+            log.info("autotune: %s in %.1fs (%s)", report, time.perf_counter() - t0, where)
+
+    def autotune_report(self) -> TuneReport:
+        """Whether this model's CPU plans are fresh, cached, provisional or off."""
+        return self.tuner.report() if self.tuner is not None else TuneReport("off")
+
+    def idle(self, wake: threading.Event) -> bool:
+        """Wait until `wake` is set; meanwhile plans measured on a busy machine are measured
+        again once it is quiet (layers/retune.py). True: new plans were swapped in before
+        `wake` came (report `autotune_report()`, then call again)."""
+        if self.retuner is None or not self.retuner.pending:
+            wake.wait()
+            return False
+        return self.retuner.idle(wake)
+
+    def _plans_swapped(self) -> None:
+        """The decoder layers' native plans were built from the Linears' old plans (which
+        row counts run the fused C layer, models/llama.py): dropped, rebuilt at the next step."""
+        for module in self.loaded.model.modules():
+            module.__dict__.pop("native_plan", None)
+            module.__dict__.pop("native_stack", None)
 
     @property
     def grammars(self) -> GrammarCompiler:

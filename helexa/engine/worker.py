@@ -11,7 +11,8 @@ a frame is a 4-byte big-endian length and a msgpack body (msgspec):
 - node → worker: `Add` (a request: prompt ids and sampling parameters), `Abort`, `Stop`;
 - worker → node: `Ready` (the model's facts and its tokenizer) or `LoadFailed` once, then a
   `Step` per engine step (every sequence's delta, the requests that failed alone, the engine's
-  stats), or one `Fault` (a device fault: the worker exits right after; the node reloads).
+  stats), a `Tuned` when the CPU plans were measured again while idle, or one `Fault` (a
+  device fault: the worker exits right after; the node reloads).
 
 An `Abort` of a request still running is answered in the next `Step` by that request's last
 delta: finished, `finish_reason` "abort", with what the engine generated that no delta had
@@ -44,6 +45,7 @@ import torch
 
 from helexa.config import LogConfig
 from helexa.engine.grammar import OutputGrammar
+from helexa.engine.layers.tuner import TuneReport
 from helexa.engine.llm_engine import EngineArgs, EngineStats, LLMEngine
 from helexa.engine.model_runner import model_memory_mb
 from helexa.engine.rank_worker import RankLostError
@@ -88,6 +90,7 @@ class ModelFacts(msgspec.Struct):
     pids: list[int]  # every rank's worker process, rank order
     graphs_off_reason: str | None = None
     max_num_seqs: int = 0  # sequences the engine runs at once (0: unknown)
+    autotune: TuneReport | None = None  # the CPU plans at load; `Tuned` tells of a change
 
 
 class Ready(msgspec.Struct, tag="ready", array_like=True):
@@ -133,7 +136,13 @@ class Fault(msgspec.Struct, tag="fault", array_like=True):
     message: str
 
 
-Event = Ready | LoadFailed | Step | Fault
+class Tuned(msgspec.Struct, tag="tuned", array_like=True):
+    """The CPU plans changed while the engine idled (measured again on a quiet machine)."""
+
+    report: TuneReport
+
+
+Event = Ready | LoadFailed | Step | Fault | Tuned
 
 
 class WorkerSpec(msgspec.Struct):
@@ -206,6 +215,7 @@ def model_facts(engine: LLMEngine) -> ModelFacts:
         pids=engine.rank_pids,
         graphs_off_reason=engine.runner.graphs_off_reason if device.type == "cuda" else None,
         max_num_seqs=engine.scheduler.config.max_num_seqs,
+        autotune=engine.autotune_report(),
     )
 
 
@@ -239,7 +249,7 @@ class _Channel:
         self._decoder = msgspec.msgpack.Decoder(Command)
         self._send_lock = threading.Lock()
 
-    def send(self, event: Ready | LoadFailed | Step | Fault) -> None:
+    def send(self, event: Ready | LoadFailed | Step | Fault | Tuned) -> None:
         body = self._encoder.encode(event)
         with self._send_lock:
             self.sock.sendall(HEADER.pack(len(body)) + body)
@@ -285,8 +295,9 @@ class Worker:
             threading.Thread(target=self._watch_ranks, name="helexa-rank-loss", daemon=True).start()
         engine = self.engine
         while True:
-            if not engine.has_unfinished():
-                self._wake.wait()
+            # idle: the engine may re-measure busy-machine plans meanwhile (layers/retune.py)
+            while not engine.has_unfinished() and engine.idle(self._wake):
+                self.channel.send(Tuned(engine.autotune_report()))
             self._wake.clear()
             if not self._drain():
                 break

@@ -48,6 +48,7 @@ from helexa.engine.worker import (
     Ready,
     Step,
     Stop,
+    Tuned,
     WorkerSpec,
 )
 
@@ -323,6 +324,8 @@ class WorkerClient:
             elif isinstance(event, Fault):
                 self._faulted(event.message)
                 return
+            elif isinstance(event, Tuned):
+                self.facts.autotune = event.report
 
     def _dispatch(self, step: Step) -> None:
         streams = self._streams

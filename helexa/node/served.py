@@ -112,6 +112,8 @@ class ServedModel:
             "queue_depth": self.admission.queue_depth,
             "loaded_at": int(self.loaded_at),
             "load_seconds": round(self.load_seconds, 2),
+            # the CPU plans: fresh | cached | provisional (this run's only) | off
+            "autotune": facts.autotune.as_dict() if facts.autotune else {"state": "off"},
         }
 
 

@@ -37,6 +37,7 @@ def test_models_lists_status_limits_and_memory(node, tiny_id, scripted_id):
     assert tiny["limit"]["input"] + tiny["limit"]["output"] <= 256
     assert tiny["memory_mb"] > 0
     assert {"tool_call", "reasoning", "devices", "quant"} <= set(tiny)
+    assert tiny["autotune"]["state"] == "off"  # float weights: no CPU plans to tune
     assert models[scripted_id]["status"] == "loaded"
 
 

@@ -3,13 +3,15 @@ this machine at load instead of by thresholds fixed on another CPU.
 
 torch's packed int4/int8 kernels are not equally good at every row count: on one CPU a
 16-row call costs as much as a 32-row one, on another the 12-row case falls off a cliff. So
-per weight shape, two paths are timed once per row bucket (1, 2, 4 … 128): the packed kernel
+per weight shape, two paths are timed per row bucket (1, 2, 4 … 512): the packed kernel
 (bf16 activations) and a float32 GEMM, on the dense copy where `[engine] cpu_dense_copy`
 keeps one, else on the weight dequantized within the call (no memory held: on wide prompt
 chunks the dequantization is a few percent of the GEMM, and a GEMM can beat the packed
-kernel by 2x there). Each bucket takes the cheapest way to cover its rows: either path on
-all of them, or on chunks of a smaller bucket's size (b/c calls of c rows). Any smaller bucket's way is among the candidates, scaled, so more rows
-never lower a call's throughput.
+kernel by 2x there). The paths take turns, ROUNDS times a bucket, and each keeps its
+quickest turn, so a neighbour's burst during one turn cannot decide. Each bucket takes the
+cheapest way to cover its rows: either path on all of them, or on chunks of a smaller
+bucket's size (b/c calls of c rows). Any smaller bucket's way is among the candidates,
+scaled, so more rows never lower a call's throughput.
 
 Prompt steps run in float32 whatever their size (linear.PREFILL_STEP). On GGUF blocks a
 call of few rows takes the exact float32 block kernel (no weight unpacked), a wide one the
@@ -18,9 +20,9 @@ and `exact_rows` is the largest bucket up to which the kernel stays the quicker 
 tail after a prefix-cache hit is typically 1-100 rows: through the GEMM, 11 rows took the
 whole weight's unpacking, ~120 ms a step for SmolLM2 on a 2-core EPYC).
 
-The plans are kept in `<cache_dir>/<machine>.json` (the node: `state_dir/autotune`), keyed
-by the CPU, its flags, torch's version, the thread count and the native kernels' source, so
-a restart costs nothing and a changed kernel is timed again.
+This module measures; `tuner.Autotuner` keeps the plans (in `<cache_dir>/<machine>.json`,
+the node's `state_dir/autotune`, only those measured on a quiet machine), checks cached ones
+at start (`holds`), and `retune.Retuner` re-measures the rest when the machine is quiet.
 """
 
 from __future__ import annotations
@@ -28,17 +30,13 @@ from __future__ import annotations
 import copy
 import hashlib
 import itertools
-import json
-import logging
-import os
 import platform
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Generator
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
-
-log = logging.getLogger(__name__)
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)  # 512: the default prompt chunk
 # past this many seconds a call, a path's time at twice the rows is taken as twice its time
@@ -49,8 +47,23 @@ Plan = tuple[bool, int]
 WHOLE: Plan = (False, 0)
 DENSE: Plan = (True, 0)
 MIN_TIMED_S = 0.003  # each timing repeats the call until this much time has passed
-CACHE_VERSION = 7  # 4: blocks timed cold; 5: exact_rows; 6: x8 unpack 4x quicker; 7: [K, N]
+# 4: blocks timed cold; 5: exact_rows; 6: x8 unpack 4x quicker; 7: [K, N]; 8: interleaved
+# rounds, and each shape's conditions (only quiet measurements are kept)
+CACHE_VERSION = 8
 EXACT_BUCKETS = BUCKETS[: BUCKETS.index(128) + 1]  # prompt-step row counts timed both ways
+ROUNDS = 3  # turns each path takes per bucket; its quickest counts
+# Where a cached plan is checked at start: one sequence decoding, and a few together.
+CHECKED_BUCKETS = (1, 4)
+# A cached plan is replaced when it loses by more than its timings' own spread, and never
+# by less than this: a coin-flip between two equal paths is not worth a re-measure.
+MIN_MARGIN = 0.05
+# (call, path, rows) -> seconds one call takes; path: "kernel" | "dense" | "exact"
+Timer = Callable[[Callable[[], object], str, int], float]
+
+
+class Measured(NamedTuple):
+    plans: list[Plan]  # per bucket
+    exact_rows: int | None  # GGUF blocks only
 
 
 def cpu_info() -> tuple[str, str]:
@@ -116,20 +129,17 @@ def choose(kernel_s: list[float], dense_s: list[float] | None) -> list[Plan]:
     return plans
 
 
-def _timed(call: Callable[[], object]) -> float:
-    """Seconds one `call` takes: the better of two runs of enough repeats."""
+def timed(call: Callable[[], object], path: str, rows: int) -> float:
+    """Seconds one `call` (of `path` on `rows` rows) takes: one warm call, then repeats
+    until MIN_TIMED_S has passed. The default `Timer`."""
     call()  # warm
-    best = float("inf")
-    for _ in range(2):
-        n, t0 = 0, time.perf_counter()
-        while True:
-            call()
-            n += 1
-            elapsed = time.perf_counter() - t0
-            if elapsed >= MIN_TIMED_S:
-                break
-        best = min(best, elapsed / n)
-    return best
+    n, t0 = 0, time.perf_counter()
+    while True:
+        call()
+        n += 1
+        elapsed = time.perf_counter() - t0
+        if elapsed >= MIN_TIMED_S:
+            return elapsed / n
 
 
 def last_level_cache_bytes() -> int:
@@ -162,30 +172,90 @@ def _cold_copies(linear: torch.nn.Module) -> Callable[[], torch.nn.Module]:
     return lambda: next(turn)
 
 
-def measure(linear: torch.nn.Module) -> tuple[list[Plan], int | None]:
+def measuring(
+    linear: torch.nn.Module, timer: Timer = timed, rounds: int = ROUNDS
+) -> Generator[None, None, Measured]:
     """Time `linear`'s packed kernel and its float32 GEMM (on the dense copy, or on the
     weight dequantized within each call) at every bucket, and on GGUF blocks the exact
-    float32 kernel up to 128 rows; the plans, and `exact_rows` (None: not blocks)."""
+    float32 kernel up to 128 rows. Per bucket the paths take turns, `rounds` times, and each
+    keeps its quickest: a neighbour's burst slows one turn, not the verdict. Yields after
+    every round (a slice: the retuner stops between them); returns the plans."""
     gen = torch.Generator().manual_seed(0)
-    kernel_s: list[float] = []
-    dense_s: list[float] = []
-    exact_s: list[float] = []
+    times: dict[str, list[float]] = {"kernel": [], "dense": [], "exact": []}
     pick = _cold_copies(linear)
-    kernel = lambda rows: pick().packed_matmul(rows)  # noqa: E731
-    dense = lambda rows: pick().dense_matmul(rows)  # noqa: E731
-    exact = lambda rows: pick().exact_matmul(rows)  # noqa: E731
+    runs = {
+        "kernel": lambda rows: pick().packed_matmul(rows),
+        "dense": lambda rows: pick().dense_matmul(rows),
+        "exact": lambda rows: pick().exact_matmul(rows),
+    }
     for i, b in enumerate(BUCKETS):
         x = torch.randn(b, linear.in_features, generator=gen)
         h = linear.packed_input(x)
-        paths = [(kernel_s, kernel, h), (dense_s, dense, x)]
+        inputs = {"kernel": h, "dense": x, "exact": h}
+        paths = ["kernel", "dense"]
         if linear.format == "blocks" and b in EXACT_BUCKETS:
-            paths.append((exact_s, exact, h))
-        for times, run, rows in paths:
-            if i and times[-1] > MAX_TIMED_CALL_S:
-                times.append(times[-1] * b / BUCKETS[i - 1])
+            paths.append("exact")
+        timing = []
+        for path in paths:
+            if i and times[path][-1] > MAX_TIMED_CALL_S:
+                times[path].append(times[path][-1] * b / BUCKETS[i - 1])
             else:
-                times.append(_timed(lambda run=run, rows=rows: run(rows)))
-    return choose(kernel_s, dense_s), (exact_rows(exact_s, dense_s) if exact_s else None)
+                timing.append(path)
+        best = dict.fromkeys(timing, float("inf"))
+        for r in range(rounds):
+            for path in timing if r % 2 == 0 else reversed(timing):  # A B, B A, A B ...
+                call = lambda path=path, x=inputs[path]: runs[path](x)  # noqa: E731
+                best[path] = min(best[path], timer(call, path, b))
+            yield
+        for path in timing:
+            times[path].append(best[path])
+    exact = exact_rows(times["exact"], times["dense"]) if times["exact"] else None
+    return Measured(choose(times["kernel"], times["dense"]), exact)
+
+
+def measure(linear: torch.nn.Module, timer: Timer = timed, rounds: int = ROUNDS) -> Measured:
+    """`measuring` run to its end."""
+    job = measuring(linear, timer, rounds)
+    while True:
+        try:
+            next(job)
+        except StopIteration as done:
+            return done.value
+
+
+def holds(
+    linear: torch.nn.Module, plans: list[Plan], timer: Timer = timed, rounds: int = ROUNDS
+) -> bool:
+    """Whether a cached shape's plans still hold on this machine now: at CHECKED_BUCKETS the
+    cached plan is timed in turns against each path whole, and loses when it is slower than
+    the best of them by more than the noise (the spread of its own and their turns, at
+    least MIN_MARGIN). A few dozen calls: cheap enough for every start."""
+    gen = torch.Generator().manual_seed(0)
+    pick = _cold_copies(linear)
+    for b in CHECKED_BUCKETS:
+        x = torch.randn(b, linear.in_features, generator=gen)
+        h = linear.packed_input(x)
+        cached = plans[BUCKETS.index(b)]
+        rivals = [cached] + [p for p in (WHOLE, DENSE) if p != cached]
+        turns: dict[Plan, list[float]] = {p: [] for p in rivals}
+        for r in range(rounds):
+            for plan in rivals if r % 2 == 0 else reversed(rivals):
+                dense, chunk = plan
+                rows = chunk or b
+                part = (x if dense else h)[:rows]
+                run = pick().dense_matmul if dense else pick().packed_matmul
+                seconds = timer(lambda run=run, part=part: run(part), _path(plan), rows)
+                turns[plan].append(seconds * b / rows)  # b/rows calls cover the bucket
+        best = {p: min(t) for p, t in turns.items()}
+        noise = max((max(t) / min(t) - 1 for t in turns.values() if min(t) > 0), default=0.0)
+        rival_s = min(s for p, s in best.items() if p != cached) if len(best) > 1 else None
+        if rival_s is not None and best[cached] > rival_s * (1 + max(noise, MIN_MARGIN)):
+            return False
+    return True
+
+
+def _path(plan: Plan) -> str:
+    return "dense" if plan[0] else "kernel"
 
 
 def exact_rows(exact_s: list[float], dense_s: list[float]) -> int:
@@ -197,86 +267,3 @@ def exact_rows(exact_s: list[float], dense_s: list[float]) -> int:
             break
         rows = b
     return rows
-
-
-# Plans measured by this process where there is no cache directory, per machine key.
-_MEASURED: dict[str, tuple[dict[str, list[Plan]], dict[str, int]]] = {}
-
-
-class Autotuner:
-    """Plans for every packed Linear of a model, from the cache file or measured now."""
-
-    def __init__(self, cache_dir: str | os.PathLike | None, num_threads: int) -> None:
-        self.machine = machine_key(num_threads)
-        self.path = None
-        if cache_dir is not None:
-            self.path = Path(cache_dir) / f"{self.machine}.json"
-        self.plans: dict[str, list[Plan]] = {}
-        self.exact_rows: dict[str, int] = {}  # GGUF-block shapes only
-        self._read()
-        self.measured: list[str] = []  # shapes timed by this process, not read from cache
-
-    def _read(self) -> None:
-        if self.path is None:  # no cache directory: this process's own measurements
-            self.plans, self.exact_rows = _MEASURED.setdefault(self.machine, ({}, {}))
-            return
-        try:
-            data = json.loads(self.path.read_text())
-        except (OSError, ValueError):
-            return  # absent or damaged: measured again, then written anew
-        if not isinstance(data, dict) or data.get("version") != CACHE_VERSION:
-            return
-        exact = data.get("exact_rows") or {}
-        for key, value in (data.get("plans") or {}).items():
-            try:
-                read = [(bool(dense), int(chunk)) for dense, chunk in value]
-                rows = exact.get(key)
-                rows = None if rows is None else int(rows)
-            except (TypeError, ValueError, AttributeError):
-                continue  # a damaged entry is measured again
-            if rows is not None and rows not in (0, *EXACT_BUCKETS):
-                continue
-            if len(read) == len(BUCKETS) and all(c in (0, *BUCKETS) for _, c in read):
-                self.plans[key] = read
-                if rows is not None:
-                    self.exact_rows[key] = rows
-
-    def _write(self) -> None:
-        if self.path is None:  # self.plans is this process's table (_read): kept already
-            return
-        try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = self.path.with_suffix(f".tmp{os.getpid()}")
-            body = {
-                "version": CACHE_VERSION,
-                "buckets": list(BUCKETS),
-                "plans": self.plans,
-                "exact_rows": self.exact_rows,
-            }
-            tmp.write_text(json.dumps(body, indent=1, sort_keys=True))
-            tmp.replace(self.path)
-        except OSError as e:  # a read-only state_dir costs a re-measure next time, no more
-            log.warning("autotune: cannot keep plans in %s: %s", self.path, e)
-
-    def tune(self, linears: Iterable[torch.nn.Module]) -> None:
-        """Give each packed Linear its plans (measuring each new shape once)."""
-        for linear in linears:
-            if linear.format not in ("int4", "int8", "blocks"):
-                continue
-            key = shape_key(linear)
-            blocks = linear.format == "blocks"
-            if key not in self.plans or (blocks and key not in self.exact_rows):
-                t0 = time.perf_counter()
-                self.plans[key], rows = measure(linear)
-                if rows is not None:
-                    self.exact_rows[key] = rows
-                self.measured.append(key)
-                log.debug(
-                    "autotune %s: %s, exact up to %s rows, in %.2fs",
-                    key, self.plans[key], rows, time.perf_counter() - t0,
-                )  # fmt: skip
-            linear.plans = plan_for_rows(self.plans[key])
-            if blocks:
-                linear.exact_rows = self.exact_rows[key]
-        if self.measured:
-            self._write()
