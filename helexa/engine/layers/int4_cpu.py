@@ -57,13 +57,13 @@ def _unpack(packed: torch.Tensor, num_rows: int, k: int, lay: Layout) -> torch.T
     block (no gathers)."""
     flat = packed.reshape(-1)
     bn = lay.block_n
-    num_full = num_rows // bn
+    num_full, num_short = divmod(num_rows, bn)
     split = num_full * k * bn // 2
     parts = []
     if num_full:
         parts.append(_block_values(flat[:split].view(num_full, k, bn // 2), lay.halves))
-    if num_rows % bn:
-        parts.append(_block_values(flat[split:].view(1, k, (num_rows % bn) // 2), False))
+    if num_short:
+        parts.append(_block_values(flat[split:].view(1, k, num_short // 2), False))
     return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
@@ -78,16 +78,30 @@ def _nibbles(packed: torch.Tensor, ids: torch.Tensor, num_rows: int, k: int) -> 
     """The 4-bit values (0..15) of rows `ids` of a [num_rows, k] packing: [len(ids), k] int32."""
     lay = layout()
     assert lay is not None, "int4 rows read from a packing whose layout is unknown"
-    bn, half = lay.block_n, lay.block_n // 2
-    block, r = ids // bn, ids % bn
-    is_full = block < num_rows // bn
-    width = torch.where(is_full, bn, num_rows % bn) // 2  # bytes a k of the block takes
-    in_halves = is_full & lay.halves
-    pos = torch.where(in_halves, r % half, r // 2)
-    shift = torch.where(in_halves, (r >= half) * 4, (r % 2) * 4)
-    start = block * k * half + pos  # byte of k = 0
-    index = start[:, None] + torch.arange(k) * width[:, None]  # [n, k]
-    return (packed.reshape(-1)[index].to(torch.int32) >> shift[:, None]) & 0x0F
+    bn = lay.block_n
+    num_full, num_short = divmod(num_rows, bn)
+    flat = packed.reshape(-1)
+    split = num_full * k * bn // 2
+    full = flat[:split].view(num_full, k, bn // 2)
+    if not num_short:  # whole blocks only: a decode step's lookups, in the fewest ops
+        return _block_nibbles(full, ids, bn, lay.halves)
+    first_short = num_full * bn  # the short last block's first row
+    short = _block_nibbles(
+        flat[split:].view(1, k, num_short // 2), (ids - first_short).clamp(min=0), bn, False
+    )
+    if not num_full:
+        return short
+    in_full = ids < first_short
+    return torch.where(in_full[:, None], _block_nibbles(full, ids * in_full, bn, lay.halves), short)
+
+
+def _block_nibbles(blocks: torch.Tensor, ids: torch.Tensor, bn: int, halves: bool) -> torch.Tensor:
+    """Rows `ids` of blocks [num_blocks, k, w] of bn rows each (the last may hold 2w < bn),
+    paired in halves or as neighbours: [len(ids), k] int32 of 0..15."""
+    r = ids % bn
+    pos, high = (r % (bn // 2), r >= bn // 2) if halves else (r // 2, r % 2 == 1)
+    sel = blocks[ids // bn, :, pos].to(torch.int32)  # [n, k]
+    return torch.where(high[:, None], sel >> 4, sel & 0x0F)
 
 
 def rows(
