@@ -189,8 +189,9 @@ class EngineConfig:
     # or torch's packed int4 kernel, "torch". Without a compiler "auto" is "torch" (logged).
     cpu_kernels: Literal["auto", "torch"] = "auto"
     # CPU: time each packed weight shape's paths (int4 kernel, float32 GEMM on the weight
-    # unpacked per call) at load, cached in state_dir/autotune, and run each call the
-    # fastest measured way; false: the kernel on all rows, always.
+    # unpacked per call) at load, cached in state_dir/autotune (only plans measured on a
+    # quiet machine; busy ones serve one run and are measured again once it is quiet), and
+    # run each call the fastest measured way; false: the kernel on all rows, always.
     autotune: bool = True
     # A model's worker that answers nothing for this long while it has work (a hung step, a
     # hung collective across tensor-parallel ranks) is killed and its model reloaded.
