@@ -76,8 +76,15 @@ def test_a_gguf_quant_is_named_canonically_and_an_in_situ_one_passes_through():
     assert engine_args(Config(), LoadOptions("a/b", quant="INT8")).quant == "int8"
 
 
+def _cpu_node() -> Config:
+    """A node's config with `[engine] device = "cpu"`: the same on a host with CUDA."""
+    cfg = Config()
+    cfg.engine.device = "cpu"
+    return cfg
+
+
 def test_a_cpu_node_runs_tensor_parallel_n_as_n_ranks_on_the_cpu():
-    args = engine_args(Config(), LoadOptions("a/b", tensor_parallel=3))
+    args = engine_args(_cpu_node(), LoadOptions("a/b", tensor_parallel=3))
     assert args.tensor_parallel == 3 and args.devices is None
 
 
@@ -100,10 +107,10 @@ def test_more_ranks_than_gpus_or_too_few_devices_is_a_422(monkeypatch):
 def test_heads_that_cannot_be_split_are_a_422_before_the_worker_starts(tmp_path):
     cfg = {"num_attention_heads": 14, "num_key_value_heads": 2, "linear_num_value_heads": 6}
     (tmp_path / "config.json").write_text(json.dumps({"text_config": cfg}))
-    ok = engine_args(Config(), LoadOptions("m", tensor_parallel=2, ref=str(tmp_path)))
+    ok = engine_args(_cpu_node(), LoadOptions("m", tensor_parallel=2, ref=str(tmp_path)))
     assert ok.tensor_parallel == 2
     with pytest.raises(LoadError) as err:
-        engine_args(Config(), LoadOptions("m", tensor_parallel=4, ref=str(tmp_path)))
+        engine_args(_cpu_node(), LoadOptions("m", tensor_parallel=4, ref=str(tmp_path)))
     message = err.value.message
     assert "14 attention heads do not divide across 4 ranks" in message
     assert "linear-attention value heads" in message

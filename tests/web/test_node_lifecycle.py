@@ -191,7 +191,10 @@ def test_exchange_usage_needs_the_key_and_is_kept_for_keyed_requests(gated_node,
 
 @pytest.fixture(scope="module")
 def mgmt_node(tmp_path_factory, model_dirs):
-    node = start_node(tmp_path_factory.mktemp("mgmt"), [model_dirs["long"]])
+    # a CPU node wherever the tests run: the refusals it is asked for (fp8) are the CPU's
+    node = start_node(
+        tmp_path_factory.mktemp("mgmt"), [model_dirs["long"]], engine={"device": "cpu"}
+    )
     yield node
     node.stop()
 

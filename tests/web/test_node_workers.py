@@ -70,7 +70,8 @@ def node(tmp_path_factory, model_dirs):
     node = start_node(
         tmp_path_factory.mktemp("workers"),
         [model_dirs["long"], model_dirs["scripted"]],
-        engine={"step_timeout_s": 3.0},
+        # on the CPU wherever the tests run: its tests read CPU workers and load TP=2 (gloo)
+        engine={"step_timeout_s": 3.0, "device": "cpu"},
     )
     yield node
     node.stop()
@@ -197,7 +198,9 @@ def test_tensor_parallel_2_runs_two_ranks_that_recover_together_and_answer_as_on
 
 
 def _worker(model_dir, **engine) -> EngineArgs:
-    return EngineArgs(model=str(model_dir), kv_cache_memory_mb=16, num_threads=1, **engine)
+    return EngineArgs(
+        model=str(model_dir), device="cpu", kv_cache_memory_mb=16, num_threads=1, **engine
+    )
 
 
 async def _read_until_aborted(client: WorkerClient, agen, request_id: str) -> list:
