@@ -44,67 +44,93 @@ def guarded_protocol(
 ) -> type[HttpToolsProtocol]:
     """A protocol class for `uvicorn.Config(http=...)` with these deadlines."""
     httptools_impl.service_unavailable = _overloaded  # the app uvicorn runs past the limit
+    deadlines = {"header_timeout_s": header_timeout_s, "write_timeout_s": write_timeout_s}
+    return type("GuardedProtocol", (_HeaderDeadline, _StallDeadline), deadlines)
 
-    class GuardedProtocol(HttpToolsProtocol):
-        _header_timer: asyncio.TimerHandle | None = None
-        _stall_timer: asyncio.TimerHandle | None = None
 
-        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-            super().connection_made(transport)
-            sock = transport.get_extra_info("socket")
-            if write_timeout_s is not None and sock is not None:
-                sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, STALL_SEND_BUFFER)
-            self._start_header_timer()
+class _Guard(HttpToolsProtocol):
+    """What both guards share: cancelling a timer, and naming the peer they cut."""
 
-        def data_received(self, data: bytes) -> None:
-            before = self.cycle
-            super().data_received(data)
-            if self.cycle is not before:  # a request's headers are complete
-                self._cancel("_header_timer")
-            elif self.cycle is None or self.cycle.response_complete:
-                self._start_header_timer()  # the first bytes of the next request
+    def _cancel(self, name: str) -> None:
+        timer = getattr(self, name)
+        if timer is not None:
+            timer.cancel()
+            setattr(self, name, None)
 
-        def connection_lost(self, exc: Exception | None) -> None:
+    def _peer(self) -> str:
+        return f"{self.client[0]}:{self.client[1]}" if self.client else "a client"
+
+
+class _HeaderDeadline(_Guard):
+    """Guards against slow headers: a connection whose next request's headers are not
+    complete within `header_timeout_s` of its first bytes (or of the connection) is
+    closed."""
+
+    header_timeout_s: float
+    _header_timer: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._start_header_timer()
+
+    def data_received(self, data: bytes) -> None:
+        before = self.cycle
+        super().data_received(data)
+        if self.cycle is not before:  # a request's headers are complete
             self._cancel("_header_timer")
-            self._cancel("_stall_timer")
-            super().connection_lost(exc)
+        elif self.cycle is None or self.cycle.response_complete:
+            self._start_header_timer()  # the first bytes of the next request
 
-        def pause_writing(self) -> None:
-            super().pause_writing()
-            if write_timeout_s is not None and self._stall_timer is None:
-                self._stall_timer = self.loop.call_later(write_timeout_s, self._stalled)
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._cancel("_header_timer")
+        super().connection_lost(exc)
 
-        def resume_writing(self) -> None:
-            super().resume_writing()
-            self._cancel("_stall_timer")
+    def _start_header_timer(self) -> None:
+        if self._header_timer is None:
+            self._header_timer = self.loop.call_later(self.header_timeout_s, self._no_headers)
 
-        def _start_header_timer(self) -> None:
-            if self._header_timer is None:
-                self._header_timer = self.loop.call_later(header_timeout_s, self._no_headers)
+    def _no_headers(self) -> None:
+        self._header_timer = None
+        log.info(
+            "closing %s: no complete request headers within %gs",
+            self._peer(),
+            self.header_timeout_s,
+        )
+        self.transport.abort()
 
-        def _cancel(self, name: str) -> None:
-            timer = getattr(self, name)
-            if timer is not None:
-                timer.cancel()
-                setattr(self, name, None)
 
-        def _no_headers(self) -> None:
-            self._header_timer = None
-            log.info(
-                "closing %s: no complete request headers within %gs", self._peer(), header_timeout_s
-            )
-            self.transport.abort()
+class _StallDeadline(_Guard):
+    """Guards against a stalled reader: with a `write_timeout_s`, a client that reads
+    nothing for that long while a response waits for it is cut, and the kernel's send
+    buffer it could hide behind is capped."""
 
-        def _stalled(self) -> None:
-            self._stall_timer = None
-            log.warning(
-                "cutting %s: it read nothing for %gs while a response waited",
-                self._peer(),
-                write_timeout_s,
-            )
-            self.transport.abort()  # connection_lost → the app sees a disconnect
+    write_timeout_s: float | None
+    _stall_timer: asyncio.TimerHandle | None = None
 
-        def _peer(self) -> str:
-            return f"{self.client[0]}:{self.client[1]}" if self.client else "a client"
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        sock = transport.get_extra_info("socket")
+        if self.write_timeout_s is not None and sock is not None:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, STALL_SEND_BUFFER)
 
-    return GuardedProtocol
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._cancel("_stall_timer")
+        super().connection_lost(exc)
+
+    def pause_writing(self) -> None:
+        super().pause_writing()
+        if self.write_timeout_s is not None and self._stall_timer is None:
+            self._stall_timer = self.loop.call_later(self.write_timeout_s, self._stalled)
+
+    def resume_writing(self) -> None:
+        super().resume_writing()
+        self._cancel("_stall_timer")
+
+    def _stalled(self) -> None:
+        self._stall_timer = None
+        log.warning(
+            "cutting %s: it read nothing for %gs while a response waited",
+            self._peer(),
+            self.write_timeout_s,
+        )
+        self.transport.abort()  # connection_lost → the app sees a disconnect
