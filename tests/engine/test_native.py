@@ -141,7 +141,7 @@ def test_the_bundled_model_runs_on_the_blocks_and_its_prompt_logits_are_transfor
     from helexa.engine.loader.load import bundled_model_path
     from tests.engine.test_parity import record_model_logits
 
-    llm = LLM(kv_cache_memory_mb=16)
+    llm = LLM(device="cpu", kv_cache_memory_mb=16)
     assert llm.engine.runner.kv_dtype == torch.float16  # the CPU's default cache
     model = llm.engine.runner.model
     assert model.layers[0].mlp.down_proj.format == "blocks"
@@ -166,7 +166,7 @@ def test_the_bundled_model_runs_on_the_blocks_and_its_prompt_logits_are_transfor
     # float16 cache holds them: ~0.1% of the logits' scale off transformers' fp32 model
     assert (seen[out.request_id][0] - ref).abs().max().item() < 5e-2
     # and with a float32 cache, transformers' model itself
-    exact = LLM(kv_cache_memory_mb=16, kv_cache_dtype="float32")
+    exact = LLM(device="cpu", kv_cache_memory_mb=16, kv_cache_dtype="float32")
     assert exact.engine.runner.model.layers[0].self_attn.attn.k_cache.dtype == torch.float32
     seen = record_model_logits(exact.engine.runner.model)
     again = exact.chat(question, SamplingParams(temperature=0, max_tokens=8))[0]
@@ -199,6 +199,7 @@ def test_native_decode_steps_give_the_torch_paths_logits(family, tmp_path, monke
         try:
             llm = LLM(
                 str(model_dir),
+                device="cpu",
                 kv_cache_memory_mb=8,
                 kv_cache_dtype="float32",  # K of the two paths may differ in the last bit,
                 block_size=16,  # which a float16 cache can round a half-ulp apart
@@ -249,7 +250,7 @@ def test_all_layers_or_one_layer_in_one_call_compute_what_the_layers_op_by_op_do
             monkeypatch.setattr(native, "stack_plan", lambda plans: None)
         if how == "op by op":
             monkeypatch.setattr(native, "layer_plan", lambda *a: None)
-        llm = LLM(str(path), kv_cache_memory_mb=8, autotune=False)
+        llm = LLM(str(path), device="cpu", kv_cache_memory_mb=8, autotune=False)
         seen = _record_logits(llm)
         outs = llm.generate(prompts, params)
         model = llm.engine.runner.model
