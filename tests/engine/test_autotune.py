@@ -245,6 +245,7 @@ def test_a_check_on_a_busy_machine_keeps_the_cached_plans_and_checks_again_later
     assert all(lin.plans[1] == DENSE for lin in lins)  # the cached plans serve meanwhile
     assert at.pending == shapes(lins)
     assert at.report().state == "cached" and at.report().num_pending == 2
+    assert at.report().others_cpus == BUSY  # what the check saw
 
 
 # -- measured again when the machine is quiet ------------------------------------------------

@@ -142,6 +142,8 @@ class Autotuner:
         cached = [k for k in self.linears if self._is_cached(k)]
         check = self.window()
         lost = [k for k in cached if not self._metered(check, self._holds, k)]
+        if cached:
+            self.last_others = round(check.others_cpus, 3)
         if not check.is_quiet:  # a verdict timed on a busy machine proves nothing
             self.stale.update(cached)
             lost = []
