@@ -123,7 +123,8 @@ def test_a_gguf_of_a_tiny_model_matches_transformers(family, arch, tmp_path):
     out_dir = tmp_path / "gguf"
     out_dir.mkdir()
     path = write_gguf_from_hf(hf, arch, out_dir / f"{family}.gguf")
-    llm = LLM(str(path), kv_cache_memory_mb=8, kv_cache_dtype="float32")  # transformers' own
+    # transformers' own float32 throughout (CUDA's default would be bfloat16: test_parity.py)
+    llm = LLM(str(path), dtype="float32", kv_cache_memory_mb=8, kv_cache_dtype="float32")
     assert llm.engine.loaded.source_format == "gguf"
     seen = _record_logits(llm)
     prompt = [5, 17, 300, 42, 7, 99, 23]
