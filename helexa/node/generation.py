@@ -105,15 +105,19 @@ def render_prompt(served: ServedModel, req: ChatCompletionRequest | CompletionRe
         )
     if not ids:
         raise HelexaError(400, "invalid_request_error", "the prompt is empty", param="prompt")
-    unknown = sorted(t for t in req.logit_bias or () if t >= vocab)
-    if unknown:
-        raise HelexaError(
-            400,
-            "invalid_request_error",
-            f"logit_bias: token ids {unknown[:5]} are outside the model's vocabulary "
-            f"(size {vocab})",
-            param="logit_bias",
-        )
+    for param, token_ids in (
+        ("logit_bias", req.logit_bias),
+        ("stop_token_ids", req.stop_token_ids),
+    ):
+        unknown = sorted(t for t in token_ids or () if t >= vocab)
+        if unknown:
+            raise HelexaError(
+                400,
+                "invalid_request_error",
+                f"{param}: token ids {unknown[:5]} are outside the model's vocabulary "
+                f"(size {vocab})",
+                param=param,
+            )
     return Prompt(ids, opens, output_grammar(served, req, opens_reasoning=opens))
 
 

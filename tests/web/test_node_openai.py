@@ -397,3 +397,7 @@ def test_logit_bias_steers_greedy_decoding_and_unknown_ids_are_refused(node, tin
     assert banned["choices"][0]["logprobs"]["tokens"][0] != first
     r = node.post("/v1/completions", {**body, "logit_bias": {"99999999": 5}})
     assert r.status_code == 400 and r.json()["error"]["param"] == "logit_bias"
+    # a stop token the model cannot produce, however large (the worker's wire holds 64 bits)
+    for huge in (99999999, 1180591620717411303424):
+        r = node.post("/v1/completions", {**body, "stop_token_ids": [huge]})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "stop_token_ids", r.text
