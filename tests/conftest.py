@@ -155,6 +155,17 @@ def db_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
     return request.getfixturevalue("postgres_url")
 
 
+@pytest.fixture
+def db(db_url: str):
+    """An engine on each supported database (as `db_url`), its schema at Alembic's head."""
+    from helexa.db.session import make_engine, upgrade
+
+    upgrade(db_url)
+    engine = make_engine(db_url)
+    yield engine
+    engine.dispose()
+
+
 # The server tests' models and the agent node, registered once for every directory.
 from tests.model_fixtures import (  # noqa: E402, F401
     agent_models,

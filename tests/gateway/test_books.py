@@ -12,19 +12,11 @@ import pytest
 from sqlalchemy import func, select, update
 
 from helexa.db.models import GatewayInstance, KeySpend, Reservation, SpendRecord
-from helexa.db.session import make_engine, session_factory, upgrade
+from helexa.db.session import make_engine, session_factory
 from helexa.errors import HelexaError
 from helexa.gateway.budgets import LEASE_EXPIRED, Budgets
 from helexa.gateway.keys import KeyStore
 from helexa.gateway.ledger import Ledger, book_row
-
-
-@pytest.fixture
-def db(db_url: str):
-    upgrade(db_url)
-    engine = make_engine(db_url)
-    yield engine
-    engine.dispose()
 
 
 def _row(key_id: str | None = None, tokens: int = 10, **extra) -> dict:

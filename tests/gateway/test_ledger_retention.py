@@ -14,7 +14,7 @@ from sqlalchemy import Engine, select
 
 from helexa.config import ConfigError, load_config
 from helexa.db.models import KeySpend, SpendRecord
-from helexa.db.session import make_engine, session_factory, upgrade
+from helexa.db.session import make_engine, session_factory
 from helexa.gateway.budgets import Budgets
 from helexa.gateway.keys import KeyInfo, KeyStore
 from helexa.gateway.ledger import Ledger, book_row
@@ -22,14 +22,6 @@ from helexa.gateway.retention import Retention
 from helexa.gateway.service import build_gateway
 
 NOW = datetime.now(UTC)
-
-
-@pytest.fixture
-def db(db_url: str):
-    upgrade(db_url)
-    engine = make_engine(db_url)
-    yield engine
-    engine.dispose()
 
 
 def _book(engine: Engine, key: KeyInfo | None, days_ago: float, tokens: int, n: int = 1) -> None:
