@@ -175,14 +175,28 @@ def test_the_paths_take_turns_at_every_bucket_and_each_is_timed_every_round():
     assert {rows for _, rows in timer.calls} == set(BUCKETS)
 
 
-def test_one_slow_turn_does_not_decide_a_bucket():
+def test_one_slow_turn_does_not_decide_a_bucket(monkeypatch):
     (lin,) = make_linears("int8", [64], with_bias=False)
     timer = FakeTimer(KERNEL_QUICK)
     timer.noise = {0: 0.01}  # a neighbour's burst during the kernel's first turn at 1 row
     assert measure(lin, timer).plans[0] == WHOLE
     once = FakeTimer(KERNEL_QUICK)
     once.noise = {0: 0.01}
+    monkeypatch.setattr(autotune, "MAX_ROUNDS_FACTOR", 1)
     assert measure(lin, once, rounds=1).plans[0] == DENSE  # a single shot would be fooled
+
+
+def test_a_path_that_won_a_single_turn_takes_more_rounds_before_it_is_crowned():
+    (lin,) = make_linears("int8", [64], with_bias=False)
+    timer = FakeTimer(KERNEL_QUICK)
+    # at 1 row the kernel's turns are calls 0, 3, 4: a neighbour slows the first two
+    timer.noise = {0: 0.01, 3: 0.01}
+    assert measure(lin, timer).plans[0] == WHOLE
+    at_one = [path for path, rows in timer.calls if rows == 1]
+    assert len(at_one) == 8  # a fourth round: the kernel won a second turn
+    quiet = FakeTimer(KERNEL_QUICK)
+    measure(lin, quiet)
+    assert len([1 for _, rows in quiet.calls if rows == 1]) == 6  # settled in 3
 
 
 # -- what is kept ----------------------------------------------------------------------------

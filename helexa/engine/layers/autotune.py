@@ -52,6 +52,7 @@ MIN_TIMED_S = 0.003  # each timing repeats the call until this much time has pas
 CACHE_VERSION = 8
 EXACT_BUCKETS = BUCKETS[: BUCKETS.index(128) + 1]  # prompt-step row counts timed both ways
 ROUNDS = 3  # turns each path takes per bucket; its quickest counts
+MAX_ROUNDS_FACTOR = 3  # up to 3x the rounds while the bucket's winner is not `settled`
 # Where a cached plan is checked at start: one sequence decoding, and a few together.
 CHECKED_BUCKETS = (1, 4)
 # A cached plan is replaced when it loses by more than its timings' own spread, and never
@@ -177,8 +178,9 @@ def measuring(
 ) -> Generator[None, None, Measured]:
     """Time `linear`'s packed kernel and its float32 GEMM (on the dense copy, or on the
     weight dequantized within each call) at every bucket, and on GGUF blocks the exact
-    float32 kernel up to 128 rows. Per bucket the paths take turns, `rounds` times, and each
-    keeps its quickest: a neighbour's burst slows one turn, not the verdict. Yields after
+    float32 kernel up to 128 rows. Per bucket the paths take turns, `rounds` times (more
+    while the winner is not `settled`), and each keeps its quickest: a neighbour's burst
+    slows one turn, not the verdict. Yields after
     every round (a slice: the retuner stops between them); returns the plans."""
     gen = torch.Generator().manual_seed(0)
     times: dict[str, list[float]] = {"kernel": [], "dense": [], "exact": []}
@@ -201,16 +203,29 @@ def measuring(
                 times[path].append(times[path][-1] * b / BUCKETS[i - 1])
             else:
                 timing.append(path)
-        best = dict.fromkeys(timing, float("inf"))
-        for r in range(rounds):
+        turns: dict[str, list[float]] = {path: [] for path in timing}
+        r = 0
+        while r < rounds or (r < MAX_ROUNDS_FACTOR * rounds and not settled(turns)):
             for path in timing if r % 2 == 0 else reversed(timing):  # A B, B A, A B ...
                 call = lambda path=path, x=inputs[path]: runs[path](x)  # noqa: E731
-                best[path] = min(best[path], timer(call, path, b))
+                turns[path].append(timer(call, path, b))
+            r += 1
             yield
         for path in timing:
-            times[path].append(best[path])
+            times[path].append(min(turns[path]))
     exact = exact_rows(times["exact"], times["dense"]) if times["exact"] else None
     return Measured(choose(times["kernel"], times["dense"]), exact)
+
+
+def settled(turns: dict[str, list[float]]) -> bool:
+    """Whether the quickest path won twice: its second-best turn still beats every other
+    path's best. A path unlucky in all but one turn (a neighbour's bursts) is not crowned
+    on that one turn alone; more rounds are taken instead."""
+    if len(turns) < 2:
+        return True
+    winner = min(turns, key=lambda p: min(turns[p]))
+    again = sorted(turns[winner])[1] if len(turns[winner]) > 1 else float("inf")
+    return all(again <= min(t) for p, t in turns.items() if p != winner)
 
 
 def measure(linear: torch.nn.Module, timer: Timer = timed, rounds: int = ROUNDS) -> Measured:
