@@ -393,7 +393,8 @@ def test_a_locked_sqlite_database_gives_503_then_service_comes_back_with_nothing
         assert r.status_code == 503, r.text
         assert r.json()["error"]["code"] == "service_unavailable"
         assert int(r.headers["Retry-After"]) >= 1
-        assert time.monotonic() - t0 < 6  # refused on the gateway's clock, not after the lock
+        # refused on the gateway's clock while the lock is still held, not once it went
+        assert locker.poll() is None, f"answered only after the lock ({time.monotonic() - t0:.1f}s)"
         # an anonymous request is still served; its row waits in the backlog
         anon = httpx.post(gw.v1 + "/chat/completions", json=body, timeout=60)
         assert anon.status_code == 200, anon.text
@@ -496,7 +497,8 @@ def test_a_node_that_stops_or_dies_mid_stream_ends_the_stream_with_an_error_even
             assert last["error"]["code"] == "upstream_cut", events[-3:]
             assert "data: [DONE]" not in events
             if how == signal.SIGSTOP:
-                assert 1.5 < ended_after < 10  # the idle timeout, not forever
+                # the idle timeout, not the client's own 60 s read timeout (a hang guard)
+                assert 1.5 < ended_after < 30
                 resumed = time.time()
                 lone.proc.send_signal(signal.SIGCONT)
                 # Up by a poll answered after the resume: one sent while the node was
