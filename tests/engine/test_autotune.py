@@ -431,7 +431,7 @@ def test_an_engine_started_busy_serves_then_swaps_in_quiet_plans_while_idle(monk
         return made[0]
 
     monkeypatch.setattr(llm_engine, "Autotuner", scripted)
-    llm = LLM(kv_cache_memory_mb=16)
+    llm = LLM(device="cpu", kv_cache_memory_mb=16)  # the autotune is the CPU's
     engine = llm.engine
     assert engine.autotune_report().state == "provisional" and engine.retuner.pending
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
