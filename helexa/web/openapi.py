@@ -9,20 +9,23 @@ types in its `opt` (`wire(body=..., answer=...)`), and the document gets them, g
 msgspec from `helexa.protocol.bodies`, once, when it is first asked for. Nothing here runs
 on any other request.
 
-The UI page loads Swagger UI's script and stylesheet from a CDN (jsDelivr), as FastAPI's
-and vLLM's pages do: without internet access the page stays blank, but the document itself
-is served from here and is all a client generator or a schema-driven fuzzer needs.
+The UI page loads Swagger UI's script and stylesheet from this server (`/docs/assets/`,
+vendored in `helexa/static/swagger-ui/`), not from a CDN as FastAPI's and vLLM's pages do:
+a node on an air-gapped host shows its API as well as one on the internet.
 """
 
 from __future__ import annotations
 
 import copy
+import functools
+from pathlib import Path
 from typing import Any
 
 import msgspec
-from litestar import Litestar, Request, get
+from litestar import Litestar, Request, Response, get
 from litestar.config.app import AppConfig
 from litestar.enums import MediaType
+from litestar.exceptions import NotFoundException
 from litestar.openapi import OpenAPIConfig
 from litestar.openapi.plugins import OpenAPIRenderPlugin, SwaggerRenderPlugin
 from litestar.openapi.spec import Components, SecurityRequirement, SecurityScheme
@@ -34,9 +37,22 @@ from helexa.protocol.bodies import ErrorEnvelope
 
 DOCUMENT_PATH = "/openapi.json"
 UI_PATH = "/docs"
+# Swagger UI's files (swagger-ui-dist, unmodified: helexa/static/README.md), served here.
+ASSETS_PATH = UI_PATH + "/assets"
+ASSETS_DIR = Path(__file__).resolve().parent.parent / "static" / "swagger-ui"
+ASSETS = {
+    "swagger-ui-bundle.js": "text/javascript; charset=utf-8",
+    "swagger-ui-standalone-preset.js": "text/javascript; charset=utf-8",
+    "swagger-ui.css": "text/css; charset=utf-8",
+}
 # Routes a caller reaches without a key (the node's door lets them through): a browser
 # cannot send a bearer token with a page load, and the document holds no secret.
-DOCUMENT_ROUTES = (DOCUMENT_PATH, UI_PATH, UI_PATH + DOCUMENT_PATH)
+DOCUMENT_ROUTES = (
+    DOCUMENT_PATH,
+    UI_PATH,
+    UI_PATH + DOCUMENT_PATH,
+    *(f"{ASSETS_PATH}/{name}" for name in ASSETS),
+)
 
 BEARER = "bearer"
 BEARER_SCHEME = SecurityScheme(type="http", scheme="bearer", description="Bearer <api key>")
@@ -103,7 +119,7 @@ class ApiDocument(InitPlugin):
             return self.as_json(request.app)
 
         app_config.openapi_config = self.config
-        app_config.route_handlers.append(openapi_json)
+        app_config.route_handlers += [openapi_json, swagger_ui_asset]
         return app_config
 
     def as_dict(self, app: Litestar) -> dict[str, Any]:
@@ -115,6 +131,21 @@ class ApiDocument(InitPlugin):
         if self._json is None:
             self._json = msgspec.json.encode(self.as_dict(app))
         return self._json
+
+
+@get(ASSETS_PATH + "/{name:str}", include_in_schema=False, sync_to_thread=False)
+def swagger_ui_asset(name: str) -> Response[bytes]:
+    """One of Swagger UI's files, which the /docs page loads."""
+    media_type = ASSETS.get(name)
+    if media_type is None:
+        raise NotFoundException(f"no such asset {name!r}; there are {sorted(ASSETS)}")
+    headers = {"cache-control": "public, max-age=86400"}
+    return Response(_asset(name), media_type=media_type, headers=headers)
+
+
+@functools.cache
+def _asset(name: str) -> bytes:
+    return (ASSETS_DIR / name).read_bytes()
 
 
 class _Json(OpenAPIRenderPlugin):
@@ -132,7 +163,13 @@ class _Page(SwaggerRenderPlugin):
     """`/docs`: Swagger UI over the document (Litestar's page embeds the one it is given)."""
 
     def __init__(self, document: ApiDocument) -> None:
-        super().__init__(path="/", favicon="")
+        super().__init__(
+            path="/",
+            favicon="",
+            js_url=f"{ASSETS_PATH}/swagger-ui-bundle.js",
+            css_url=f"{ASSETS_PATH}/swagger-ui.css",
+            standalone_preset_js_url=f"{ASSETS_PATH}/swagger-ui-standalone-preset.js",
+        )
         self.document = document
 
     def render(self, request: Request, openapi_schema: dict[str, Any]) -> bytes:

@@ -4,6 +4,8 @@ the app serves in it with its methods, the inference routes' bodies generated fr
 
 from __future__ import annotations
 
+import re
+import shutil
 import signal
 from pathlib import Path
 
@@ -19,6 +21,7 @@ from helexa.protocol import bodies
 from helexa.web.gateway_app import create_gateway_apps
 from helexa.web.gateway_asgi import ROUTES as GATEWAY_COUNTED_ROUTES
 from helexa.web.node_app import create_node_app
+from helexa.web.openapi import ASSETS
 from tests.gateway.gateway_proc import start_gateway
 from tests.web.node_proc import scripted_model, start_node
 
@@ -104,11 +107,21 @@ def body_schema(doc: dict, path: str) -> dict:
 
 
 def assert_page_shows(base_url: str, component: str) -> None:
-    """/docs is Swagger UI's page over the document, the types it names included."""
+    """/docs is Swagger UI's page over the document, the types it names included, and every
+    file it loads comes from the same server (a host without internet shows it too)."""
     page = httpx.get(base_url + "/docs", timeout=30)
     assert page.status_code == 200
     assert page.headers["content-type"].startswith("text/html")
     assert "SwaggerUIBundle" in page.text and f'"{REF}{component}"' in page.text
+    loaded = re.findall(r'<(?:script|link)[^>]*(?:src|href)="([^"]+)"', page.text)
+    assert sorted(loaded) == sorted(f"/docs/assets/{name}" for name in ASSETS), loaded
+    for url in loaded:
+        asset = httpx.get(base_url + url, timeout=30)
+        assert asset.status_code == 200, url
+        assert asset.headers["content-type"].split(";")[0] in ("text/javascript", "text/css")
+        assert len(asset.content) > 10_000, url
+    # only those files: nothing else of the folder (a keyed node's door answers first)
+    assert httpx.get(base_url + "/docs/assets/LICENSE", timeout=30).status_code in (401, 404)
 
 
 def test_the_node_documents_every_route_it_serves(keyed_node, node_app):
@@ -194,3 +207,34 @@ def test_the_gateway_metrics_port_documents_its_route(gateway, gateway_apps):
     assert "text/plain" in next(
         iter(doc["paths"]["/metrics"]["get"]["responses"]["200"]["content"])
     )
+
+
+def test_the_nodes_page_renders_every_operation_in_a_browser_without_internet(keyed_node):
+    """Debian's chromium, headless, with every request off this host refused: the page
+    draws one operation block per documented route."""
+    chromium = shutil.which("chromium") or shutil.which("chromium-browser")
+    playwright = pytest.importorskip("playwright.sync_api", reason="pip install playwright")
+    if chromium is None:
+        pytest.skip("no chromium on PATH (apt-get install chromium; .ci/run does)")
+    operations = documented(fetch_document(keyed_node.base_url))
+    elsewhere: list[str] = []
+    with playwright.sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=chromium, args=["--no-sandbox"])
+        try:
+            tab = browser.new_page()
+
+            def only_here(route) -> None:
+                if route.request.url.startswith(keyed_node.base_url):
+                    route.continue_()
+                else:
+                    elsewhere.append(route.request.url)
+                    route.abort()
+
+            tab.route("**/*", only_here)
+            tab.goto(keyed_node.base_url + "/docs")
+            tab.wait_for_selector(".opblock", timeout=30_000)
+            drawn = tab.locator(".opblock").count()
+        finally:
+            browser.close()
+    assert not elsewhere, elsewhere
+    assert drawn == len(operations), (drawn, sorted(operations))
