@@ -222,21 +222,21 @@ class Admission:
             assert self.num_running >= 0, self.num_running
 
     def _hand_over(self) -> bool:
-        """Give a freed slot to the oldest waiter of the lane with the fewest running."""
-        while self._queues:
-            lane = min(self._queues, key=lambda q: (self._running[q], self._queues[q][0].seq))
-            queue = self._queues[lane]
-            waiter = queue.popleft()
-            self._num_waiting -= 1
-            if not queue:
-                del self._queues[lane]
-            if waiter.future.done():  # cancelled, not yet cleaned up by its acquire
-                self._drop_held(lane)
-                continue
-            self._running[lane] += 1
-            waiter.future.set_result(True)
-            return True
-        return False
+        """Give a freed slot to the oldest waiter of the lane with the fewest running.
+        Every queued waiter is still waiting: one leaves the queue in the same call that
+        ends its wait (`_leave`, `_push_out`)."""
+        if not self._queues:
+            return False
+        lane = min(self._queues, key=lambda q: (self._running[q], self._queues[q][0].seq))
+        queue = self._queues[lane]
+        waiter = queue.popleft()
+        self._num_waiting -= 1
+        if not queue:
+            del self._queues[lane]
+        assert not waiter.future.done(), "a waiter that stopped waiting was left queued"
+        self._running[lane] += 1
+        waiter.future.set_result(True)
+        return True
 
     def _overloaded(self, why: str) -> HelexaError:
         ahead = self._num_waiting + 1
