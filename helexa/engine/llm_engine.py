@@ -207,10 +207,10 @@ class LLMEngine:
         """Wait until `wake` is set; meanwhile plans measured on a busy machine are measured
         again once it is quiet (layers/retune.py). True: new plans were swapped in before
         `wake` came (report `autotune_report()`, then call again)."""
-        if self.retuner is None or not self.retuner.pending:
+        if self.retuner is None:
             wake.wait()
             return False
-        return self.retuner.idle(wake)
+        return self.retuner.idle(wake)  # with nothing pending, a plain wait
 
     def _plans_swapped(self) -> None:
         """The decoder layers' native plans were built from the Linears' old plans (which
