@@ -284,30 +284,22 @@ def _gguf_without_accelerate() -> Iterator[bool]:
 # -- the run -------------------------------------------------------------------------------
 class CpuMeter:
     """CPU time the rest of the machine took (other processes, hypervisor steal) while we
-    measured: on a 2-core box a single busy neighbour wrecks 2-thread figures."""
+    measured: on a 2-core box a single busy neighbour wrecks 2-thread figures. Read as the
+    autotune reads it (engine/layers/cpu_meter.py), with the steal apart."""
 
     def __init__(self) -> None:
-        self.start = self._read()
+        from helexa.engine.layers.cpu_meter import ProcStatMeter
 
-    @staticmethod
-    def _read() -> tuple[float, float, float, float]:
-        # (wall, busy CPU-seconds of all CPUs, steal CPU-seconds, this process's CPU-seconds)
-        busy = steal = 0.0
-        with contextlib.suppress(OSError, ValueError, IndexError), open("/proc/stat") as f:
-            v = [int(x) for x in f.readline().split()[1:]]
-            tick = os.sysconf("SC_CLK_TCK")
-            busy, steal = (sum(v[:3]) + v[5] + v[6]) / tick, v[7] / tick
-        t = os.times()
-        return time.perf_counter(), busy, steal, t.user + t.system
+        self._meter = ProcStatMeter()
+        self.start = self._meter.read()
 
     def read(self) -> dict[str, float]:
         """Mean CPUs busy with other processes, and stolen by the hypervisor, so far."""
-        (w0, b0, s0, p0), (w1, b1, s1, p1) = self.start, self._read()
-        wall = max(w1 - w0, 1e-9)
-        return {
-            "others_cpus": max(0.0, (b1 - b0) - (p1 - p0)) / wall,
-            "steal_cpus": (s1 - s0) / wall,
-        }
+        start, end = self.start, self._meter.read()
+        wall = max(end.wall_s - start.wall_s, 1e-9)
+        steal = end.steal_s - start.steal_s
+        others = (end.busy_s - start.busy_s) - steal - (end.own_s - start.own_s)
+        return {"others_cpus": max(0.0, others) / wall, "steal_cpus": steal / wall}
 
 
 def run(sides: list[Side], prompts: Prompts, args: argparse.Namespace) -> list[SideResult]:

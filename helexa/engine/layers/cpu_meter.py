@@ -31,6 +31,7 @@ class CpuSample:
     wall_s: float
     busy_s: float
     own_s: float
+    steal_s: float = 0.0  # the hypervisor's part of busy_s
 
 
 class CpuMeter(Protocol):
@@ -52,12 +53,12 @@ class ProcStatMeter:
 
     def read(self) -> CpuSample:
         own = time.process_time()
-        busy = None
+        busy, steal = own, 0.0
         with contextlib.suppress(OSError, ValueError, IndexError), open("/proc/stat") as f:
             # user nice system idle iowait irq softirq steal (guest is inside user)
             v = [int(x) for x in f.readline().split()[1:9]]
-            busy = (v[0] + v[1] + v[2] + v[5] + v[6] + v[7]) / self._tick
-        return CpuSample(time.perf_counter(), own if busy is None else busy, own)
+            busy, steal = (v[0] + v[1] + v[2] + v[5] + v[6] + v[7]) / self._tick, v[7] / self._tick
+        return CpuSample(time.perf_counter(), busy, own, steal)
 
 
 def others_cpus(start: CpuSample, end: CpuSample) -> float:
