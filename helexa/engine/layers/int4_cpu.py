@@ -52,18 +52,26 @@ def layout() -> Layout | None:
     return None
 
 
+def _split(
+    packed: torch.Tensor, num_rows: int, k: int, bn: int
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """Views of a [num_rows, k] packing's whole blocks [num_rows // bn, k, bn / 2] and of its
+    short last block [1, k, (num_rows % bn) / 2]; None where there is none."""
+    flat = packed.reshape(-1)
+    num_full, num_short = divmod(num_rows, bn)
+    split = num_full * k * bn // 2
+    full = flat[:split].view(num_full, k, bn // 2) if num_full else None
+    short = flat[split:].view(1, k, num_short // 2) if num_short else None
+    return full, short
+
+
 def _unpack(packed: torch.Tensor, num_rows: int, k: int, lay: Layout) -> torch.Tensor:
     """All 4-bit values (0..15) of a [num_rows, k] packing: [num_rows, k] uint8, block by
     block (no gathers)."""
-    flat = packed.reshape(-1)
-    bn = lay.block_n
-    num_full, num_short = divmod(num_rows, bn)
-    split = num_full * k * bn // 2
-    parts = []
-    if num_full:
-        parts.append(_block_values(flat[:split].view(num_full, k, bn // 2), lay.halves))
-    if num_short:
-        parts.append(_block_values(flat[split:].view(1, k, num_short // 2), False))
+    full, short = _split(packed, num_rows, k, lay.block_n)
+    parts = [] if full is None else [_block_values(full, lay.halves)]
+    if short is not None:
+        parts.append(_block_values(short, False))
     return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
@@ -79,20 +87,17 @@ def _nibbles(packed: torch.Tensor, ids: torch.Tensor, num_rows: int, k: int) -> 
     lay = layout()
     assert lay is not None, "int4 rows read from a packing whose layout is unknown"
     bn = lay.block_n
-    num_full, num_short = divmod(num_rows, bn)
-    flat = packed.reshape(-1)
-    split = num_full * k * bn // 2
-    full = flat[:split].view(num_full, k, bn // 2)
-    if not num_short:  # whole blocks only: a decode step's lookups, in the fewest ops
+    full, short = _split(packed, num_rows, k, bn)
+    if short is None:  # whole blocks only: a decode step's lookups, in the fewest ops
         return _block_nibbles(full, ids, bn, lay.halves)
-    first_short = num_full * bn  # the short last block's first row
-    short = _block_nibbles(
-        flat[split:].view(1, k, num_short // 2), (ids - first_short).clamp(min=0), bn, False
-    )
-    if not num_full:
-        return short
+    first_short = num_rows // bn * bn  # the short last block's first row
+    in_short = _block_nibbles(short, (ids - first_short).clamp(min=0), bn, False)
+    if full is None:
+        return in_short
     in_full = ids < first_short
-    return torch.where(in_full[:, None], _block_nibbles(full, ids * in_full, bn, lay.halves), short)
+    return torch.where(
+        in_full[:, None], _block_nibbles(full, ids * in_full, bn, lay.halves), in_short
+    )
 
 
 def _block_nibbles(blocks: torch.Tensor, ids: torch.Tensor, bn: int, halves: bool) -> torch.Tensor:
