@@ -80,8 +80,9 @@ def cpu_info() -> tuple[str, str]:
     return cpu, flags
 
 
-# the native kernels' source: a change to it can change which path is quicker
+# the native kernels' sources: a change to them can change which path is quicker
 NATIVE_SOURCE = Path(__file__).with_name("native") / "blocks.c"
+KQUANT_SOURCE = NATIVE_SOURCE.with_name("kquants.c")
 
 
 def machine_key(num_threads: int) -> str:
@@ -89,7 +90,8 @@ def machine_key(num_threads: int) -> str:
     source, hashed: plans measured under one never serve another."""
     cpu, flags = cpu_info()
     try:
-        native = hashlib.sha256(NATIVE_SOURCE.read_bytes()).hexdigest()[:16]
+        sources = NATIVE_SOURCE.read_bytes() + KQUANT_SOURCE.read_bytes()
+        native = hashlib.sha256(sources).hexdigest()[:16]
     except OSError:
         native = "none"
     text = f"{cpu}|{flags}|{torch.__version__}|{num_threads}|v{CACHE_VERSION}|{native}"

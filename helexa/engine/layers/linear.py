@@ -5,6 +5,11 @@ On CPU the weights stay quantized:
 - GGUF Q4_0 / Q4_1 / Q8_0 → held as the file's blocks (format "blocks") and run by the native
   kernels (`layers/native.py`: C built at first use, activations quantized to int8 per block
   of 32 as llama.cpp does), wherever a C compiler builds them; else as below.
+- GGUF Q4_K / Q5_K / Q6_K → held as the file's super-blocks too, run by the native K-quant
+  kernels (native/kquants.c: activations quantized to int8 per 256). A fused projection
+  whose parts are held as different kinds (a Q4_K_M file's Q4_K q/k beside its Q6_K v) keeps
+  each part's blocks as they are, one after the other (`block_kind` MIXED, `block_parts`).
+  Without a C compiler they are dequantized to float (logged at load).
 - GGUF Q4_0 / Q4_1, and quant="int4" → `_weight_int4pack_mm_for_cpu`, groups of 32 along the
   input. A GGUF block is one group: the kernel computes w = (q - 8) * scale + zero, so Q4_1's
   w = d*q + m is scale = d, zero = m + 8d, and Q4_0's w = d*(q - 8) is scale = d, zero = 0.
@@ -65,6 +70,8 @@ DENSE_DTYPE = torch.float32
 # Marseillaise…" instead of "Paris"; and a prompt's logits then do not depend on how much
 # of it came from the prefix cache (a cold 123-token prefill and an 11-token cached one agree).
 PREFILL_STEP: ContextVar[bool] = ContextVar("PREFILL_STEP", default=False)
+# block_kind of a Linear fused from parts held as different GGUF kinds (`Linear.block_parts`)
+MIXED = "mixed"
 _HAS_INT4 = hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu")  # torch >= 2.6
 # Prompt-step calls of up to this many rows on GGUF blocks (a short chunk, the logits of the
 # prompt's last token) take the native float32 kernel, which reads the blocks as they are,
@@ -107,7 +114,10 @@ class Linear(nn.Module):
         self.format = "float"
         self.dtype = torch.float32  # activation dtype asked for at load
         self.k_repeat = 1  # int4 from Q8_0 reads the input twice (high then low nibbles)
-        self.block_kind: str | None = None  # format "blocks": Q4_0, Q4_1, Q8_0 (+"x8")
+        self.block_kind: str | None = None  # format "blocks": Q4_0, Q4_1, Q8_0 (+"x8"), K kinds
+        # block_kind MIXED: (kind, rows) of each part, whose blocks lie one after the other in
+        # the 1-D `weight`, each part's rows as a Linear of its own kind holds them
+        self.block_parts: tuple[tuple[str, int], ...] = ()
         self.split_sizes = [out_features]
         # plain attributes, not buffers: buffer lookups cost ~0.6 µs a call; _apply moves them
         self.weight: torch.Tensor | None = None
@@ -163,6 +173,8 @@ class Linear(nn.Module):
         as_blocks = qtype in ("Q4_0", "Q4_1") or (qtype == "Q8_0" and quant is None)
         kernel = "int4" if as_blocks else quant  # GGUF blocks map onto int4 groups as they are
         native_ok = as_blocks and native.enabled() and self.in_features % native.QK == 0
+        # K-quants run on the native kernels only (no torch kernel takes 6-bit sub-scales)
+        native_ok |= qtype in native.K_KINDS and quant is None and native.enabled()
         if native_ok and raw.device.type == "cpu":
             self._set_blocks(raw, qtype)
         elif kernel is None or raw.device.type != "cpu" or not self._can_pack(kernel):
@@ -245,11 +257,13 @@ class Linear(nn.Module):
         self.weight, self.scales = q.contiguous(), scale.to(PACKED_DTYPE).contiguous()
 
     def _set_blocks(self, raw: torch.Tensor, kind: str) -> None:
-        # the file's bytes, a row of in/32 blocks per output feature; rows in 8s are held
-        # interleaved (native.interleave: the kernel's "x8" kinds), the same bytes reordered
+        # the file's bytes, a row of blocks per output feature; rows in 8s of the 32-weight
+        # kinds are held interleaved (native.interleave: the kernel's "x8" kinds), the same
+        # bytes reordered
         self.format, self.k_repeat, self.block_kind, self.scales = "blocks", 1, kind, None
+        self.block_parts = ()
         self.weight = raw.reshape(self.out_features, -1).contiguous()
-        if self.out_features % native.XR == 0:
+        if self.out_features % native.XR == 0 and kind not in native.K_KINDS:
             self.weight, self.block_kind = native.interleave(self.weight, kind)
 
     def _set_int4(
@@ -305,8 +319,29 @@ class Linear(nn.Module):
         kept, else with the weight dequantized for this call (it pays on wide calls): GGUF
         blocks unpacked transposed, [in, out], which the GEMM reads faster than [out, in]."""
         if self.dense is None and self.format == "blocks":
-            return torch.mm(h, native.unpack_t(self.weight, self.block_kind, self.out_features))
+            parts = [native.unpack_t(w, kind, rows) for kind, w, rows in self.block_views()]
+            return torch.mm(h, parts[0] if len(parts) == 1 else torch.cat(parts, dim=1))
         return F.linear(h, self.dense if self.dense is not None else self.dequantize())
+
+    def block_views(self) -> list[tuple[str, torch.Tensor, int]]:
+        """A "blocks" weight as (kind, blocks [rows, row bytes], rows) per part: itself, or
+        each part of a MIXED one, in the order of the outputs."""
+        if self.block_kind != MIXED:
+            return [(self.block_kind, self.weight, self.out_features)]
+        views, at = [], 0
+        for kind, rows in self.block_parts:
+            row_bytes = self.in_features // native.BLOCK_WEIGHTS[kind] * native.BLOCK_BYTES[kind]
+            views.append(
+                (kind, self.weight[at : at + rows * row_bytes].view(rows, row_bytes), rows)
+            )
+            at += rows * row_bytes
+        return views
+
+    def _blocks_matmul(self, h: torch.Tensor, *, exact: bool) -> torch.Tensor:
+        parts = [
+            native.matmul(h, w, kind, rows, exact=exact) for kind, w, rows in self.block_views()
+        ]
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
 
     def packed_input(self, x: torch.Tensor) -> torch.Tensor:
         """x as the packed kernel takes it: float32 for the native kernels, else in the
@@ -316,12 +351,12 @@ class Linear(nn.Module):
 
     def exact_matmul(self, h: torch.Tensor) -> torch.Tensor:
         """Float32 h on the exact weights of GGUF blocks, without unpacking them."""
-        return native.matmul(h, self.weight, self.block_kind, self.out_features, exact=True)
+        return self._blocks_matmul(h, exact=True)
 
     def packed_matmul(self, h: torch.Tensor) -> torch.Tensor:
         """The packed kernel on h: [rows, in_features] as `packed_input` makes it."""
         if self.format == "blocks":
-            return native.matmul(h, self.weight, self.block_kind, self.out_features)
+            return self._blocks_matmul(h, exact=False)
         if self.format == "int8":
             return torch.ops.aten._weight_int8pack_mm(h, self.weight, self.scales)
         if self.k_repeat > 1:
@@ -336,7 +371,7 @@ class Linear(nn.Module):
         if self.format == "quant":
             return naive_dequantize(self.qweight)
         if self.format == "blocks":
-            return native.unpack(self.weight, self.block_kind, self.out_features)
+            return torch.cat([native.unpack(w, kind, rows) for kind, w, rows in self.block_views()])
         if self.format == "int8":
             return self.weight.float() * self.scales.float()[:, None]
         if self.can_read_rows():  # unpacked directly: milliseconds, and exact to the scales
@@ -352,7 +387,7 @@ class Linear(nn.Module):
         """Whether `rows` reads single rows of W without dequantizing the rest of it."""
         if self.format == "int4":
             return int4_cpu.layout() is not None
-        return self.format in ("float", "int8", "blocks")
+        return self.format in ("float", "int8", "blocks") and self.block_kind != MIXED
 
     def rows(self, ids: torch.Tensor, scales: torch.Tensor | None = None) -> torch.Tensor:
         """Rows `ids` of W as float32 [len(ids), in_features] (a tied embedding's lookup);
@@ -362,6 +397,7 @@ class Linear(nn.Module):
         if self.format == "int8":
             return self.weight[ids].float() * self.scales[ids].float()[:, None]
         if self.format == "blocks":
+            assert self.block_kind != MIXED, "rows() of a Linear fused from parts"
             return native.rows(self.weight, self.block_kind, ids)
         assert self.format == "int4", f"rows() of a {self.format} weight"
         scales = self.scales if scales is None else scales
@@ -388,10 +424,12 @@ class Linear(nn.Module):
         return super()._apply(fn, recurse)
 
     def extra_repr(self) -> str:
+        held = self.format if self.block_kind is None else self.block_kind
+        if self.block_parts:
+            held = "+".join(f"{kind}[{rows}]" for kind, rows in self.block_parts)
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, "
-            f"format={self.format if self.block_kind is None else self.block_kind}, "
-            f"bias={self.bias is not None}"
+            f"format={held}, bias={self.bias is not None}"
         )
 
 
@@ -470,6 +508,12 @@ def fuse(linears: Sequence[Linear]) -> Linear:
     """
     first = linears[0]
     layout = [(m.in_features, m.format, m.k_repeat, _held_as(m)) for m in linears]
+    if (
+        len({held[:3] for held in layout}) == 1
+        and first.format == "blocks"
+        and len(set(layout)) > 1
+    ):
+        return _fuse_parts(linears)  # GGUF blocks of different kinds: each part as it is
     if len(set(layout)) != 1:
         raise ValueError(f"cannot fuse linears held differently: {layout}")
     sizes = [m.out_features for m in linears]
@@ -505,7 +549,27 @@ def _held_as(m: Linear) -> str:
     file kind: interleaved or not, they fuse)."""
     if m.qweight is not None:
         return m.qweight.kind
+    if m.block_kind == MIXED:
+        return "+".join(kind.removesuffix("x8") for kind, _ in m.block_parts)
     return m.block_kind.removesuffix("x8") if m.block_kind else str(m.weight.dtype)
+
+
+def _fuse_parts(linears: Sequence[Linear]) -> Linear:
+    """One MIXED "blocks" Linear of `linears`, whose blocks are of different kinds: each
+    part's bytes as its Linear holds them (x8 or not), one after the other, run part by part
+    (the native layer call chains them: native.HxLinear.next)."""
+    first = linears[0]
+    parts = [p for m in linears for p in m.block_views()]
+    fused = Linear(first.in_features, sum(m.out_features for m in linears), False)
+    fused.has_bias = any(m.has_bias for m in linears)
+    fused.format, fused.dtype, fused.block_kind = "blocks", first.dtype, MIXED
+    fused.block_parts = tuple((kind, rows) for kind, _, rows in parts)
+    fused.split_sizes = [m.out_features for m in linears]
+    fused.weight = torch.cat([w.reshape(-1) for _, w, _ in parts])
+    if all(m.dense is not None for m in linears):
+        fused.dense = torch.cat([m.dense for m in linears])
+    fused.bias = _cat_biases(linears)
+    return fused
 
 
 def _cat_file_order(linears: Sequence[Linear]) -> torch.Tensor:

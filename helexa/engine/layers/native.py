@@ -28,15 +28,25 @@ import torch
 
 from helexa import kernels
 from helexa.engine.layers.autotune import cpu_info
+from helexa.engine.loader.dequant import dequantize as gguf_dequantize
 
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("native") / "blocks.c"
-# GGUF block kinds the kernels take: the file's rows, or ("…x8") 8 rows interleaved
+# the K-quants' kernels, built into the same library (blocks.c hands those kinds to them)
+SOURCES = (SOURCE, SOURCE.with_name("kquants.c"))
+# GGUF block kinds the kernels take: the file's rows, or ("…x8") 8 rows interleaved; the
+# K-quants as the file's rows of 256-weight super-blocks
 KINDS = {"Q4_0": 0, "Q4_1": 1, "Q8_0": 2, "Q4_0x8": 3, "Q4_1x8": 4, "Q8_0x8": 5}
+K_KINDS = ("Q4_K", "Q5_K", "Q6_K")
+KINDS |= {k: 6 + i for i, k in enumerate(K_KINDS)}
 BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}  # one row's block (x8: its share)
 BLOCK_BYTES |= {f"{k}x8": v for k, v in BLOCK_BYTES.items()}
+BLOCK_BYTES |= {"Q4_K": 144, "Q5_K": 176, "Q6_K": 210}
 QK = 32  # weights a block
+QK_K = 256  # weights a K-quant super-block
+# weights of one block of each kind: rows of a weight held as `kind` are multiples of it
+BLOCK_WEIGHTS = {k: QK_K if k in K_KINDS else QK for k in KINDS}
 XR = 8  # rows an x8 group interleaves
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11")
 
@@ -68,7 +78,8 @@ def build(cc: str, flags: tuple[str, ...] = FLAGS) -> Path:
     (keyed by the source, the compiler's version, the CPU and the flags). Raises RuntimeError
     with the compiler's message when the build fails."""
     cpu, cpu_flags = cpu_info()
-    parts = [SOURCE.read_bytes(), _version(cc).encode(), cpu.encode(), cpu_flags.encode()]
+    code = [src.read_bytes() for src in SOURCES]
+    parts = [*code, _version(cc).encode(), cpu.encode(), cpu_flags.encode()]
     key = hashlib.sha256(b"|".join([*parts, *map(str.encode, flags)])).hexdigest()[:16]
     target = cache_dir() / f"blocks-{key}.so"
     if target.exists():
@@ -76,7 +87,7 @@ def build(cc: str, flags: tuple[str, ...] = FLAGS) -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         out = Path(tmp) / target.name
-        cmd = [cc, *flags, str(SOURCE), "-o", str(out), "-lm"]
+        cmd = [cc, *flags, *map(str, SOURCES), "-o", str(out), "-lm"]
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
         if done.returncode != 0:
             raise RuntimeError(done.stderr.strip()[-2000:] or f"exit {done.returncode}")
@@ -135,15 +146,18 @@ def load(path: Path) -> ctypes.CDLL:
 
 
 class HxLinear(ctypes.Structure):
-    """blocks.c's hx_linear: one Linear held as GGUF blocks."""
+    """blocks.c's hx_linear: one Linear held as GGUF blocks, or one part of a Linear fused
+    from parts of different kinds (`next`: the part whose outputs follow)."""
 
-    _fields_ = [
-        ("kind", ctypes.c_int),
-        ("w", ctypes.c_void_p),
-        ("n", ctypes.c_int64),
-        ("k", ctypes.c_int64),
-        ("bias", ctypes.c_void_p),
-    ]
+
+HxLinear._fields_ = [
+    ("kind", ctypes.c_int),
+    ("w", ctypes.c_void_p),
+    ("n", ctypes.c_int64),
+    ("k", ctypes.c_int64),
+    ("bias", ctypes.c_void_p),
+    ("next", ctypes.POINTER(HxLinear)),
+]
 
 
 class HxLayer(ctypes.Structure):
@@ -450,7 +464,7 @@ def unpack_t(blocks: torch.Tensor, kind: str, out_features: int, lib=None) -> to
 
 
 def _unpack(blocks: torch.Tensor, kind: str, out_features: int, lib, *, transposed: bool):
-    k = blocks.shape[1] // BLOCK_BYTES[kind] * QK
+    k = blocks.shape[1] // BLOCK_BYTES[kind] * BLOCK_WEIGHTS[kind]
     lib = lib or library()
     run = lib.hx_dequantize_t if transposed else lib.hx_dequantize
     shape = (k, out_features) if transposed else (out_features, k)
@@ -466,7 +480,7 @@ def _unpack(blocks: torch.Tensor, kind: str, out_features: int, lib, *, transpos
 def rows(blocks: torch.Tensor, kind: str, ids: torch.Tensor) -> torch.Tensor:
     """Rows `ids` of the weight as float32 [len(ids), K] (a tied embedding's lookup), each
     unpacked from its blocks where it lies (x8 too)."""
-    n, k = blocks.shape[0], blocks.shape[1] // BLOCK_BYTES[kind] * QK
+    n, k = blocks.shape[0], blocks.shape[1] // BLOCK_BYTES[kind] * BLOCK_WEIGHTS[kind]
     ids = ids.to(torch.int64).contiguous()
     out = torch.empty(len(ids), k, dtype=torch.float32)
     rc = library().hx_rows(
@@ -513,6 +527,9 @@ def deinterleave(blocks: torch.Tensor, kind: str) -> tuple[torch.Tensor, str]:
 def dequantize(blocks: torch.Tensor, kind: str, out_features: int) -> torch.Tensor:
     """The weight as float32 [out_features, K] (GGUF's arithmetic), in torch: the naive twin
     of `unpack`, which the tests and `naive_matmul` read."""
+    if kind in K_KINDS:  # the loader's own arithmetic
+        k = blocks.shape[1] // BLOCK_BYTES[kind] * QK_K
+        return gguf_dequantize(blocks.reshape(-1), kind, (out_features, k))
     if kind.endswith("x8"):
         blocks, kind = deinterleave(blocks, kind)
     bb = BLOCK_BYTES[kind]
@@ -530,11 +547,12 @@ def dequantize(blocks: torch.Tensor, kind: str, out_features: int) -> torch.Tens
 
 
 # -- the naive twin ---------------------------------------------------------------------------
-def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [M, K] float32 as the kernels quantize it: per block of 32, d = max|x| / 127 and
-    q = round(x * 127 / max|x|) (half to even). Returns (q as float32 [M, K], d [M, K/32])."""
+def quantize_activations(x: torch.Tensor, group: int = QK) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] float32 as the kernels quantize it: per `group` (32; the K-quants' 256),
+    d = max|x| / 127 and q = round(x * 127 / max|x|) (half to even). Returns (q as float32
+    [M, K], d [M, K/group])."""
     m, k = x.shape
-    blocks = x.reshape(m, k // QK, QK)
+    blocks = x.reshape(m, k // group, group)
     amax = blocks.abs().amax(dim=-1)
     inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
     q = torch.round(blocks * inv[..., None])
@@ -544,8 +562,9 @@ def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def naive_matmul(x: torch.Tensor, blocks: torch.Tensor, kind: str, out_features: int):
     """What `matmul` computes, in float64 torch: the activations quantized as the kernels
     quantize them, times the weight as the blocks hold it."""
-    q, d = quantize_activations(x.float())
-    xq = (q.reshape(*d.shape, QK) * d[..., None]).reshape(q.shape).double()
+    group = BLOCK_WEIGHTS[kind.removesuffix("x8")]
+    q, d = quantize_activations(x.float(), group)
+    xq = (q.reshape(*d.shape, group) * d[..., None]).reshape(q.shape).double()
     return (xq @ dequantize(blocks, kind, out_features).double().T).float()
 
 
@@ -577,8 +596,16 @@ def _hx_linear(lin, keep: list[torch.Tensor]) -> HxLinear | None:
         return None
     keep += [t for t in (lin.weight, lin.bias) if t is not None]
     bias = lin.bias.data_ptr() if lin.bias is not None else None
-    return HxLinear(KINDS[lin.block_kind], lin.weight.data_ptr(), lin.out_features,
-                    lin.in_features, bias)  # fmt: skip
+    head = after = None
+    for kind, w, rows in lin.block_views():  # one part, or a MIXED Linear's parts chained
+        part = HxLinear(KINDS[kind], w.data_ptr(), rows, lin.in_features, None)
+        if after is None:
+            head = part
+        else:
+            after.next = ctypes.pointer(part)  # the struct keeps what it points at alive
+        after = part
+    head.bias = bias
+    return head
 
 
 def layer_plan(layer, attention_cls, mlp_cls, linear_cls) -> LayerPlan | None:

@@ -21,6 +21,20 @@
 #include <immintrin.h>
 #endif
 
+/* the K-quants (Q4_K, Q5_K, Q6_K: 256-weight super-blocks), in kquants.c: every entry point
+ * below hands those kinds over */
+int hx_kq_is_kind(int kind);
+int hx_kq_matmul(int kind, const uint8_t *w, int64_t N, int64_t K, const float *x, int64_t M,
+                 float *y, int num_threads);
+int hx_kq_matmul_f32(int kind, const uint8_t *w, int64_t N, int64_t K, const float *x,
+                     int64_t M, float *y, int num_threads);
+int hx_kq_dequantize(int kind, const uint8_t *w, int64_t N, int64_t K, float *out,
+                     int num_threads);
+int hx_kq_dequantize_t(int kind, const uint8_t *w, int64_t N, int64_t K, float *out,
+                       int num_threads);
+int hx_kq_rows(int kind, const uint8_t *w, int64_t N, int64_t K, const int64_t *ids, int64_t n,
+               float *out);
+
 enum { QK = 32, KIND_Q4_0 = 0, KIND_Q4_1 = 1, KIND_Q8_0 = 2, MT = 4 };
 /* The same blocks with 8 rows interleaved (native.interleave; see "x8" below). */
 enum { KIND_Q4_0X8 = 3, KIND_Q4_1X8 = 4, KIND_Q8_0X8 = 5, KIND_LAST = 5, XR = 8 };
@@ -660,6 +674,7 @@ static void x8_tiles(int base, const uint8_t *w, int64_t N, int64_t nb, int64_t 
  * argument or a failed allocation. */
 int hx_blocks_matmul(int kind, const uint8_t *w, int64_t N, int64_t K, const float *x, int64_t M,
                      float *y, int num_threads) {
+    if (hx_kq_is_kind(kind)) return hx_kq_matmul(kind, w, N, K, x, M, y, num_threads);
     if (K % QK || M < 1 || N < 1 || kind < 0 || kind > KIND_LAST || (is_x8(kind) && N % XR))
         return -1;
     int64_t nb = K / QK, row_bytes = nb * hx_block_bytes(kind);
@@ -1170,6 +1185,7 @@ int hx_argmax_finite(const float *x, int64_t M, int64_t N, int64_t *idx, uint8_t
  * prompt's last token), where int8 activations' ~0.5% would move near-tied logits. */
 int hx_blocks_matmul_f32(int kind, const uint8_t *w, int64_t N, int64_t K, const float *x,
                          int64_t M, float *y, int num_threads) {
+    if (hx_kq_is_kind(kind)) return hx_kq_matmul_f32(kind, w, N, K, x, M, y, num_threads);
     if (K % QK || M < 1 || N < 1 || kind < 0 || kind > KIND_LAST || (is_x8(kind) && N % XR))
         return -1;
     int64_t nb = K / QK, bb = hx_block_bytes(kind), row_bytes = nb * bb;
@@ -1248,6 +1264,7 @@ int hx_blocks_matmul_f32(int kind, const uint8_t *w, int64_t N, int64_t K, const
  * rows of out. */
 int hx_dequantize_t(int kind, const uint8_t *w, int64_t N, int64_t K, float *out,
                     int num_threads) {
+    if (hx_kq_is_kind(kind)) return hx_kq_dequantize_t(kind, w, N, K, out, num_threads);
     if (K % QK || N < 1 || kind < 0 || kind > KIND_LAST || (is_x8(kind) && N % XR)) return -1;
     int64_t nb = K / QK, bb = hx_block_bytes(kind), row_bytes = nb * bb;
     const int base = base_kind(kind);
@@ -1271,6 +1288,7 @@ int hx_dequantize_t(int kind, const uint8_t *w, int64_t N, int64_t K, float *out
 /* out [N, K] float32 = the weight the blocks hold (GGUF's arithmetic, as `dequantize` in
  * native.py computes it): what a prompt chunk's float32 GEMM takes, unpacked for the call. */
 int hx_dequantize(int kind, const uint8_t *w, int64_t N, int64_t K, float *out, int num_threads) {
+    if (hx_kq_is_kind(kind)) return hx_kq_dequantize(kind, w, N, K, out, num_threads);
     if (K % QK || N < 1 || kind < 0 || kind > KIND_LAST || (is_x8(kind) && N % XR)) return -1;
     int64_t nb = K / QK, bb = hx_block_bytes(kind), row_bytes = nb * bb;
     if (is_x8(kind)) {
@@ -1290,6 +1308,7 @@ int hx_dequantize(int kind, const uint8_t *w, int64_t N, int64_t K, float *out, 
 /* out [n, K] float32 = rows ids[0..n) of the weight (a tied embedding's lookup) */
 int hx_rows(int kind, const uint8_t *w, int64_t N, int64_t K, const int64_t *ids, int64_t n,
             float *out) {
+    if (hx_kq_is_kind(kind)) return hx_kq_rows(kind, w, N, K, ids, n, out);
     if (K % QK || N < 1 || kind < 0 || kind > KIND_LAST || (is_x8(kind) && N % XR)) return -1;
     for (int64_t i = 0; i < n; i++)
         if (ids[i] < 0 || ids[i] >= N) return -1;
@@ -1312,18 +1331,43 @@ int hx_rows(int kind, const uint8_t *w, int64_t N, int64_t K, const int64_t *ids
 
 /* -- a whole decoder layer of a decode step -------------------------------------------- */
 
-typedef struct {
+typedef struct hx_linear {
     int kind;             /* KIND_* of the blocks */
-    const uint8_t *w;     /* [n, k / 32 * block bytes] */
+    const uint8_t *w;     /* [n, k / block weights * block bytes] */
     int64_t n, k;         /* out_features, in_features */
-    const float *bias;    /* [n] or NULL */
+    const float *bias;    /* [n] or NULL; of a chain of parts: the whole width's, on the first */
+    /* the next part of a Linear fused from parts held as different kinds (a Q4_K_M file's
+     * Q4_K q/k beside its Q6_K v): its outputs follow this part's */
+    const struct hx_linear *next;
 } hx_linear;
 
+/* out_features of a Linear: its parts' together */
+static int64_t lin_n(const hx_linear *l) {
+    int64_t n = 0;
+    for (; l; l = l->next) n += l->n;
+    return n;
+}
+
 static int linear_run(const hx_linear *l, const float *x, int64_t M, float *y, int nt) {
-    int rc = hx_blocks_matmul(l->kind, l->w, l->n, l->k, x, M, y, nt);
+    int64_t width = lin_n(l);
+    int rc = 0;
+    if (!l->next) {
+        rc = hx_blocks_matmul(l->kind, l->w, l->n, l->k, x, M, y, nt);
+    } else { /* each part into its own buffer, then into its columns of y */
+        int64_t most = 0, off = 0;
+        for (const hx_linear *p = l; p; p = p->next) most = p->n > most ? p->n : most;
+        float *part = malloc((size_t)(M * most) * sizeof(float));
+        if (!part) return -1;
+        for (const hx_linear *p = l; p && rc == 0; off += p->n, p = p->next) {
+            rc = p->k == l->k ? hx_blocks_matmul(p->kind, p->w, p->n, p->k, x, M, part, nt) : -1;
+            for (int64_t m = 0; rc == 0 && m < M; m++)
+                memcpy(y + m * width + off, part + m * p->n, (size_t)p->n * sizeof(float));
+        }
+        free(part);
+    }
     if (rc == 0 && l->bias)
         for (int64_t m = 0; m < M; m++)
-            for (int64_t i = 0; i < l->n; i++) y[m * l->n + i] += l->bias[i];
+            for (int64_t i = 0; i < width; i++) y[m * width + i] += l->bias[i];
     return rc;
 }
 
@@ -1342,9 +1386,9 @@ int hx_decode_layer(const float *x, const float *residual_in, float *residual_ou
                     void *v_cache, int kv_f16, int64_t block_size, const int64_t *tables,
                     int64_t max_blocks, const int32_t *lens, float scale, float *out,
                     int num_threads) {
-    int64_t inter = gate_up->n / 2, width = qkv->n;
-    if (qkv->k != hidden || o->n != hidden || o->k != H * D || gate_up->k != hidden ||
-        down->k != inter || down->n != hidden || width != (H + 2 * KVH) * D)
+    int64_t inter = lin_n(gate_up) / 2, width = lin_n(qkv);
+    if (qkv->k != hidden || lin_n(o) != hidden || o->k != H * D || gate_up->k != hidden ||
+        down->k != inter || lin_n(down) != hidden || width != (H + 2 * KVH) * D)
         return -1;
     size_t f = sizeof(float);
     float *h = malloc((size_t)(M * hidden) * f), *buf = malloc((size_t)(M * width) * f);

@@ -1,0 +1,416 @@
+/* GGUF K-quant matmuls for the CPU: y[M, N] = x[M, K] @ W[N, K]^T with W held as the file
+ * holds it, rows of 256-weight super-blocks of Q4_K, Q5_K or Q6_K, never widened.
+ *
+ *   Q4_K [d f16][dmin f16][12 B: 8 six-bit scales, 8 six-bit mins][128 B nibbles]
+ *        w = d * sc[j] * q - dmin * m[j], sub-block j of 32; q 0..15
+ *   Q5_K [d][dmin][12 B scales/mins][32 B high bits][128 B nibbles]     q 0..31
+ *   Q6_K [128 B low nibbles][64 B 2-bit highs][16 x int8 scales][d f16]
+ *        w = d * sc[j] * (q - 32), sub-block j of 16; q 0..63
+ *
+ * The nibbles of Q4_K/Q5_K come in 4 runs of 32 bytes: run c's low nibbles are sub-block 2c,
+ * its high nibbles sub-block 2c + 1 (Q5_K's bit j of high byte i is weight i's fifth bit in
+ * sub-block j). Q6_K's weight 128 r + 32 k + i (r < 2, k < 4, i < 32) has its low four bits
+ * in byte 64 r + 32 (k % 2) + i of the low nibbles (high nibble when k >= 2) and its top two
+ * in bits 2k, 2k + 1 of byte 32 r + i of the highs. (helexa/engine/loader/dequant.py is the
+ * same arithmetic in torch; every weight w is exact in float32: at most 24 significant bits
+ * before the one subtraction.)
+ *
+ * The activations are quantized per 256 to int8 (a float scale each, and the sums of every 16
+ * codes, for the mins and Q6_K's -32): llama.cpp's Q8_K. A super-block's dot is then integer
+ * multiply-adds (AVX2 maddubs: u8 weights times s8 activations, and madd by the sub-block
+ * scale) and two floats. Rows of W split over threads in chunks; each chunk is read once for
+ * up to MT rows of x. The scalar loops under #else are the reference and the path for CPUs
+ * without AVX2. Built with blocks.c (native.py), which hands the K kinds to the hx_kq_*
+ * functions here.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <math.h>
+#ifdef __AVX2__
+#include <immintrin.h>
+#endif
+
+enum { QK_K = 256, KQ_MT = 4, KQ_CHUNK = 16 };
+/* the kinds' numbers, as native.KINDS has them */
+enum { KIND_Q4_K = 6, KIND_Q5_K = 7, KIND_Q6_K = 8 };
+
+int hx_kq_is_kind(int kind) { return kind >= KIND_Q4_K && kind <= KIND_Q6_K; }
+
+/* bytes of one super-block */
+int hx_kq_block_bytes(int kind) {
+    return kind == KIND_Q4_K ? 144 : kind == KIND_Q5_K ? 176 : 210;
+}
+
+static float kq_f16(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, 2);
+#ifdef __F16C__
+    return _cvtsh_ss(h);
+#else
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff, bits;
+    if (exp == 0) {
+        if (man == 0) {
+            bits = sign;
+        } else {
+            exp = 127 - 15 + 1;
+            while (!(man & 0x400)) { man <<= 1; exp--; }
+            bits = sign | (exp << 23) | ((man & 0x3ff) << 13);
+        }
+    } else if (exp == 31) {
+        bits = sign | 0x7f800000 | (man << 13);
+    } else {
+        bits = sign | ((exp + 127 - 15) << 23) | (man << 13);
+    }
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+#endif
+}
+
+/* Q4_K/Q5_K's 12 bytes -> 8 scales and 8 mins of 6 bits: bytes 0-3 hold scales 0-3 (low 6
+ * bits) and the top 2 bits of scales 4-7; bytes 4-7 the same for the mins; bytes 8-11 the
+ * low 4 bits of scales 4-7 (low nibble) and of mins 4-7 (high nibble). */
+static inline void k_scales(const uint8_t *s, uint8_t *sc, uint8_t *mn) {
+    for (int j = 0; j < 4; j++) {
+        sc[j] = s[j] & 63;
+        mn[j] = s[j + 4] & 63;
+        sc[j + 4] = (uint8_t)((s[j + 8] & 0x0f) | ((s[j] >> 6) << 4));
+        mn[j + 4] = (uint8_t)((s[j + 8] >> 4) | ((s[j + 4] >> 6) << 4));
+    }
+}
+
+/* the super-block's 256 weights as floats (dequant.py's arithmetic, exact) */
+static void kq_dequant(int kind, const uint8_t *blk, float *o) {
+    if (kind == KIND_Q6_K) {
+        const uint8_t *ql = blk, *qh = blk + 128;
+        const int8_t *sc = (const int8_t *)(blk + 192);
+        const float d = kq_f16(blk + 208);
+        for (int r = 0; r < 2; r++)
+            for (int k = 0; k < 4; k++)
+                for (int i = 0; i < 32; i++) {
+                    int w = 128 * r + 32 * k + i;
+                    int lo = (ql[64 * r + 32 * (k % 2) + i] >> (4 * (k / 2))) & 15;
+                    int hi = (qh[32 * r + i] >> (2 * k)) & 3;
+                    o[w] = (float)((lo | (hi << 4)) - 32) * (d * (float)sc[w / 16]);
+                }
+        return;
+    }
+    const float d = kq_f16(blk), dmin = kq_f16(blk + 2);
+    uint8_t sc[8], mn[8];
+    k_scales(blk + 4, sc, mn);
+    const uint8_t *qh = blk + 16, *qs = blk + (kind == KIND_Q5_K ? 48 : 16);
+    for (int c = 0; c < 4; c++)
+        for (int h = 0; h < 2; h++) {
+            int j = 2 * c + h;
+            float ds = d * (float)sc[j], dm = dmin * (float)mn[j];
+            for (int i = 0; i < 32; i++) {
+                int q = (qs[32 * c + i] >> (4 * h)) & 15;
+                if (kind == KIND_Q5_K) q |= ((qh[i] >> j) & 1) << 4;
+                o[32 * j + i] = (float)q * ds - dm;
+            }
+        }
+}
+
+/* x [M, K] -> q [M, K] int8, d [M, K/256] and bs [M, K/16] (the sums of each 16 codes),
+ * rounding to nearest even as lrintf does */
+static void kq_quantize_x(const float *x, int64_t M, int64_t K, int8_t *q, float *d, int16_t *bs) {
+    int64_t nsb = K / QK_K;
+#pragma omp parallel for schedule(static) if (M * K >= (1 << 16))
+    for (int64_t i = 0; i < M * nsb; i++) {
+        const float *v = x + i * QK_K;
+        float amax = 0.f;
+        for (int j = 0; j < QK_K; j++) amax = fmaxf(amax, fabsf(v[j]));
+        float inv = amax > 0.f ? 127.f / amax : 0.f;
+        d[i] = amax / 127.f;
+        for (int g = 0; g < QK_K / 16; g++) {
+            int sum = 0;
+            for (int j = 16 * g; j < 16 * g + 16; j++) {
+                int qj = (int)lrintf(v[j] * inv);
+                q[i * QK_K + j] = (int8_t)qj;
+                sum += qj;
+            }
+            bs[i * (QK_K / 16) + g] = (int16_t)sum;
+        }
+    }
+}
+
+#ifdef __AVX2__
+static inline float kq_hsum8(__m256 v) {
+    __m128 r = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    r = _mm_add_ps(r, _mm_movehl_ps(r, r));
+    r = _mm_add_ss(r, _mm_movehdup_ps(r));
+    return _mm_cvtss_f32(r);
+}
+/* sum over 32 u8 weights times s8 activations, times a scale per 16 (lanes 0-7: the first
+ * 16 weights' pairs, 8-15: the second's), as 8 int32 */
+static inline __m256i kq_dot32(__m256i w, __m256i x, __m256i scale) {
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), scale);
+}
+#endif
+
+/* Rows [n0, n1) of W against mt (<= KQ_MT) quantized rows of x: integer sums per super-block,
+ * then d * dx * (sum - the mins' or Q6_K's offset part). Inlined into kq_rows_block's switch
+ * with kind and mt constant. */
+static inline __attribute__((always_inline)) void kq_rows_kernel(
+    const int kind, const int mt, const uint8_t *w, int64_t row_bytes, int64_t nsb, int64_t n0,
+    int64_t n1, const int8_t *xq, const float *xd, const int16_t *bs, int64_t K, float *y,
+    int64_t N) {
+    const int bb = kind == KIND_Q4_K ? 144 : kind == KIND_Q5_K ? 176 : 210;
+    const int64_t ng = K / 16; /* activation sums a row */
+    for (int64_t n = n0; n < n1; n++) {
+        const uint8_t *row = w + n * row_bytes;
+        float out[KQ_MT] = {0};
+#ifdef __AVX2__
+        __m256 facc[KQ_MT];
+        for (int i = 0; i < mt; i++) facc[i] = _mm256_setzero_ps();
+#endif
+        for (int64_t b = 0; b < nsb; b++) {
+            const uint8_t *blk = row + b * bb;
+            const int8_t *xb = xq + b * QK_K;
+            const int16_t *sb = bs + b * 16;
+            if (kind == KIND_Q6_K) {
+                const int8_t *sc = (const int8_t *)(blk + 192);
+                const float d = kq_f16(blk + 208);
+                int offs[KQ_MT] = {0}; /* sum of sc * 32 * the codes' sums */
+                for (int i = 0; i < mt; i++)
+                    for (int j = 0; j < 16; j++) offs[i] += sc[j] * sb[i * ng + j];
+#ifdef __AVX2__
+                __m256i iacc[KQ_MT];
+                for (int i = 0; i < mt; i++) iacc[i] = _mm256_setzero_si256();
+                const __m256i low = _mm256_set1_epi8(0x0f), three = _mm256_set1_epi8(3);
+                for (int r = 0; r < 2; r++) {
+                    __m256i l0 = _mm256_loadu_si256((const __m256i *)(blk + 64 * r));
+                    __m256i l1 = _mm256_loadu_si256((const __m256i *)(blk + 64 * r + 32));
+                    __m256i hb = _mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * r));
+                    for (int k = 0; k < 4; k++) {
+                        __m256i lsrc = k % 2 ? l1 : l0;
+                        __m256i lo = _mm256_and_si256(k < 2 ? lsrc : _mm256_srli_epi16(lsrc, 4), low);
+                        __m256i hi = _mm256_and_si256(_mm256_srli_epi16(hb, 2 * k), three);
+                        __m256i q = _mm256_or_si256(lo, _mm256_slli_epi16(hi, 4));
+                        int s = 8 * r + 2 * k;
+                        __m256i scale = _mm256_set_m128i(_mm_set1_epi16(sc[s + 1]),
+                                                         _mm_set1_epi16(sc[s]));
+                        for (int i = 0; i < mt; i++) {
+                            __m256i xv = _mm256_loadu_si256(
+                                (const __m256i *)(xb + i * K + 128 * r + 32 * k));
+                            iacc[i] = _mm256_add_epi32(iacc[i], kq_dot32(q, xv, scale));
+                        }
+                    }
+                }
+                for (int i = 0; i < mt; i++) {
+                    __m256 v = _mm256_cvtepi32_ps(iacc[i]);
+                    float dx = d * xd[i * nsb + b];
+                    facc[i] = _mm256_fmadd_ps(v, _mm256_set1_ps(dx), facc[i]);
+                    out[i] -= dx * (float)(32 * offs[i]);
+                }
+#else
+                for (int i = 0; i < mt; i++) {
+                    int sum = 0;
+                    for (int r = 0; r < 2; r++)
+                        for (int k = 0; k < 4; k++)
+                            for (int t = 0; t < 32; t++) {
+                                int wi = 128 * r + 32 * k + t;
+                                int lo = (blk[64 * r + 32 * (k % 2) + t] >> (4 * (k / 2))) & 15;
+                                int hi = (blk[128 + 32 * r + t] >> (2 * k)) & 3;
+                                sum += sc[wi / 16] * (lo | (hi << 4)) * xb[i * K + wi];
+                            }
+                    out[i] += d * xd[i * nsb + b] * (float)(sum - 32 * offs[i]);
+                }
+#endif
+                continue;
+            }
+            const float d = kq_f16(blk), dmin = kq_f16(blk + 2);
+            uint8_t sc[8], mn[8];
+            k_scales(blk + 4, sc, mn);
+            const uint8_t *qh = blk + 16, *qs = blk + (kind == KIND_Q5_K ? 48 : 16);
+            for (int i = 0; i < mt; i++) {
+                int msum = 0;
+                for (int j = 0; j < 8; j++) msum += mn[j] * (sb[i * ng + 2 * j] + sb[i * ng + 2 * j + 1]);
+                out[i] -= dmin * xd[i * nsb + b] * (float)msum;
+            }
+#ifdef __AVX2__
+            __m256i iacc[KQ_MT];
+            for (int i = 0; i < mt; i++) iacc[i] = _mm256_setzero_si256();
+            const __m256i low = _mm256_set1_epi8(0x0f), one = _mm256_set1_epi8(1);
+            __m256i hbits = kind == KIND_Q5_K ? _mm256_loadu_si256((const __m256i *)qh)
+                                              : _mm256_setzero_si256();
+            for (int c = 0; c < 4; c++) {
+                __m256i raw = _mm256_loadu_si256((const __m256i *)(qs + 32 * c));
+                __m256i lo = _mm256_and_si256(raw, low);
+                __m256i hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
+                if (kind == KIND_Q5_K) {
+                    __m256i b0 = _mm256_and_si256(_mm256_srli_epi16(hbits, 2 * c), one);
+                    __m256i b1 = _mm256_and_si256(_mm256_srli_epi16(hbits, 2 * c + 1), one);
+                    lo = _mm256_or_si256(lo, _mm256_slli_epi16(b0, 4));
+                    hi = _mm256_or_si256(hi, _mm256_slli_epi16(b1, 4));
+                }
+                __m256i s0 = _mm256_set1_epi16(sc[2 * c]), s1 = _mm256_set1_epi16(sc[2 * c + 1]);
+                for (int i = 0; i < mt; i++) {
+                    const int8_t *xv = xb + i * K + 64 * c;
+                    __m256i x0 = _mm256_loadu_si256((const __m256i *)xv);
+                    __m256i x1 = _mm256_loadu_si256((const __m256i *)(xv + 32));
+                    __m256i p = _mm256_add_epi32(kq_dot32(lo, x0, s0), kq_dot32(hi, x1, s1));
+                    iacc[i] = _mm256_add_epi32(iacc[i], p);
+                }
+            }
+            for (int i = 0; i < mt; i++) {
+                __m256 v = _mm256_cvtepi32_ps(iacc[i]);
+                facc[i] = _mm256_fmadd_ps(v, _mm256_set1_ps(d * xd[i * nsb + b]), facc[i]);
+            }
+#else
+            for (int i = 0; i < mt; i++) {
+                int sum = 0;
+                for (int c = 0; c < 4; c++)
+                    for (int h = 0; h < 2; h++) {
+                        int j = 2 * c + h, part = 0;
+                        for (int t = 0; t < 32; t++) {
+                            int q = (qs[32 * c + t] >> (4 * h)) & 15;
+                            if (kind == KIND_Q5_K) q |= ((qh[t] >> j) & 1) << 4;
+                            part += q * xb[i * K + 32 * j + t];
+                        }
+                        sum += sc[j] * part;
+                    }
+                out[i] += d * xd[i * nsb + b] * (float)sum;
+            }
+#endif
+        }
+#ifdef __AVX2__
+        for (int i = 0; i < mt; i++) out[i] += kq_hsum8(facc[i]);
+#endif
+        for (int i = 0; i < mt; i++) y[i * N + n] = out[i];
+    }
+}
+
+#define KQ_CASE(KIND, MT_)                                                                     \
+    case KIND * 8 + MT_:                                                                       \
+        kq_rows_kernel(KIND, MT_, w, row_bytes, nsb, n0, n1, xq, xd, bs, K, y, N);             \
+        break;
+#define KQ_KIND(KIND) KQ_CASE(KIND, 1) KQ_CASE(KIND, 2) KQ_CASE(KIND, 3) KQ_CASE(KIND, 4)
+
+static void kq_rows_block(int kind, const uint8_t *w, int64_t row_bytes, int64_t nsb,
+                          int64_t n0, int64_t n1, int mt, const int8_t *xq, const float *xd,
+                          const int16_t *bs, int64_t K, float *y, int64_t N) {
+    switch (kind * 8 + mt) {
+        KQ_KIND(KIND_Q4_K)
+        KQ_KIND(KIND_Q5_K)
+        KQ_KIND(KIND_Q6_K)
+    }
+}
+
+static int kq_check(int kind, int64_t N, int64_t K) {
+    return hx_kq_is_kind(kind) && N >= 1 && K >= QK_K && K % QK_K == 0 ? 0 : -1;
+}
+
+/* y [M, N] = x [M, K] @ W^T, x quantized to int8 per 256 (decode's path). Returns 0, or -1
+ * on a bad argument or a failed allocation. */
+int hx_kq_matmul(int kind, const uint8_t *w, int64_t N, int64_t K, const float *x, int64_t M,
+                 float *y, int num_threads) {
+    if (kq_check(kind, N, K) || M < 1) return -1;
+    int64_t nsb = K / QK_K, row_bytes = nsb * hx_kq_block_bytes(kind);
+    int8_t *xq = malloc((size_t)(M * K));
+    float *xd = malloc((size_t)(M * nsb) * sizeof(float));
+    int16_t *bs = malloc((size_t)(M * (K / 16)) * sizeof(int16_t));
+    if (!xq || !xd || !bs) {
+        free(xq); free(xd); free(bs);
+        return -1;
+    }
+    kq_quantize_x(x, M, K, xq, xd, bs);
+    int64_t nchunks = (N + KQ_CHUNK - 1) / KQ_CHUNK;
+#pragma omp parallel for schedule(static) num_threads(num_threads)
+    for (int64_t c = 0; c < nchunks; c++) {
+        int64_t n0 = c * KQ_CHUNK, n1 = n0 + KQ_CHUNK < N ? n0 + KQ_CHUNK : N;
+        for (int64_t m0 = 0; m0 < M; m0 += KQ_MT) {
+            int mt = M - m0 < KQ_MT ? (int)(M - m0) : KQ_MT;
+            kq_rows_block(kind, w, row_bytes, nsb, n0, n1, mt, xq + m0 * K, xd + m0 * nsb,
+                          bs + m0 * (K / 16), K, y + m0 * N, N);
+        }
+    }
+    free(xq); free(xd); free(bs);
+    return 0;
+}
+
+static float kq_dot_f32(const float *a, const float *b, int64_t n) {
+    int64_t i = 0;
+    float sum = 0.f;
+#ifdef __AVX2__
+    __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(),
+                     _mm256_setzero_ps()};
+    for (; i + 32 <= n; i += 32)
+        for (int j = 0; j < 4; j++)
+            acc[j] = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8 * j), _mm256_loadu_ps(b + i + 8 * j),
+                                     acc[j]);
+    sum = kq_hsum8(_mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3])));
+#endif
+    for (; i < n; i++) sum += a[i] * b[i];
+    return sum;
+}
+
+/* y [M, N] = x [M, K] @ W^T with x in float32 as it is: each row of W widened to its exact
+ * floats once and multiplied into every row of x (prompt steps' few-row calls, as
+ * hx_blocks_matmul_f32 for the 32-weight kinds). */
+int hx_kq_matmul_f32(int kind, const uint8_t *w, int64_t N, int64_t K, const float *x,
+                     int64_t M, float *y, int num_threads) {
+    if (kq_check(kind, N, K) || M < 1) return -1;
+    int64_t nsb = K / QK_K, bb = hx_kq_block_bytes(kind), row_bytes = nsb * bb;
+    int failed = 0;
+#pragma omp parallel num_threads(num_threads)
+    {
+        float *wr = malloc((size_t)K * sizeof(float));
+        if (!wr) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(static)
+        for (int64_t n = 0; n < N; n++) {
+            if (!wr) continue;
+            for (int64_t b = 0; b < nsb; b++) kq_dequant(kind, w + n * row_bytes + b * bb, wr + b * QK_K);
+            for (int64_t m = 0; m < M; m++) y[m * N + n] = kq_dot_f32(wr, x + m * K, K);
+        }
+        free(wr);
+    }
+    return failed ? -1 : 0;
+}
+
+/* out [N, K] float32 = the weight (dequant.py's arithmetic) */
+int hx_kq_dequantize(int kind, const uint8_t *w, int64_t N, int64_t K, float *out,
+                     int num_threads) {
+    if (kq_check(kind, N, K)) return -1;
+    int64_t nsb = K / QK_K, bb = hx_kq_block_bytes(kind), row_bytes = nsb * bb;
+#pragma omp parallel for schedule(static) num_threads(num_threads)
+    for (int64_t n = 0; n < N; n++)
+        for (int64_t b = 0; b < nsb; b++)
+            kq_dequant(kind, w + n * row_bytes + b * bb, out + n * K + b * QK_K);
+    return 0;
+}
+
+/* out [K, N] float32 = the weight transposed: what a prompt chunk's GEMM takes as x @ out.
+ * Threads split the super-blocks along K, so that each writes whole rows of out. */
+int hx_kq_dequantize_t(int kind, const uint8_t *w, int64_t N, int64_t K, float *out,
+                       int num_threads) {
+    if (kq_check(kind, N, K)) return -1;
+    int64_t nsb = K / QK_K, bb = hx_kq_block_bytes(kind), row_bytes = nsb * bb;
+#pragma omp parallel for schedule(static) num_threads(num_threads)
+    for (int64_t b = 0; b < nsb; b++) {
+        float v[QK_K];
+        float *o = out + b * QK_K * N;
+        for (int64_t n = 0; n < N; n++) {
+            kq_dequant(kind, w + n * row_bytes + b * bb, v);
+            for (int j = 0; j < QK_K; j++) o[j * N + n] = v[j];
+        }
+    }
+    return 0;
+}
+
+/* out [n, K] float32 = rows ids[0..n) of the weight (a tied embedding's lookup) */
+int hx_kq_rows(int kind, const uint8_t *w, int64_t N, int64_t K, const int64_t *ids, int64_t n,
+               float *out) {
+    if (kq_check(kind, N, K)) return -1;
+    for (int64_t i = 0; i < n; i++)
+        if (ids[i] < 0 || ids[i] >= N) return -1;
+    int64_t nsb = K / QK_K, bb = hx_kq_block_bytes(kind), row_bytes = nsb * bb;
+    for (int64_t i = 0; i < n; i++)
+        for (int64_t b = 0; b < nsb; b++)
+            kq_dequant(kind, w + ids[i] * row_bytes + b * bb, out + i * K + b * QK_K);
+    return 0;
+}

@@ -1,0 +1,139 @@
+"""The native K-quant kernels (native/kquants.c: Q4_K, Q5_K, Q6_K super-blocks) against the
+loader's dequantization and their naive twin, at shapes that end mid-tile and mid-chunk; the
+scalar build against the vector one; and the Linears that hold a Q4_K_M file's mix."""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from helexa.engine.layers import native
+from helexa.engine.layers.linear import MIXED, Linear, fuse
+from helexa.engine.loader.dequant import dequantize
+from helexa.engine.loader.gguf import GGUFTensor
+from helexa.kernels.quant_pack import make_gguf_blocks
+
+pytestmark = pytest.mark.skipif(not native.available(), reason="no C compiler here")
+KINDS = native.K_KINDS
+
+
+def blocks(kind: str, n: int, k: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """(random valid `kind` super-blocks [n, bytes], the loader's float32 weight [n, k])."""
+    raw = make_gguf_blocks(kind, n, k, generator=torch.Generator().manual_seed(seed))
+    return raw, dequantize(raw.reshape(-1), kind, (n, k))
+
+
+def held(kind: str, raw: torch.Tensor) -> list[tuple[torch.Tensor, str]]:
+    """The forms the Linears hold `raw` in: the file's rows, and (rows in 8s) interleaved."""
+    forms = [(raw, kind)]
+    if raw.shape[0] % native.XR == 0 and f"{kind}x8" in native.KINDS:
+        forms.append(native.interleave(raw, kind))
+    return forms
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+@pytest.fixture(scope="module")
+def scalar(tmp_path_factory):
+    """The kernels built for x86-64 without AVX2 (their #else loops), once, outside the cache."""
+    flags = (*(f for f in native.FLAGS if not f.startswith("-march")), "-march=x86-64")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("HELEXA_NATIVE_DIR", str(tmp_path_factory.mktemp("scalar")))
+        return native.load(native.build(native._compiler(), flags))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize(("n", "k"), [(37, 256), (40, 768), (8, 1280)])
+def test_unpacking_is_the_loaders_arithmetic_bit_for_bit(kind, n, k):
+    raw, ref = blocks(kind, n, k)
+    qtype = gguf.GGMLQuantizationType[kind]  # gguf-py's own reading agrees with the loader's
+    theirs = gguf.quants.dequantize(raw.numpy(), qtype).reshape(n, k)
+    assert torch.equal(ref, torch.from_numpy(np.ascontiguousarray(theirs)))
+    ids = torch.tensor([n - 1, 0, n // 2, 3])
+    for w, form in held(kind, raw):
+        assert torch.equal(native.dequantize(w, form, n), ref), form
+        assert torch.equal(native.unpack(w, form, n), ref), form
+        assert torch.equal(native.unpack_t(w, form, n), ref.T), form
+        assert torch.equal(native.rows(w, form, ids), ref[ids]), form
+
+
+@pytest.mark.parametrize("kind", KINDS)
+# rows 1-9 cross the 4-row tiles; 37 outputs end mid-chunk (chunks of 16); 130 rows of
+# activations are quantized over threads
+@pytest.mark.parametrize(
+    ("m", "n", "k"), [(1, 37, 256), (3, 64, 768), (5, 24, 512), (9, 40, 256), (130, 16, 512)]
+)
+def test_the_kernels_compute_their_naive_twin(kind, m, n, k):
+    raw, ref = blocks(kind, n, k, seed=m)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(n))
+    if m > 1:
+        x[-1, :256] = 0  # an all-zero super-block of activations: scale 0, no division by it
+    exact = (x.double() @ ref.double().T).float()
+    for w, form in held(kind, raw):
+        y = native.matmul(x, w, form, n)
+        assert rel(y, native.naive_matmul(x, w, form, n)) < 2e-6, form
+        assert rel(y, exact) < 3e-2, form  # int8 activations per 256: llama.cpp's Q8_K
+        assert rel(native.matmul(x, w, form, n, exact=True), exact) < 1e-6, form
+
+
+def test_the_scalar_build_for_cpus_without_avx2_agrees(scalar):
+    for kind in KINDS:
+        raw, ref = blocks(kind, 24, 512)
+        x = torch.randn(5, 512, generator=torch.Generator().manual_seed(1))
+        for w, form in held(kind, raw):
+            assert torch.equal(native.unpack(w, form, 24, lib=scalar), ref), form
+            y = native.matmul(x, w, form, 24, lib=scalar)
+            assert rel(y, native.matmul(x, w, form, 24)) < 2e-6, form
+            ye = native.matmul(x, w, form, 24, lib=scalar, exact=True)
+            assert rel(ye, (x.double() @ ref.double().T).float()) < 1e-6, form
+
+
+def test_bad_shapes_are_refused_not_computed():
+    raw, _ = blocks("Q4_K", 8, 256)
+    with pytest.raises(RuntimeError, match="refused"):
+        native.matmul(torch.randn(1, 128), raw[:, :72].contiguous(), "Q4_K", 8)
+
+
+def source(kind: str, n: int, k: int, seed: int = 0) -> tuple[GGUFTensor, torch.Tensor]:
+    raw, ref = blocks(kind, n, k, seed)
+    return GGUFTensor(f"w.{kind}", kind, (n, k), raw), ref
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_k_quant_linear_holds_the_files_bytes_and_computes_their_weight(kind):
+    src, ref = source(kind, 48, 512)
+    lin = Linear(512, 48)
+    lin.load_weight(src, dtype=torch.float32)
+    assert lin.format == "blocks" and lin.block_kind.removesuffix("x8") == kind
+    assert lin.memory_bytes <= 1.1 * src.data.nbytes  # kept as the file holds it, no float copy
+    assert torch.equal(lin.dequantize(), ref)
+    x = torch.randn(3, 512, generator=torch.Generator().manual_seed(0))
+    assert rel(lin.forward(x), x @ ref.T) < 3e-2
+    assert rel(lin.exact_matmul(x), x @ ref.T) < 1e-6
+    assert rel(lin.dense_matmul(x), x @ ref.T) < 1e-6
+
+
+def test_a_q4_k_m_projection_of_q4_k_and_q6_k_parts_fuses_without_widening():
+    # llama.cpp's Q4_K_M: q and k Q4_K, v Q6_K on some layers; q, k, v all read one input
+    parts = [source("Q4_K", 64, 256, 1), source("Q4_K", 16, 256, 2), source("Q6_K", 16, 256, 3)]
+    lins = []
+    for src, _ in parts:
+        lin = Linear(256, src.shape[0])
+        lin.load_weight(src, dtype=torch.float32)
+        lins.append(lin)
+    fused = fuse(lins)
+    assert fused.format == "blocks" and fused.block_kind == MIXED
+    assert fused.split_sizes == [64, 16, 16]
+    assert fused.memory_bytes == sum(lin.memory_bytes for lin in lins)
+    ref = torch.cat([r for _, r in parts])
+    assert torch.equal(fused.dequantize(), ref)
+    x = torch.randn(2, 256, generator=torch.Generator().manual_seed(0))
+    y = fused.forward(x)
+    assert torch.equal(y, torch.cat([lin.forward(x) for lin in lins], dim=1))
+    assert rel(fused.dense_matmul(x), x @ ref.T) < 1e-6
+    assert rel(fused.exact_matmul(x), x @ ref.T) < 1e-6
+    assert "Q4_K" in repr(fused) and "Q6_K" in repr(fused)
