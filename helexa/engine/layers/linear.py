@@ -263,7 +263,7 @@ class Linear(nn.Module):
         self.format, self.k_repeat, self.block_kind, self.scales = "blocks", 1, kind, None
         self.block_parts = ()
         self.weight = raw.reshape(self.out_features, -1).contiguous()
-        if self.out_features % native.XR == 0 and kind not in native.K_KINDS:
+        if self.out_features % native.XR == 0 and f"{kind}x8" in native.KINDS:
             self.weight, self.block_kind = native.interleave(self.weight, kind)
 
     def _set_int4(

@@ -39,14 +39,15 @@ SOURCES = (SOURCE, SOURCE.with_name("kquants.c"))
 # K-quants as the file's rows of 256-weight super-blocks
 KINDS = {"Q4_0": 0, "Q4_1": 1, "Q8_0": 2, "Q4_0x8": 3, "Q4_1x8": 4, "Q8_0x8": 5}
 K_KINDS = ("Q4_K", "Q5_K", "Q6_K")
-KINDS |= {k: 6 + i for i, k in enumerate(K_KINDS)}
+KINDS |= {k: 6 + i for i, k in enumerate(K_KINDS)} | {"Q4_Kx8": 9, "Q6_Kx8": 10}
 BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}  # one row's block (x8: its share)
 BLOCK_BYTES |= {f"{k}x8": v for k, v in BLOCK_BYTES.items()}
-BLOCK_BYTES |= {"Q4_K": 144, "Q5_K": 176, "Q6_K": 210}
+# Q4_Kx8 unpacks the 6-bit scales and mins of its 144 bytes to a byte each
+BLOCK_BYTES |= {"Q4_K": 144, "Q5_K": 176, "Q6_K": 210, "Q4_Kx8": 148, "Q6_Kx8": 210}
 QK = 32  # weights a block
 QK_K = 256  # weights a K-quant super-block
 # weights of one block of each kind: rows of a weight held as `kind` are multiples of it
-BLOCK_WEIGHTS = {k: QK_K if k in K_KINDS else QK for k in KINDS}
+BLOCK_WEIGHTS = {k: QK_K if k.removesuffix("x8") in K_KINDS else QK for k in KINDS}
 XR = 8  # rows an x8 group interleaves
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11")
 
@@ -107,6 +108,8 @@ def load(path: Path) -> ctypes.CDLL:
     lib.hx_dequantize.restype = ctypes.c_int
     lib.hx_dequantize_t.argtypes = lib.hx_dequantize.argtypes
     lib.hx_dequantize_t.restype = ctypes.c_int
+    lib.hx_kq_interleave.argtypes = [ctypes.c_int, ptr, i64, i64, ptr, ctypes.c_int, ctypes.c_int]
+    lib.hx_kq_interleave.restype = ctypes.c_int
     lib.hx_rows.argtypes = [ctypes.c_int, ptr, i64, i64, ptr, i64, ptr]
     lib.hx_rows.restype = ctypes.c_int
     lib.hx_rms_norm.argtypes = [ptr, ptr, ptr, ptr, ptr, i64, i64, ctypes.c_float, ctypes.c_int]
@@ -500,7 +503,10 @@ def _x8_parts(kind: str) -> tuple[int, int]:
 def interleave(blocks: torch.Tensor, kind: str) -> tuple[torch.Tensor, str]:
     """A file-order weight [N, K/32 × block bytes] (N a multiple of 8) as its x8 form, same
     shape and bytes: per group of 8 rows and block, the 8 d's, the 8 m's (Q4_1), then the
-    codes with byte 32c + 4r + k = byte 4c + k of row r's codes."""
+    codes with byte 32c + 4r + k = byte 4c + k of row r's codes. Q4_K and Q6_K: kquants.c's
+    x8 forms (its comment), made there."""
+    if kind in K_KINDS:
+        return _kq_interleave(blocks, kind, f"{kind}x8", reverse=False), f"{kind}x8"
     n, row_bytes = blocks.shape
     bb = BLOCK_BYTES[kind]
     head, rounds = _x8_parts(kind)
@@ -514,6 +520,8 @@ def interleave(blocks: torch.Tensor, kind: str) -> tuple[torch.Tensor, str]:
 def deinterleave(blocks: torch.Tensor, kind: str) -> tuple[torch.Tensor, str]:
     """`interleave` undone: (the file-order weight, the file's kind)."""
     base = kind.removesuffix("x8")
+    if base in K_KINDS:
+        return _kq_interleave(blocks, kind, base, reverse=True), base
     n, row_bytes = blocks.shape
     bb = BLOCK_BYTES[base]
     head, rounds = _x8_parts(base)
@@ -524,10 +532,27 @@ def deinterleave(blocks: torch.Tensor, kind: str) -> tuple[torch.Tensor, str]:
     return b.transpose(1, 2).reshape(n, row_bytes).contiguous(), base
 
 
+def _kq_interleave(blocks: torch.Tensor, kind: str, to: str, *, reverse: bool) -> torch.Tensor:
+    """A K-quant weight [N, row bytes] of `kind` as `to` (its x8 form, or back)."""
+    n = blocks.shape[0]
+    k = blocks.shape[1] // BLOCK_BYTES[kind] * QK_K
+    out = torch.empty(n, k // QK_K * BLOCK_BYTES[to], dtype=torch.uint8)
+    src = blocks.contiguous()
+    rc = library().hx_kq_interleave(
+        KINDS[to.removesuffix("x8")], src.data_ptr(), n, k, out.data_ptr(), int(reverse),
+        torch.get_num_threads(),
+    )  # fmt: skip
+    if rc != 0:
+        raise RuntimeError(f"native interleave refused {kind} [{n}, {k}]")
+    return out
+
+
 def dequantize(blocks: torch.Tensor, kind: str, out_features: int) -> torch.Tensor:
     """The weight as float32 [out_features, K] (GGUF's arithmetic), in torch: the naive twin
     of `unpack`, which the tests and `naive_matmul` read."""
-    if kind in K_KINDS:  # the loader's own arithmetic
+    if kind.removesuffix("x8") in K_KINDS:  # the loader's own arithmetic
+        if kind.endswith("x8"):
+            blocks, kind = deinterleave(blocks, kind)
         k = blocks.shape[1] // BLOCK_BYTES[kind] * QK_K
         return gguf_dequantize(blocks.reshape(-1), kind, (out_features, k))
     if kind.endswith("x8"):

@@ -31,15 +31,23 @@
 #include <immintrin.h>
 #endif
 
-enum { QK_K = 256, KQ_MT = 4, KQ_CHUNK = 16 };
-/* the kinds' numbers, as native.KINDS has them */
-enum { KIND_Q4_K = 6, KIND_Q5_K = 7, KIND_Q6_K = 8 };
+enum { QK_K = 256, KQ_MT = 4, KQ_CHUNK = 16, KQ_XR = 8 };
+/* the kinds' numbers, as native.KINDS has them; "x8": 8 rows interleaved (see below) */
+enum { KIND_Q4_K = 6, KIND_Q5_K = 7, KIND_Q6_K = 8, KIND_Q4_KX8 = 9, KIND_Q6_KX8 = 10 };
+/* bytes of an x8 group's super-block */
+enum { GB_Q4_K = 1184, GB_Q6_K = 1680 };
+/* how far ahead the x8 kernels ask for their weights (as blocks.c's PREFETCH) */
+enum { KQ_PREFETCH = 4096 };
 
-int hx_kq_is_kind(int kind) { return kind >= KIND_Q4_K && kind <= KIND_Q6_K; }
+int hx_kq_is_kind(int kind) { return kind >= KIND_Q4_K && kind <= KIND_Q6_KX8; }
+static inline int kq_is_x8(int kind) { return kind >= KIND_Q4_KX8; }
+static inline int kq_base(int kind) {
+    return kind == KIND_Q4_KX8 ? KIND_Q4_K : kind == KIND_Q6_KX8 ? KIND_Q6_K : kind;
+}
 
-/* bytes of one super-block */
+/* bytes of one row's super-block (x8: its share of its group's) */
 int hx_kq_block_bytes(int kind) {
-    return kind == KIND_Q4_K ? 144 : kind == KIND_Q5_K ? 176 : 210;
+    return kind == KIND_Q4_K ? 144 : kind == KIND_Q5_K ? 176 : kind == KIND_Q4_KX8 ? 148 : 210;
 }
 
 static float kq_f16(const uint8_t *p) {
@@ -110,6 +118,149 @@ static void kq_dequant(int kind, const uint8_t *blk, float *o) {
                 o[32 * j + i] = (float)q * ds - dm;
             }
         }
+}
+
+/* -- x8: 8 rows' super-blocks side by side --------------------------------------------------
+ * As blocks.c's x8 kinds: rows in 8s (nearly all weights) are held as groups of 8 rows, whose
+ * super-blocks lie together, laid out so that a 32-byte load holds 4 consecutive codes of each
+ * of the 8 rows (one row a 32-bit lane): against 4 activations broadcast to every lane,
+ * maddubs leaves each row's partial dot in its own lane, and a super-block's 8 dots come out
+ * as one vector, with no horizontal sums. The file's bytes, reordered (the 6-bit scales of
+ * Q4_K unpacked to bytes: 148 bytes a row's super-block for 144):
+ *
+ *   Q4_Kx8 [d f16 x 8][dmin f16 x 8]
+ *          then per pair c of sub-blocks (2c, 2c + 1): [scales: byte 2r + h = row r's scale
+ *          of sub-block 2c + h][mins: the same]
+ *          then codes: byte 32 (8c + t) + 4r + k = byte 32c + 4t + k of row r's nibbles
+ *   Q6_Kx8 [d f16 x 8][scales: byte 16u + 2r + h = row r's scale of sub-block 2u + h]
+ *          then per t < 16, three runs of 32 bytes, byte 4r + k of row r's codes q[p] at
+ *          the positions p = 4t + k + 64 j (j < 4): [lo(q j=0) | lo(q j=1) << 4]
+ *          [lo(q j=2) | lo(q j=3) << 4][hi(q j=0) | hi(j=1) << 2 | hi(j=2) << 4 | hi(j=3) << 6]
+ *          (lo: the low 4 bits, hi: the top 2)
+ */
+
+/* Q4_K/Q5_K's 12 bytes back from 8 scales and 8 mins (k_scales undone) */
+static inline void k_scales_pack(const uint8_t *sc, const uint8_t *mn, uint8_t *s) {
+    for (int j = 0; j < 4; j++) {
+        s[j] = (uint8_t)((sc[j] & 63) | ((sc[j + 4] >> 4) << 6));
+        s[j + 4] = (uint8_t)((mn[j] & 63) | ((mn[j + 4] >> 4) << 6));
+        s[j + 8] = (uint8_t)((sc[j + 4] & 15) | ((mn[j + 4] & 15) << 4));
+    }
+}
+
+/* a Q6_K super-block's 256 codes q (0..63) in order, and back */
+static inline void q6_codes(const uint8_t *blk, uint8_t *q) {
+    for (int p = 0; p < QK_K; p++) {
+        int r = p / 128, k = (p % 128) / 32, i = p % 32;
+        int lo = (blk[64 * r + 32 * (k % 2) + i] >> (4 * (k / 2))) & 15;
+        q[p] = (uint8_t)(lo | (((blk[128 + 32 * r + i] >> (2 * k)) & 3) << 4));
+    }
+}
+static inline void q6_codes_pack(const uint8_t *q, uint8_t *blk) {
+    memset(blk, 0, 192);
+    for (int p = 0; p < QK_K; p++) {
+        int r = p / 128, k = (p % 128) / 32, i = p % 32;
+        blk[64 * r + 32 * (k % 2) + i] |= (uint8_t)((q[p] & 15) << (4 * (k / 2)));
+        blk[128 + 32 * r + i] |= (uint8_t)((q[p] >> 4) << (2 * k));
+    }
+}
+
+/* row r's super-block as the file holds it, from its group's */
+static void group_row_k(int base, const uint8_t *g, int r, uint8_t *blk) {
+    if (base == KIND_Q4_K) {
+        uint8_t sc[8], mn[8];
+        memcpy(blk, g + 2 * r, 2);
+        memcpy(blk + 2, g + 16 + 2 * r, 2);
+        for (int c = 0; c < 4; c++)
+            for (int h = 0; h < 2; h++) {
+                sc[2 * c + h] = g[32 + 32 * c + 2 * r + h];
+                mn[2 * c + h] = g[32 + 32 * c + 16 + 2 * r + h];
+            }
+        k_scales_pack(sc, mn, blk + 4);
+        for (int c = 0; c < 4; c++)
+            for (int t = 0; t < 8; t++) memcpy(blk + 16 + 32 * c + 4 * t, g + 160 + 32 * (8 * c + t) + 4 * r, 4);
+        return;
+    }
+    uint8_t q[QK_K];
+    const uint8_t *codes = g + 144;
+    for (int t = 0; t < 16; t++)
+        for (int k = 0; k < 4; k++) {
+            int at = 96 * t + 4 * r + k;
+            uint8_t l0 = codes[at], l1 = codes[at + 32], h = codes[at + 64];
+            q[4 * t + k] = (uint8_t)((l0 & 15) | ((h & 3) << 4));
+            q[64 + 4 * t + k] = (uint8_t)((l0 >> 4) | (((h >> 2) & 3) << 4));
+            q[128 + 4 * t + k] = (uint8_t)((l1 & 15) | (((h >> 4) & 3) << 4));
+            q[192 + 4 * t + k] = (uint8_t)((l1 >> 4) | ((h >> 6) << 4));
+        }
+    q6_codes_pack(q, blk);
+    for (int u = 0; u < 8; u++)
+        for (int h = 0; h < 2; h++) blk[192 + 2 * u + h] = g[16 + 16 * u + 2 * r + h];
+    memcpy(blk + 208, g + 2 * r, 2);
+}
+
+/* row r's super-block into its group's place (group_row_k undone) */
+static void row_into_group(int base, const uint8_t *blk, int r, uint8_t *g) {
+    if (base == KIND_Q4_K) {
+        uint8_t sc[8], mn[8];
+        memcpy(g + 2 * r, blk, 2);
+        memcpy(g + 16 + 2 * r, blk + 2, 2);
+        k_scales(blk + 4, sc, mn);
+        for (int c = 0; c < 4; c++)
+            for (int h = 0; h < 2; h++) {
+                g[32 + 32 * c + 2 * r + h] = sc[2 * c + h];
+                g[32 + 32 * c + 16 + 2 * r + h] = mn[2 * c + h];
+            }
+        for (int c = 0; c < 4; c++)
+            for (int t = 0; t < 8; t++) memcpy(g + 160 + 32 * (8 * c + t) + 4 * r, blk + 16 + 32 * c + 4 * t, 4);
+        return;
+    }
+    uint8_t q[QK_K];
+    q6_codes(blk, q);
+    uint8_t *codes = g + 144;
+    for (int t = 0; t < 16; t++)
+        for (int k = 0; k < 4; k++) {
+            int at = 96 * t + 4 * r + k;
+            uint8_t a = q[4 * t + k], b = q[64 + 4 * t + k], c = q[128 + 4 * t + k],
+                    e = q[192 + 4 * t + k];
+            codes[at] = (uint8_t)((a & 15) | ((b & 15) << 4));
+            codes[at + 32] = (uint8_t)((c & 15) | ((e & 15) << 4));
+            codes[at + 64] = (uint8_t)((a >> 4) | ((b >> 4) << 2) | ((c >> 4) << 4) | ((e >> 4) << 6));
+        }
+    for (int u = 0; u < 8; u++)
+        for (int h = 0; h < 2; h++) g[16 + 16 * u + 2 * r + h] = blk[192 + 2 * u + h];
+    memcpy(g + 2 * r, blk + 208, 2);
+}
+
+/* a weight of file rows [N, K / 256 super-blocks of `kind`] (N a multiple of 8) as its x8
+ * form, and back: the same bytes (Q4_K's scales unpacked), threads splitting the groups */
+int hx_kq_interleave(int kind, const uint8_t *src, int64_t N, int64_t K, uint8_t *dst,
+                     int reverse, int num_threads) {
+    if ((kind != KIND_Q4_K && kind != KIND_Q6_K) || N % KQ_XR || K % QK_K || K < QK_K) return -1;
+    int64_t nsb = K / QK_K, bb = hx_kq_block_bytes(kind);
+    int64_t gb = kind == KIND_Q4_K ? GB_Q4_K : GB_Q6_K;
+#pragma omp parallel for schedule(static) num_threads(num_threads)
+    for (int64_t g = 0; g < N / KQ_XR; g++)
+        for (int64_t b = 0; b < nsb; b++)
+            for (int r = 0; r < KQ_XR; r++) {
+                if (reverse)
+                    group_row_k(kind, src + (g * nsb + b) * gb, r,
+                                dst + (g * KQ_XR + r) * nsb * bb + b * bb);
+                else
+                    row_into_group(kind, src + (g * KQ_XR + r) * nsb * bb + b * bb, r,
+                                   dst + (g * nsb + b) * gb);
+            }
+    return 0;
+}
+
+/* row n's super-block b of a weight of `kind` (x8 or not) as the file holds it: `tmp` filled
+ * for an x8 kind, else a pointer into w */
+static inline const uint8_t *file_block(int kind, const uint8_t *w, int64_t nsb, int64_t n,
+                                        int64_t b, uint8_t *tmp) {
+    if (!kq_is_x8(kind)) return w + (n * nsb + b) * hx_kq_block_bytes(kind);
+    const int base = kq_base(kind);
+    const int64_t gb = base == KIND_Q4_K ? GB_Q4_K : GB_Q6_K;
+    group_row_k(base, w + ((n / KQ_XR) * nsb + b) * gb, (int)(n % KQ_XR), tmp);
+    return tmp;
 }
 
 /* x [M, K] -> q [M, K] int8, d [M, K/256] and bs [M, K/16] (the sums of each 16 codes),
@@ -298,8 +449,186 @@ static void kq_rows_block(int kind, const uint8_t *w, int64_t row_bytes, int64_t
     }
 }
 
+#ifdef __AVX2__
+/* rows [8 g0, 8 g1) of a Q4_Kx8 weight against mt (<= KQ_MT) quantized rows of x. Per
+ * sub-block, 8 rounds of maddubs sum in int16 (8 x 2 x 15 x 127 < 32768), then one madd by
+ * the 8 rows' scales (each lane's two halves the same scale) into int32. */
+static inline __attribute__((always_inline)) void q4kx8_kernel(
+    const int mt, const uint8_t *w, int64_t nsb, int64_t g0, int64_t g1, const int8_t *xq,
+    const float *xd, const int16_t *bs, int64_t K, float *y, int64_t N) {
+    const __m256i low = _mm256_set1_epi8(0x0f);
+    /* lane r: (scale of row r, 0, the same, 0) from the pairs' byte 2r (+1: the odd one) */
+    const __m256i even = _mm256_setr_epi8(0, -1, 0, -1, 2, -1, 2, -1, 4, -1, 4, -1, 6, -1, 6, -1,
+                                          8, -1, 8, -1, 10, -1, 10, -1, 12, -1, 12, -1, 14, -1, 14, -1);
+    const __m256i odd = _mm256_add_epi8(even, _mm256_set1_epi16(1));
+    const int64_t ng = K / 16;
+    for (int64_t g = g0; g < g1; g++) {
+        const uint8_t *grp = w + g * nsb * GB_Q4_K;
+        __m256 facc[KQ_MT];
+        for (int i = 0; i < mt; i++) facc[i] = _mm256_setzero_ps();
+        for (int64_t b = 0; b < nsb; b++) {
+            const uint8_t *blk = grp + b * GB_Q4_K, *codes = blk + 160;
+            for (int64_t o = 0; o < GB_Q4_K; o += 64)
+                _mm_prefetch((const char *)blk + KQ_PREFETCH + o, _MM_HINT_T0);
+            __m256i acc[KQ_MT];
+            for (int i = 0; i < mt; i++) acc[i] = _mm256_setzero_si256();
+            for (int c = 0; c < 4; c++) {
+                __m256i pairs = _mm256_broadcastsi128_si256(
+                    _mm_loadu_si128((const __m128i *)(blk + 32 + 32 * c)));
+                for (int h = 0; h < 2; h++) {
+                    __m256i part[KQ_MT];
+                    for (int i = 0; i < mt; i++) part[i] = _mm256_setzero_si256();
+                    for (int t = 0; t < 8; t++) {
+                        __m256i raw = _mm256_loadu_si256((const __m256i *)(codes + 32 * (8 * c + t)));
+                        __m256i q = _mm256_and_si256(h ? _mm256_srli_epi16(raw, 4) : raw, low);
+                        for (int i = 0; i < mt; i++) {
+                            int32_t x4;
+                            memcpy(&x4, xq + i * K + b * QK_K + 64 * c + 32 * h + 4 * t, 4);
+                            part[i] = _mm256_add_epi16(part[i],
+                                                       _mm256_maddubs_epi16(q, _mm256_set1_epi32(x4)));
+                        }
+                    }
+                    __m256i scale = _mm256_shuffle_epi8(pairs, h ? odd : even);
+                    for (int i = 0; i < mt; i++)
+                        acc[i] = _mm256_add_epi32(acc[i], _mm256_madd_epi16(part[i], scale));
+                }
+            }
+            const __m256 d8 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk));
+            const __m256 dm8 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 16)));
+            for (int i = 0; i < mt; i++) {
+                /* the mins: per row, the sum over sub-blocks of min times the codes' sum */
+                const int16_t *sb = bs + i * ng + b * 16;
+                __m256i macc = _mm256_setzero_si256();
+                for (int c = 0; c < 4; c++) {
+                    __m256i mins = _mm256_cvtepu8_epi16(
+                        _mm_loadu_si128((const __m128i *)(blk + 32 + 32 * c + 16)));
+                    int32_t s0 = sb[4 * c] + sb[4 * c + 1], s1 = sb[4 * c + 2] + sb[4 * c + 3];
+                    __m256i sums = _mm256_set1_epi32((int32_t)((uint32_t)(s0 & 0xffff) | ((uint32_t)s1 << 16)));
+                    macc = _mm256_add_epi32(macc, _mm256_madd_epi16(mins, sums));
+                }
+                __m256 dx = _mm256_set1_ps(xd[i * nsb + b]);
+                facc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[i]), _mm256_mul_ps(d8, dx), facc[i]);
+                facc[i] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(macc), _mm256_mul_ps(dm8, dx), facc[i]);
+            }
+        }
+        for (int i = 0; i < mt; i++) _mm256_storeu_ps(y + i * N + g * KQ_XR, facc[i]);
+    }
+}
+
+/* rows [8 g0, 8 g1) of a Q6_Kx8 weight against mt (<= KQ_MT) quantized rows of x: each
+ * round's maddubs (2 x 63 x 127 < 32768) madd-ed at once by its sub-block's scales; the -32
+ * of every code is taken off at the end through the activations' sums. */
+static inline __attribute__((always_inline)) void q6kx8_kernel(
+    const int mt, const uint8_t *w, int64_t nsb, int64_t g0, int64_t g1, const int8_t *xq,
+    const float *xd, const int16_t *bs, int64_t K, float *y, int64_t N) {
+    const __m256i low = _mm256_set1_epi8(0x0f), three = _mm256_set1_epi8(3);
+    /* lane r of a pair vector holds (scale 2u, scale 2u + 1) as int16: each one twice */
+    const __m256i dup0 = _mm256_setr_epi8(0, 1, 0, 1, 4, 5, 4, 5, 8, 9, 8, 9, 12, 13, 12, 13,
+                                          0, 1, 0, 1, 4, 5, 4, 5, 8, 9, 8, 9, 12, 13, 12, 13);
+    const __m256i dup1 = _mm256_add_epi8(dup0, _mm256_set1_epi8(2));
+    const int64_t ng = K / 16;
+    for (int64_t g = g0; g < g1; g++) {
+        const uint8_t *grp = w + g * nsb * GB_Q6_K;
+        __m256 facc[KQ_MT];
+        for (int i = 0; i < mt; i++) facc[i] = _mm256_setzero_ps();
+        for (int64_t b = 0; b < nsb; b++) {
+            const uint8_t *blk = grp + b * GB_Q6_K, *codes = blk + 144;
+            for (int64_t o = 0; o < GB_Q6_K; o += 64)
+                _mm_prefetch((const char *)blk + KQ_PREFETCH + o, _MM_HINT_T0);
+            __m256i acc[KQ_MT];
+            for (int i = 0; i < mt; i++) acc[i] = _mm256_setzero_si256();
+            for (int tq = 0; tq < 4; tq++) { /* sub-blocks tq, 4 + tq, 8 + tq, 12 + tq */
+                __m256i scale[4];
+                for (int j = 0; j < 4; j++) {
+                    __m256i pairs = _mm256_cvtepi8_epi16(
+                        _mm_loadu_si128((const __m128i *)(blk + 16 + 16 * (2 * j + tq / 2))));
+                    scale[j] = _mm256_shuffle_epi8(pairs, tq % 2 ? dup1 : dup0);
+                }
+                for (int tt = 0; tt < 4; tt++) {
+                    const int t = 4 * tq + tt;
+                    __m256i l0 = _mm256_loadu_si256((const __m256i *)(codes + 96 * t));
+                    __m256i l1 = _mm256_loadu_si256((const __m256i *)(codes + 96 * t + 32));
+                    __m256i hb = _mm256_loadu_si256((const __m256i *)(codes + 96 * t + 64));
+                    for (int j = 0; j < 4; j++) {
+                        __m256i lsrc = j < 2 ? l0 : l1;
+                        __m256i lo = _mm256_and_si256(j % 2 ? _mm256_srli_epi16(lsrc, 4) : lsrc, low);
+                        __m256i hi = _mm256_and_si256(_mm256_srli_epi16(hb, 2 * j), three);
+                        __m256i q = _mm256_or_si256(lo, _mm256_slli_epi16(hi, 4));
+                        for (int i = 0; i < mt; i++) {
+                            int32_t x4;
+                            memcpy(&x4, xq + i * K + b * QK_K + 64 * j + 4 * t, 4);
+                            __m256i p = _mm256_maddubs_epi16(q, _mm256_set1_epi32(x4));
+                            acc[i] = _mm256_add_epi32(acc[i], _mm256_madd_epi16(p, scale[j]));
+                        }
+                    }
+                }
+            }
+            const __m256 d8 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk));
+            for (int i = 0; i < mt; i++) {
+                const int16_t *sb = bs + i * ng + b * 16;
+                __m256i off = _mm256_setzero_si256();
+                for (int u = 0; u < 8; u++) {
+                    __m256i pairs = _mm256_cvtepi8_epi16(
+                        _mm_loadu_si128((const __m128i *)(blk + 16 + 16 * u)));
+                    __m256i sums = _mm256_set1_epi32(
+                        (int32_t)((uint32_t)(uint16_t)sb[2 * u] | ((uint32_t)(uint16_t)sb[2 * u + 1] << 16)));
+                    off = _mm256_add_epi32(off, _mm256_madd_epi16(pairs, sums));
+                }
+                __m256i total = _mm256_sub_epi32(acc[i], _mm256_slli_epi32(off, 5));
+                __m256 dx = _mm256_set1_ps(xd[i * nsb + b]);
+                facc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(total), _mm256_mul_ps(d8, dx), facc[i]);
+            }
+        }
+        for (int i = 0; i < mt; i++) _mm256_storeu_ps(y + i * N + g * KQ_XR, facc[i]);
+    }
+}
+
+#define KQX8_CASE(KIND, FN, MT_)                                                               \
+    case KIND * 8 + MT_:                                                                       \
+        FN(MT_, w, nsb, g0, g1, xq, xd, bs, K, y, N);                                          \
+        break;
+#define KQX8_KIND(KIND, FN)                                                                    \
+    KQX8_CASE(KIND, FN, 1) KQX8_CASE(KIND, FN, 2) KQX8_CASE(KIND, FN, 3) KQX8_CASE(KIND, FN, 4)
+
+static int kq_groups_block(int kind, const uint8_t *w, int64_t nsb, int64_t g0, int64_t g1,
+                           int mt, const int8_t *xq, const float *xd, const int16_t *bs,
+                           int64_t K, float *y, int64_t N) {
+    switch (kind * 8 + mt) {
+        KQX8_KIND(KIND_Q4_KX8, q4kx8_kernel)
+        KQX8_KIND(KIND_Q6_KX8, q6kx8_kernel)
+    }
+    return 0;
+}
+#else
+/* without AVX2: each group's rows back in the file's form, through the row kernel */
+static int kq_groups_block(int kind, const uint8_t *w, int64_t nsb, int64_t g0, int64_t g1,
+                           int mt, const int8_t *xq, const float *xd, const int16_t *bs,
+                           int64_t K, float *y, int64_t N) {
+    const int base = kq_base(kind);
+    const int64_t bb = hx_kq_block_bytes(base), gb = base == KIND_Q4_K ? GB_Q4_K : GB_Q6_K;
+    uint8_t *rows = malloc((size_t)(KQ_XR * nsb * bb));
+    float *part = malloc((size_t)(mt * KQ_XR) * sizeof(float));
+    if (!rows || !part) {
+        free(rows);
+        free(part);
+        return -1;
+    }
+    for (int64_t g = g0; g < g1; g++) {
+        for (int r = 0; r < KQ_XR; r++)
+            for (int64_t b = 0; b < nsb; b++)
+                group_row_k(base, w + (g * nsb + b) * gb, r, rows + (r * nsb + b) * bb);
+        kq_rows_block(base, rows, nsb * bb, nsb, 0, KQ_XR, mt, xq, xd, bs, K, part, KQ_XR);
+        for (int i = 0; i < mt; i++) memcpy(y + i * N + g * KQ_XR, part + i * KQ_XR, KQ_XR * sizeof(float));
+    }
+    free(rows);
+    free(part);
+    return 0;
+}
+#endif
+
 static int kq_check(int kind, int64_t N, int64_t K) {
-    return hx_kq_is_kind(kind) && N >= 1 && K >= QK_K && K % QK_K == 0 ? 0 : -1;
+    int ok = hx_kq_is_kind(kind) && N >= 1 && K >= QK_K && K % QK_K == 0;
+    return ok && (!kq_is_x8(kind) || N % KQ_XR == 0) ? 0 : -1;
 }
 
 /* y [M, N] = x [M, K] @ W^T, x quantized to int8 per 256 (decode's path). Returns 0, or -1
@@ -316,6 +645,24 @@ int hx_kq_matmul(int kind, const uint8_t *w, int64_t N, int64_t K, const float *
         return -1;
     }
     kq_quantize_x(x, M, K, xq, xd, bs);
+    if (kq_is_x8(kind)) { /* groups of 8 rows in chunks of 2, split over the threads */
+        int64_t ng = N / KQ_XR, nc = (ng + 1) / 2;
+        int failed = 0;
+#pragma omp parallel for schedule(static) num_threads(num_threads)
+        for (int64_t c = 0; c < nc; c++) {
+            int64_t g0 = 2 * c, g1 = g0 + 2 < ng ? g0 + 2 : ng;
+            for (int64_t m0 = 0; m0 < M; m0 += KQ_MT) {
+                int mt = M - m0 < KQ_MT ? (int)(M - m0) : KQ_MT;
+                if (kq_groups_block(kind, w, nsb, g0, g1, mt, xq + m0 * K, xd + m0 * nsb,
+                                    bs + m0 * (K / 16), K, y + m0 * N, N)) {
+#pragma omp atomic write
+                    failed = 1;
+                }
+            }
+        }
+        free(xq); free(xd); free(bs);
+        return failed ? -1 : 0;
+    }
     int64_t nchunks = (N + KQ_CHUNK - 1) / KQ_CHUNK;
 #pragma omp parallel for schedule(static) num_threads(num_threads)
     for (int64_t c = 0; c < nchunks; c++) {
@@ -352,7 +699,7 @@ static float kq_dot_f32(const float *a, const float *b, int64_t n) {
 int hx_kq_matmul_f32(int kind, const uint8_t *w, int64_t N, int64_t K, const float *x,
                      int64_t M, float *y, int num_threads) {
     if (kq_check(kind, N, K) || M < 1) return -1;
-    int64_t nsb = K / QK_K, bb = hx_kq_block_bytes(kind), row_bytes = nsb * bb;
+    int64_t nsb = K / QK_K;
     int failed = 0;
 #pragma omp parallel num_threads(num_threads)
     {
@@ -364,7 +711,9 @@ int hx_kq_matmul_f32(int kind, const uint8_t *w, int64_t N, int64_t K, const flo
 #pragma omp for schedule(static)
         for (int64_t n = 0; n < N; n++) {
             if (!wr) continue;
-            for (int64_t b = 0; b < nsb; b++) kq_dequant(kind, w + n * row_bytes + b * bb, wr + b * QK_K);
+            uint8_t tmp[256];
+            for (int64_t b = 0; b < nsb; b++)
+                kq_dequant(kq_base(kind), file_block(kind, w, nsb, n, b, tmp), wr + b * QK_K);
             for (int64_t m = 0; m < M; m++) y[m * N + n] = kq_dot_f32(wr, x + m * K, K);
         }
         free(wr);
@@ -376,11 +725,13 @@ int hx_kq_matmul_f32(int kind, const uint8_t *w, int64_t N, int64_t K, const flo
 int hx_kq_dequantize(int kind, const uint8_t *w, int64_t N, int64_t K, float *out,
                      int num_threads) {
     if (kq_check(kind, N, K)) return -1;
-    int64_t nsb = K / QK_K, bb = hx_kq_block_bytes(kind), row_bytes = nsb * bb;
+    int64_t nsb = K / QK_K;
 #pragma omp parallel for schedule(static) num_threads(num_threads)
-    for (int64_t n = 0; n < N; n++)
+    for (int64_t n = 0; n < N; n++) {
+        uint8_t tmp[256];
         for (int64_t b = 0; b < nsb; b++)
-            kq_dequant(kind, w + n * row_bytes + b * bb, out + n * K + b * QK_K);
+            kq_dequant(kq_base(kind), file_block(kind, w, nsb, n, b, tmp), out + n * K + b * QK_K);
+    }
     return 0;
 }
 
@@ -389,13 +740,14 @@ int hx_kq_dequantize(int kind, const uint8_t *w, int64_t N, int64_t K, float *ou
 int hx_kq_dequantize_t(int kind, const uint8_t *w, int64_t N, int64_t K, float *out,
                        int num_threads) {
     if (kq_check(kind, N, K)) return -1;
-    int64_t nsb = K / QK_K, bb = hx_kq_block_bytes(kind), row_bytes = nsb * bb;
+    int64_t nsb = K / QK_K;
 #pragma omp parallel for schedule(static) num_threads(num_threads)
     for (int64_t b = 0; b < nsb; b++) {
         float v[QK_K];
+        uint8_t tmp[256];
         float *o = out + b * QK_K * N;
         for (int64_t n = 0; n < N; n++) {
-            kq_dequant(kind, w + n * row_bytes + b * bb, v);
+            kq_dequant(kq_base(kind), file_block(kind, w, nsb, n, b, tmp), v);
             for (int j = 0; j < QK_K; j++) o[j * N + n] = v[j];
         }
     }
@@ -408,9 +760,10 @@ int hx_kq_rows(int kind, const uint8_t *w, int64_t N, int64_t K, const int64_t *
     if (kq_check(kind, N, K)) return -1;
     for (int64_t i = 0; i < n; i++)
         if (ids[i] < 0 || ids[i] >= N) return -1;
-    int64_t nsb = K / QK_K, bb = hx_kq_block_bytes(kind), row_bytes = nsb * bb;
+    int64_t nsb = K / QK_K;
+    uint8_t tmp[256];
     for (int64_t i = 0; i < n; i++)
         for (int64_t b = 0; b < nsb; b++)
-            kq_dequant(kind, w + ids[i] * row_bytes + b * bb, out + i * K + b * QK_K);
+            kq_dequant(kq_base(kind), file_block(kind, w, nsb, ids[i], b, tmp), out + i * K + b * QK_K);
     return 0;
 }
