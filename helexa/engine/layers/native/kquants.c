@@ -263,6 +263,75 @@ static inline const uint8_t *file_block(int kind, const uint8_t *w, int64_t nsb,
     return tmp;
 }
 
+/* A quarter (positions [64 j, 64 j + 64)) of a group's super-block as floats, position by
+ * position: buf[8 (p - 64 j) + r] = row r's weight p (dequant.py's arithmetic: d sc exact
+ * in float32, q d sc exact, one rounding at most after). With AVX2 straight from the group's
+ * codes, 8 rows a vector; else row by row. A quarter is Q4_K's sub-blocks 2j and 2j + 1, and
+ * Q6_K's codes j of each run. */
+static void kq_x8_quarter(int base, const uint8_t *g, int j, float *buf) {
+#ifdef __AVX2__
+    const __m256i low = _mm256_set1_epi32(0x0f), three = _mm256_set1_epi32(3);
+    const __m256 d8 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)g));
+    if (base == KIND_Q4_K) {
+        const __m256 dm8 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(g + 16)));
+        const uint8_t *codes = g + 160;
+        /* bytes 2r + h of the pairs: row r's scale (min) of sub-block 2j + h */
+        __m256i pairs = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(g + 32 + 32 * j)));
+        __m256i mpairs = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(g + 48 + 32 * j)));
+        const __m256i half = _mm256_set1_epi32(0xffff);
+        for (int h = 0; h < 2; h++) {
+            __m256i sc = h ? _mm256_srli_epi32(pairs, 16) : _mm256_and_si256(pairs, half);
+            __m256i mn = h ? _mm256_srli_epi32(mpairs, 16) : _mm256_and_si256(mpairs, half);
+            __m256 ds = _mm256_mul_ps(d8, _mm256_cvtepi32_ps(sc));
+            __m256 dm = _mm256_mul_ps(dm8, _mm256_cvtepi32_ps(mn));
+            for (int t = 0; t < 8; t++) {
+                __m256i raw = _mm256_loadu_si256((const __m256i *)(codes + 32 * (8 * j + t)));
+                for (int k = 0; k < 4; k++) {
+                    __m256i q = _mm256_and_si256(_mm256_srli_epi32(raw, 8 * k + 4 * h), low);
+                    __m256 v = _mm256_fmsub_ps(_mm256_cvtepi32_ps(q), ds, dm);
+                    _mm256_storeu_ps(buf + 8 * (32 * h + 4 * t + k), v);
+                }
+            }
+        }
+        return;
+    }
+    const uint8_t *codes = g + 144;
+    __m256 dsc[4];
+    for (int u = 0; u < 2; u++) { /* lanes r: (scale 2v, scale 2v + 1) of row r, int16 */
+        __m256i pairs = _mm256_cvtepi8_epi16(
+            _mm_loadu_si128((const __m128i *)(g + 16 + 16 * (2 * j + u))));
+        __m256i even = _mm256_srai_epi32(_mm256_slli_epi32(pairs, 16), 16);
+        dsc[2 * u] = _mm256_mul_ps(d8, _mm256_cvtepi32_ps(even));
+        dsc[2 * u + 1] = _mm256_mul_ps(d8, _mm256_cvtepi32_ps(_mm256_srai_epi32(pairs, 16)));
+    }
+    for (int t = 0; t < 16; t++) {
+        __m256i l = _mm256_loadu_si256((const __m256i *)(codes + 96 * t + 32 * (j / 2)));
+        __m256i hb = _mm256_loadu_si256((const __m256i *)(codes + 96 * t + 64));
+        for (int k = 0; k < 4; k++) {
+            __m256i lo = _mm256_and_si256(_mm256_srli_epi32(l, 8 * k + 4 * (j % 2)), low);
+            __m256i hi = _mm256_and_si256(_mm256_srli_epi32(hb, 8 * k + 2 * j), three);
+            __m256i q = _mm256_sub_epi32(_mm256_or_si256(lo, _mm256_slli_epi32(hi, 4)),
+                                         _mm256_set1_epi32(32));
+            int p = 4 * t + k; /* within the quarter: sub-block 4 j + p / 16 */
+            _mm256_storeu_ps(buf + 8 * p, _mm256_mul_ps(_mm256_cvtepi32_ps(q), dsc[p / 16]));
+        }
+    }
+#else
+    uint8_t blk[256];
+    float row[QK_K];
+    for (int r = 0; r < KQ_XR; r++) {
+        group_row_k(base, g, r, blk);
+        kq_dequant(base, blk, row);
+        for (int p = 0; p < 64; p++) buf[8 * p + r] = row[64 * j + p];
+    }
+#endif
+}
+
+/* the whole super-block: buf[8 p + r], p < 256 */
+static void kq_x8_unpack(int base, const uint8_t *g, float *buf) {
+    for (int j = 0; j < 4; j++) kq_x8_quarter(base, g, j, buf + 8 * 64 * j);
+}
+
 /* x [M, K] -> q [M, K] int8, d [M, K/256] and bs [M, K/16] (the sums of each 16 codes),
  * rounding to nearest even as lrintf does */
 static void kq_quantize_x(const float *x, int64_t M, int64_t K, int8_t *q, float *d, int16_t *bs) {
@@ -701,6 +770,48 @@ int hx_kq_matmul_f32(int kind, const uint8_t *w, int64_t N, int64_t K, const flo
     if (kq_check(kind, N, K) || M < 1) return -1;
     int64_t nsb = K / QK_K;
     int failed = 0;
+    if (kq_is_x8(kind)) { /* a group's super-block widened once for every row of x */
+        const int base = kq_base(kind);
+        const int64_t gb = base == KIND_Q4_K ? GB_Q4_K : GB_Q6_K;
+#pragma omp parallel for schedule(static) num_threads(num_threads)
+        for (int64_t g = 0; g < N / KQ_XR; g++) {
+            float buf[8 * QK_K];
+            for (int64_t m0 = 0; m0 < M; m0 += KQ_MT) {
+                int mt = M - m0 < KQ_MT ? (int)(M - m0) : KQ_MT;
+#ifdef __AVX2__
+                __m256 acc[KQ_MT], acc2[KQ_MT];
+                for (int i = 0; i < mt; i++) acc[i] = acc2[i] = _mm256_setzero_ps();
+#else
+                float acc[KQ_MT][KQ_XR] = {{0}};
+#endif
+                for (int64_t b = 0; b < nsb; b++) {
+                    kq_x8_unpack(base, w + (g * nsb + b) * gb, buf);
+                    for (int i = 0; i < mt; i++) {
+                        const float *xi = x + (m0 + i) * K + b * QK_K;
+#ifdef __AVX2__
+                        for (int p = 0; p < QK_K; p += 2) { /* two chains: FMA latency */
+                            acc[i] = _mm256_fmadd_ps(_mm256_loadu_ps(buf + 8 * p),
+                                                     _mm256_broadcast_ss(xi + p), acc[i]);
+                            acc2[i] = _mm256_fmadd_ps(_mm256_loadu_ps(buf + 8 * p + 8),
+                                                      _mm256_broadcast_ss(xi + p + 1), acc2[i]);
+                        }
+#else
+                        for (int p = 0; p < QK_K; p++)
+                            for (int r = 0; r < KQ_XR; r++) acc[i][r] += buf[8 * p + r] * xi[p];
+#endif
+                    }
+                }
+                for (int i = 0; i < mt; i++) {
+#ifdef __AVX2__
+                    _mm256_storeu_ps(y + (m0 + i) * N + g * KQ_XR, _mm256_add_ps(acc[i], acc2[i]));
+#else
+                    memcpy(y + (m0 + i) * N + g * KQ_XR, acc[i], KQ_XR * sizeof(float));
+#endif
+                }
+            }
+        }
+        return 0;
+    }
 #pragma omp parallel num_threads(num_threads)
     {
         float *wr = malloc((size_t)K * sizeof(float));
@@ -726,6 +837,22 @@ int hx_kq_dequantize(int kind, const uint8_t *w, int64_t N, int64_t K, float *ou
                      int num_threads) {
     if (kq_check(kind, N, K)) return -1;
     int64_t nsb = K / QK_K;
+    if (kq_is_x8(kind)) {
+        const int base = kq_base(kind);
+        const int64_t gb = base == KIND_Q4_K ? GB_Q4_K : GB_Q6_K;
+#pragma omp parallel for schedule(static) num_threads(num_threads)
+        for (int64_t g = 0; g < N / KQ_XR; g++) {
+            float buf[8 * QK_K];
+            for (int64_t b = 0; b < nsb; b++) {
+                kq_x8_unpack(base, w + (g * nsb + b) * gb, buf);
+                for (int r = 0; r < KQ_XR; r++) {
+                    float *o = out + (g * KQ_XR + r) * K + b * QK_K;
+                    for (int p = 0; p < QK_K; p++) o[p] = buf[8 * p + r];
+                }
+            }
+        }
+        return 0;
+    }
 #pragma omp parallel for schedule(static) num_threads(num_threads)
     for (int64_t n = 0; n < N; n++) {
         uint8_t tmp[256];
@@ -741,6 +868,22 @@ int hx_kq_dequantize_t(int kind, const uint8_t *w, int64_t N, int64_t K, float *
                        int num_threads) {
     if (kq_check(kind, N, K)) return -1;
     int64_t nsb = K / QK_K;
+    if (kq_is_x8(kind)) { /* each group's 8 outputs of a position are 8 floats side by side */
+        const int base = kq_base(kind);
+        const int64_t gb = base == KIND_Q4_K ? GB_Q4_K : GB_Q6_K;
+        /* a quarter of a super-block at a time: 64 rows of out written along, not 256 */
+#pragma omp parallel for schedule(static) num_threads(num_threads)
+        for (int64_t bq = 0; bq < 4 * nsb; bq++) {
+            float buf[8 * 64];
+            float *o = out + bq * 64 * N;
+            for (int64_t g = 0; g < N / KQ_XR; g++) {
+                kq_x8_quarter(base, w + (g * nsb + bq / 4) * gb, (int)(bq % 4), buf);
+                for (int p = 0; p < 64; p++)
+                    memcpy(o + p * N + g * KQ_XR, buf + 8 * p, KQ_XR * sizeof(float));
+            }
+        }
+        return 0;
+    }
 #pragma omp parallel for schedule(static) num_threads(num_threads)
     for (int64_t b = 0; b < nsb; b++) {
         float v[QK_K];
