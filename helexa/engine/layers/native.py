@@ -39,11 +39,12 @@ SOURCES = (SOURCE, SOURCE.with_name("kquants.c"))
 # K-quants as the file's rows of 256-weight super-blocks
 KINDS = {"Q4_0": 0, "Q4_1": 1, "Q8_0": 2, "Q4_0x8": 3, "Q4_1x8": 4, "Q8_0x8": 5}
 K_KINDS = ("Q4_K", "Q5_K", "Q6_K")
-KINDS |= {k: 6 + i for i, k in enumerate(K_KINDS)} | {"Q4_Kx8": 9, "Q6_Kx8": 10}
+KINDS |= {k: 6 + i for i, k in enumerate(K_KINDS)} | {"Q4_Kx8": 9, "Q6_Kx8": 10, "Q5_Kx8": 11}
 BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}  # one row's block (x8: its share)
 BLOCK_BYTES |= {f"{k}x8": v for k, v in BLOCK_BYTES.items()}
-# Q4_Kx8 unpacks the 6-bit scales and mins of its 144 bytes to a byte each
-BLOCK_BYTES |= {"Q4_K": 144, "Q5_K": 176, "Q6_K": 210, "Q4_Kx8": 148, "Q6_Kx8": 210}
+# Q4_Kx8 and Q5_Kx8 unpack the 6-bit scales and mins of their blocks to a byte each
+BLOCK_BYTES |= {"Q4_K": 144, "Q5_K": 176, "Q6_K": 210, "Q4_Kx8": 148, "Q5_Kx8": 180}
+BLOCK_BYTES |= {"Q6_Kx8": 210}
 QK = 32  # weights a block
 QK_K = 256  # weights a K-quant super-block
 # weights of one block of each kind: rows of a weight held as `kind` are multiples of it
@@ -503,7 +504,7 @@ def _x8_parts(kind: str) -> tuple[int, int]:
 def interleave(blocks: torch.Tensor, kind: str) -> tuple[torch.Tensor, str]:
     """A file-order weight [N, K/32 × block bytes] (N a multiple of 8) as its x8 form, same
     shape and bytes: per group of 8 rows and block, the 8 d's, the 8 m's (Q4_1), then the
-    codes with byte 32c + 4r + k = byte 4c + k of row r's codes. Q4_K and Q6_K: kquants.c's
+    codes with byte 32c + 4r + k = byte 4c + k of row r's codes. The K-quants: kquants.c's
     x8 forms (its comment), made there."""
     if kind in K_KINDS:
         return _kq_interleave(blocks, kind, f"{kind}x8", reverse=False), f"{kind}x8"

@@ -33,21 +33,34 @@
 
 enum { QK_K = 256, KQ_MT = 4, KQ_CHUNK = 16, KQ_XR = 8 };
 /* the kinds' numbers, as native.KINDS has them; "x8": 8 rows interleaved (see below) */
-enum { KIND_Q4_K = 6, KIND_Q5_K = 7, KIND_Q6_K = 8, KIND_Q4_KX8 = 9, KIND_Q6_KX8 = 10 };
+enum { KIND_Q4_K = 6, KIND_Q5_K = 7, KIND_Q6_K = 8 };
+enum { KIND_Q4_KX8 = 9, KIND_Q6_KX8 = 10, KIND_Q5_KX8 = 11 };
 /* bytes of an x8 group's super-block */
-enum { GB_Q4_K = 1184, GB_Q6_K = 1680 };
+enum { GB_Q4_K = 1184, GB_Q5_K = 1440, GB_Q6_K = 1680 };
 /* how far ahead the x8 kernels ask for their weights (as blocks.c's PREFETCH) */
 enum { KQ_PREFETCH = 4096 };
 
-int hx_kq_is_kind(int kind) { return kind >= KIND_Q4_K && kind <= KIND_Q6_KX8; }
+int hx_kq_is_kind(int kind) { return kind >= KIND_Q4_K && kind <= KIND_Q5_KX8; }
 static inline int kq_is_x8(int kind) { return kind >= KIND_Q4_KX8; }
 static inline int kq_base(int kind) {
-    return kind == KIND_Q4_KX8 ? KIND_Q4_K : kind == KIND_Q6_KX8 ? KIND_Q6_K : kind;
+    return kind == KIND_Q4_KX8   ? KIND_Q4_K
+           : kind == KIND_Q5_KX8 ? KIND_Q5_K
+           : kind == KIND_Q6_KX8 ? KIND_Q6_K
+                                 : kind;
+}
+static inline int64_t kq_group_bytes(int base) {
+    return base == KIND_Q4_K ? GB_Q4_K : base == KIND_Q5_K ? GB_Q5_K : GB_Q6_K;
 }
 
 /* bytes of one row's super-block (x8: its share of its group's) */
 int hx_kq_block_bytes(int kind) {
-    return kind == KIND_Q4_K ? 144 : kind == KIND_Q5_K ? 176 : kind == KIND_Q4_KX8 ? 148 : 210;
+    switch (kind) {
+    case KIND_Q4_K: return 144;
+    case KIND_Q5_K: return 176;
+    case KIND_Q4_KX8: return GB_Q4_K / 8;
+    case KIND_Q5_KX8: return GB_Q5_K / 8;
+    default: return 210;
+    }
 }
 
 static float kq_f16(const uint8_t *p) {
@@ -132,6 +145,9 @@ static void kq_dequant(int kind, const uint8_t *blk, float *o) {
  *          then per pair c of sub-blocks (2c, 2c + 1): [scales: byte 2r + h = row r's scale
  *          of sub-block 2c + h][mins: the same]
  *          then codes: byte 32 (8c + t) + 4r + k = byte 32c + 4t + k of row r's nibbles
+ *   Q5_Kx8 as Q4_Kx8, with between the pairs and the codes the fifth bits: per pair c and
+ *          tq < 2, 32 bytes: bit 2 (t % 4) + h of byte 4r + k = the fifth bit of row r's
+ *          weight 4t + k of sub-block 2c + h, t = 4 tq + t % 4 (codes at 416 for 160)
  *   Q6_Kx8 [d f16 x 8][scales: byte 16u + 2r + h = row r's scale of sub-block 2u + h]
  *          then per t < 16, three runs of 32 bytes, byte 4r + k of row r's codes q[p] at
  *          the positions p = 4t + k + 64 j (j < 4): [lo(q j=0) | lo(q j=1) << 4]
@@ -167,7 +183,8 @@ static inline void q6_codes_pack(const uint8_t *q, uint8_t *blk) {
 
 /* row r's super-block as the file holds it, from its group's */
 static void group_row_k(int base, const uint8_t *g, int r, uint8_t *blk) {
-    if (base == KIND_Q4_K) {
+    if (base != KIND_Q6_K) {
+        const int q5 = base == KIND_Q5_K, at = q5 ? 416 : 160, qs = q5 ? 48 : 16;
         uint8_t sc[8], mn[8];
         memcpy(blk, g + 2 * r, 2);
         memcpy(blk + 2, g + 16 + 2 * r, 2);
@@ -178,7 +195,16 @@ static void group_row_k(int base, const uint8_t *g, int r, uint8_t *blk) {
             }
         k_scales_pack(sc, mn, blk + 4);
         for (int c = 0; c < 4; c++)
-            for (int t = 0; t < 8; t++) memcpy(blk + 16 + 32 * c + 4 * t, g + 160 + 32 * (8 * c + t) + 4 * r, 4);
+            for (int t = 0; t < 8; t++) memcpy(blk + qs + 32 * c + 4 * t, g + at + 32 * (8 * c + t) + 4 * r, 4);
+        if (q5) { /* bit j of qh[i]: weight i of sub-block j */
+            memset(blk + 16, 0, 32);
+            for (int c = 0; c < 4; c++)
+                for (int t = 0; t < 8; t++)
+                    for (int k = 0; k < 4; k++) {
+                        uint8_t bits = g[160 + 64 * c + 32 * (t / 4) + 4 * r + k] >> (2 * (t % 4));
+                        blk[16 + 4 * t + k] |= (uint8_t)(((bits & 1) << (2 * c)) | (((bits >> 1) & 1) << (2 * c + 1)));
+                    }
+        }
         return;
     }
     uint8_t q[QK_K];
@@ -200,7 +226,8 @@ static void group_row_k(int base, const uint8_t *g, int r, uint8_t *blk) {
 
 /* row r's super-block into its group's place (group_row_k undone) */
 static void row_into_group(int base, const uint8_t *blk, int r, uint8_t *g) {
-    if (base == KIND_Q4_K) {
+    if (base != KIND_Q6_K) {
+        const int q5 = base == KIND_Q5_K, at = q5 ? 416 : 160, qs = q5 ? 48 : 16;
         uint8_t sc[8], mn[8];
         memcpy(g + 2 * r, blk, 2);
         memcpy(g + 16 + 2 * r, blk + 2, 2);
@@ -211,7 +238,15 @@ static void row_into_group(int base, const uint8_t *blk, int r, uint8_t *g) {
                 g[32 + 32 * c + 16 + 2 * r + h] = mn[2 * c + h];
             }
         for (int c = 0; c < 4; c++)
-            for (int t = 0; t < 8; t++) memcpy(g + 160 + 32 * (8 * c + t) + 4 * r, blk + 16 + 32 * c + 4 * t, 4);
+            for (int t = 0; t < 8; t++) memcpy(g + at + 32 * (8 * c + t) + 4 * r, blk + qs + 32 * c + 4 * t, 4);
+        if (q5)
+            for (int c = 0; c < 4; c++)
+                for (int t = 0; t < 8; t++)
+                    for (int k = 0; k < 4; k++) {
+                        uint8_t *to = g + 160 + 64 * c + 32 * (t / 4) + 4 * r + k, qh = blk[16 + 4 * t + k];
+                        if (t % 4 == 0) *to = 0;
+                        *to |= (uint8_t)((((qh >> (2 * c)) & 1) | (((qh >> (2 * c + 1)) & 1) << 1)) << (2 * (t % 4)));
+                    }
         return;
     }
     uint8_t q[QK_K];
@@ -235,9 +270,9 @@ static void row_into_group(int base, const uint8_t *blk, int r, uint8_t *g) {
  * form, and back: the same bytes (Q4_K's scales unpacked), threads splitting the groups */
 int hx_kq_interleave(int kind, const uint8_t *src, int64_t N, int64_t K, uint8_t *dst,
                      int reverse, int num_threads) {
-    if ((kind != KIND_Q4_K && kind != KIND_Q6_K) || N % KQ_XR || K % QK_K || K < QK_K) return -1;
+    if (!hx_kq_is_kind(kind) || kq_is_x8(kind) || N % KQ_XR || K % QK_K || K < QK_K) return -1;
     int64_t nsb = K / QK_K, bb = hx_kq_block_bytes(kind);
-    int64_t gb = kind == KIND_Q4_K ? GB_Q4_K : GB_Q6_K;
+    int64_t gb = kq_group_bytes(kind);
 #pragma omp parallel for schedule(static) num_threads(num_threads)
     for (int64_t g = 0; g < N / KQ_XR; g++)
         for (int64_t b = 0; b < nsb; b++)
@@ -258,7 +293,7 @@ static inline const uint8_t *file_block(int kind, const uint8_t *w, int64_t nsb,
                                         int64_t b, uint8_t *tmp) {
     if (!kq_is_x8(kind)) return w + (n * nsb + b) * hx_kq_block_bytes(kind);
     const int base = kq_base(kind);
-    const int64_t gb = base == KIND_Q4_K ? GB_Q4_K : GB_Q6_K;
+    const int64_t gb = kq_group_bytes(base);
     group_row_k(base, w + ((n / KQ_XR) * nsb + b) * gb, (int)(n % KQ_XR), tmp);
     return tmp;
 }
@@ -272,9 +307,10 @@ static void kq_x8_quarter(int base, const uint8_t *g, int j, float *buf) {
 #ifdef __AVX2__
     const __m256i low = _mm256_set1_epi32(0x0f), three = _mm256_set1_epi32(3);
     const __m256 d8 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)g));
-    if (base == KIND_Q4_K) {
+    if (base != KIND_Q6_K) {
+        const int q5 = base == KIND_Q5_K;
         const __m256 dm8 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(g + 16)));
-        const uint8_t *codes = g + 160;
+        const uint8_t *codes = g + (q5 ? 416 : 160), *fifth = g + 160 + 64 * j;
         /* bytes 2r + h of the pairs: row r's scale (min) of sub-block 2j + h */
         __m256i pairs = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(g + 32 + 32 * j)));
         __m256i mpairs = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(g + 48 + 32 * j)));
@@ -286,8 +322,14 @@ static void kq_x8_quarter(int base, const uint8_t *g, int j, float *buf) {
             __m256 dm = _mm256_mul_ps(dm8, _mm256_cvtepi32_ps(mn));
             for (int t = 0; t < 8; t++) {
                 __m256i raw = _mm256_loadu_si256((const __m256i *)(codes + 32 * (8 * j + t)));
+                __m256i hb = q5 ? _mm256_loadu_si256((const __m256i *)(fifth + 32 * (t / 4)))
+                                : _mm256_setzero_si256();
                 for (int k = 0; k < 4; k++) {
                     __m256i q = _mm256_and_si256(_mm256_srli_epi32(raw, 8 * k + 4 * h), low);
+                    if (q5) {
+                        __m256i bit = _mm256_srli_epi32(hb, 8 * k + 2 * (t % 4) + h);
+                        q = _mm256_or_si256(q, _mm256_slli_epi32(_mm256_and_si256(bit, _mm256_set1_epi32(1)), 4));
+                    }
                     __m256 v = _mm256_fmsub_ps(_mm256_cvtepi32_ps(q), ds, dm);
                     _mm256_storeu_ps(buf + 8 * (32 * h + 4 * t + k), v);
                 }
@@ -519,25 +561,28 @@ static void kq_rows_block(int kind, const uint8_t *w, int64_t row_bytes, int64_t
 }
 
 #ifdef __AVX2__
-/* rows [8 g0, 8 g1) of a Q4_Kx8 weight against mt (<= KQ_MT) quantized rows of x. Per
- * sub-block, 8 rounds of maddubs sum in int16 (8 x 2 x 15 x 127 < 32768), then one madd by
- * the 8 rows' scales (each lane's two halves the same scale) into int32. */
-static inline __attribute__((always_inline)) void q4kx8_kernel(
-    const int mt, const uint8_t *w, int64_t nsb, int64_t g0, int64_t g1, const int8_t *xq,
-    const float *xd, const int16_t *bs, int64_t K, float *y, int64_t N) {
-    const __m256i low = _mm256_set1_epi8(0x0f);
+/* rows [8 g0, 8 g1) of a Q4_Kx8 or Q5_Kx8 weight against mt (<= KQ_MT) quantized rows of
+ * x. Per sub-block, rounds of maddubs sum in int16 (Q4_K: all 8, 8 x 2 x 15 x 127 < 32768;
+ * Q5_K: 4 at a time, 4 x 2 x 31 x 127 < 32768), then one madd by the 8 rows' scales (each
+ * lane's two halves the same scale) into int32. */
+static inline __attribute__((always_inline)) void qkx8_kernel(
+    const int base, const int mt, const uint8_t *w, int64_t nsb, int64_t g0, int64_t g1,
+    const int8_t *xq, const float *xd, const int16_t *bs, int64_t K, float *y, int64_t N) {
+    const int q5 = base == KIND_Q5_K;
+    const int64_t gb = q5 ? GB_Q5_K : GB_Q4_K;
+    const __m256i low = _mm256_set1_epi8(0x0f), one = _mm256_set1_epi8(1);
     /* lane r: (scale of row r, 0, the same, 0) from the pairs' byte 2r (+1: the odd one) */
     const __m256i even = _mm256_setr_epi8(0, -1, 0, -1, 2, -1, 2, -1, 4, -1, 4, -1, 6, -1, 6, -1,
                                           8, -1, 8, -1, 10, -1, 10, -1, 12, -1, 12, -1, 14, -1, 14, -1);
     const __m256i odd = _mm256_add_epi8(even, _mm256_set1_epi16(1));
     const int64_t ng = K / 16;
     for (int64_t g = g0; g < g1; g++) {
-        const uint8_t *grp = w + g * nsb * GB_Q4_K;
+        const uint8_t *grp = w + g * nsb * gb;
         __m256 facc[KQ_MT];
         for (int i = 0; i < mt; i++) facc[i] = _mm256_setzero_ps();
         for (int64_t b = 0; b < nsb; b++) {
-            const uint8_t *blk = grp + b * GB_Q4_K, *codes = blk + 160;
-            for (int64_t o = 0; o < GB_Q4_K; o += 64)
+            const uint8_t *blk = grp + b * gb, *codes = blk + (q5 ? 416 : 160);
+            for (int64_t o = 0; o < gb; o += 64)
                 _mm_prefetch((const char *)blk + KQ_PREFETCH + o, _MM_HINT_T0);
             __m256i acc[KQ_MT];
             for (int i = 0; i < mt; i++) acc[i] = _mm256_setzero_si256();
@@ -545,21 +590,30 @@ static inline __attribute__((always_inline)) void q4kx8_kernel(
                 __m256i pairs = _mm256_broadcastsi128_si256(
                     _mm_loadu_si128((const __m128i *)(blk + 32 + 32 * c)));
                 for (int h = 0; h < 2; h++) {
-                    __m256i part[KQ_MT];
-                    for (int i = 0; i < mt; i++) part[i] = _mm256_setzero_si256();
-                    for (int t = 0; t < 8; t++) {
-                        __m256i raw = _mm256_loadu_si256((const __m256i *)(codes + 32 * (8 * c + t)));
-                        __m256i q = _mm256_and_si256(h ? _mm256_srli_epi16(raw, 4) : raw, low);
-                        for (int i = 0; i < mt; i++) {
-                            int32_t x4;
-                            memcpy(&x4, xq + i * K + b * QK_K + 64 * c + 32 * h + 4 * t, 4);
-                            part[i] = _mm256_add_epi16(part[i],
-                                                       _mm256_maddubs_epi16(q, _mm256_set1_epi32(x4)));
-                        }
-                    }
                     __m256i scale = _mm256_shuffle_epi8(pairs, h ? odd : even);
-                    for (int i = 0; i < mt; i++)
-                        acc[i] = _mm256_add_epi32(acc[i], _mm256_madd_epi16(part[i], scale));
+                    for (int tq = 0; tq < 2; tq++) { /* Q4_K: both halves before the madd */
+                        __m256i part[KQ_MT];
+                        if (!q5 && tq == 1) continue;
+                        for (int i = 0; i < mt; i++) part[i] = _mm256_setzero_si256();
+                        __m256i hb = q5 ? _mm256_loadu_si256((const __m256i *)(blk + 160 + 64 * c + 32 * tq))
+                                        : _mm256_setzero_si256();
+                        for (int t = q5 ? 4 * tq : 0; t < (q5 ? 4 * tq + 4 : 8); t++) {
+                            __m256i raw = _mm256_loadu_si256((const __m256i *)(codes + 32 * (8 * c + t)));
+                            __m256i q = _mm256_and_si256(h ? _mm256_srli_epi16(raw, 4) : raw, low);
+                            if (q5) { /* bit 2 (t % 4) + h of each byte: the fifth */
+                                __m256i bit = _mm256_and_si256(_mm256_srli_epi16(hb, 2 * (t % 4) + h), one);
+                                q = _mm256_or_si256(q, _mm256_slli_epi16(bit, 4));
+                            }
+                            for (int i = 0; i < mt; i++) {
+                                int32_t x4;
+                                memcpy(&x4, xq + i * K + b * QK_K + 64 * c + 32 * h + 4 * t, 4);
+                                part[i] = _mm256_add_epi16(part[i],
+                                                           _mm256_maddubs_epi16(q, _mm256_set1_epi32(x4)));
+                            }
+                        }
+                        for (int i = 0; i < mt; i++)
+                            acc[i] = _mm256_add_epi32(acc[i], _mm256_madd_epi16(part[i], scale));
+                    }
                 }
             }
             const __m256 d8 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk));
@@ -658,12 +712,15 @@ static inline __attribute__((always_inline)) void q6kx8_kernel(
         break;
 #define KQX8_KIND(KIND, FN)                                                                    \
     KQX8_CASE(KIND, FN, 1) KQX8_CASE(KIND, FN, 2) KQX8_CASE(KIND, FN, 3) KQX8_CASE(KIND, FN, 4)
+#define q4kx8_kernel(...) qkx8_kernel(KIND_Q4_K, __VA_ARGS__)
+#define q5kx8_kernel(...) qkx8_kernel(KIND_Q5_K, __VA_ARGS__)
 
 static int kq_groups_block(int kind, const uint8_t *w, int64_t nsb, int64_t g0, int64_t g1,
                            int mt, const int8_t *xq, const float *xd, const int16_t *bs,
                            int64_t K, float *y, int64_t N) {
     switch (kind * 8 + mt) {
         KQX8_KIND(KIND_Q4_KX8, q4kx8_kernel)
+        KQX8_KIND(KIND_Q5_KX8, q5kx8_kernel)
         KQX8_KIND(KIND_Q6_KX8, q6kx8_kernel)
     }
     return 0;
@@ -674,7 +731,7 @@ static int kq_groups_block(int kind, const uint8_t *w, int64_t nsb, int64_t g0, 
                            int mt, const int8_t *xq, const float *xd, const int16_t *bs,
                            int64_t K, float *y, int64_t N) {
     const int base = kq_base(kind);
-    const int64_t bb = hx_kq_block_bytes(base), gb = base == KIND_Q4_K ? GB_Q4_K : GB_Q6_K;
+    const int64_t bb = hx_kq_block_bytes(base), gb = kq_group_bytes(base);
     uint8_t *rows = malloc((size_t)(KQ_XR * nsb * bb));
     float *part = malloc((size_t)(mt * KQ_XR) * sizeof(float));
     if (!rows || !part) {
@@ -772,7 +829,7 @@ int hx_kq_matmul_f32(int kind, const uint8_t *w, int64_t N, int64_t K, const flo
     int failed = 0;
     if (kq_is_x8(kind)) { /* a group's super-block widened once for every row of x */
         const int base = kq_base(kind);
-        const int64_t gb = base == KIND_Q4_K ? GB_Q4_K : GB_Q6_K;
+        const int64_t gb = kq_group_bytes(base);
 #pragma omp parallel for schedule(static) num_threads(num_threads)
         for (int64_t g = 0; g < N / KQ_XR; g++) {
             float buf[8 * QK_K];
@@ -839,7 +896,7 @@ int hx_kq_dequantize(int kind, const uint8_t *w, int64_t N, int64_t K, float *ou
     int64_t nsb = K / QK_K;
     if (kq_is_x8(kind)) {
         const int base = kq_base(kind);
-        const int64_t gb = base == KIND_Q4_K ? GB_Q4_K : GB_Q6_K;
+        const int64_t gb = kq_group_bytes(base);
 #pragma omp parallel for schedule(static) num_threads(num_threads)
         for (int64_t g = 0; g < N / KQ_XR; g++) {
             float buf[8 * QK_K];
@@ -870,7 +927,7 @@ int hx_kq_dequantize_t(int kind, const uint8_t *w, int64_t N, int64_t K, float *
     int64_t nsb = K / QK_K;
     if (kq_is_x8(kind)) { /* each group's 8 outputs of a position are 8 floats side by side */
         const int base = kq_base(kind);
-        const int64_t gb = base == KIND_Q4_K ? GB_Q4_K : GB_Q6_K;
+        const int64_t gb = kq_group_bytes(base);
         /* a quarter of a super-block at a time: 64 rows of out written along, not 256 */
 #pragma omp parallel for schedule(static) num_threads(num_threads)
         for (int64_t bq = 0; bq < 4 * nsb; bq++) {
