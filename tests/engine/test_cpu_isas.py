@@ -51,6 +51,7 @@ TESTS = [
     f"{ENGINE}/test_linear.py",
     f"{ENGINE}/test_linear_kernels.py",
     f"{ENGINE}/test_native.py",
+    f"{ENGINE}/test_native_kquants.py",
     f"{ENGINE}/test_tensor_parallel_layers.py::test_a_shard_is_cut_from_the_float_weight_then_quantized",
     # run once, by the suite: a whole model on the blocks (~25 s with AVX2, minutes in scalar
     # C), and MoE experts through Triton's interpreter (numpy: no CPU path of ours or torch's)

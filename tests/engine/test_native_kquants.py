@@ -4,6 +4,8 @@ scalar build against the vector one; and the Linears that hold a Q4_K_M file's m
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import gguf
 import numpy as np
 import pytest
@@ -137,3 +139,102 @@ def test_a_q4_k_m_projection_of_q4_k_and_q6_k_parts_fuses_without_widening():
     assert rel(fused.dense_matmul(x), x @ ref.T) < 1e-6
     assert rel(fused.exact_matmul(x), x @ ref.T) < 1e-6
     assert "Q4_K" in repr(fused) and "Q6_K" in repr(fused)
+
+
+# -- a whole model of a Q4_K_M file's mix -----------------------------------------------------
+def write_kquant_qwen3(path: Path) -> Path:
+    """A 2-layer Qwen3 GGUF (hidden 256: a super-block a row) in llama.cpp's Q4_K_M mix:
+    Q4_K but for Q6_K v, down and output on layer 0, and a Q5_K down on layer 1 (Q5_K_M's)."""
+    from gguf import GGMLQuantizationType as QT
+
+    hidden, heads, kv_heads, head_dim, inter = 256, 4, 2, 64, 512
+    tokens = [chr(c) for c in range(33, 127)] + ["Ġ", "hi", "Ġhi", "<|end|>"]
+    writer = gguf.GGUFWriter(path, "qwen3")
+    writer.add_block_count(2)
+    writer.add_context_length(512)
+    writer.add_embedding_length(hidden)
+    writer.add_feed_forward_length(inter)
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_layer_norm_rms_eps(1e-6)
+    writer.add_rope_freq_base(1e6)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("qwen2")
+    writer.add_token_list(tokens)
+    writer.add_token_types([1] * (len(tokens) - 1) + [3])
+    writer.add_token_merges(["h i", "Ġ hi"])
+    writer.add_eos_token_id(len(tokens) - 1)
+    gen = torch.Generator().manual_seed(0)
+
+    def quant(name: str, kind: str, out: int, inp: int) -> None:
+        raw = make_gguf_blocks(kind, out, inp, generator=gen).numpy()
+        writer.add_tensor(name, raw, raw_dtype=QT[kind])
+
+    def norm(name: str, size: int) -> None:
+        writer.add_tensor(name, (1 + 0.1 * torch.randn(size, generator=gen)).numpy())
+
+    quant("token_embd.weight", "Q4_K", len(tokens), hidden)
+    quant("output.weight", "Q6_K", len(tokens), hidden)
+    norm("output_norm.weight", hidden)
+    for i, (v, down) in enumerate([("Q6_K", "Q6_K"), ("Q4_K", "Q5_K")]):
+        norm(f"blk.{i}.attn_norm.weight", hidden)
+        norm(f"blk.{i}.ffn_norm.weight", hidden)
+        norm(f"blk.{i}.attn_q_norm.weight", head_dim)
+        norm(f"blk.{i}.attn_k_norm.weight", head_dim)
+        quant(f"blk.{i}.attn_q.weight", "Q4_K", heads * head_dim, hidden)
+        quant(f"blk.{i}.attn_k.weight", "Q4_K", kv_heads * head_dim, hidden)
+        quant(f"blk.{i}.attn_v.weight", v, kv_heads * head_dim, hidden)
+        quant(f"blk.{i}.attn_output.weight", "Q4_K", hidden, heads * head_dim)
+        quant(f"blk.{i}.ffn_gate.weight", "Q4_K", inter, hidden)
+        quant(f"blk.{i}.ffn_up.weight", "Q4_K", inter, hidden)
+        quant(f"blk.{i}.ffn_down.weight", down, hidden, inter)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def test_a_q4_k_m_model_decodes_on_the_blocks_as_its_float_weights_do(tmp_path, monkeypatch):
+    from helexa.engine import LLM, SamplingParams
+    from tests.engine.test_parity import _record_logits
+
+    path = write_kquant_qwen3(tmp_path / "q4_k_m.gguf")
+    prompts = [[5, 17, 30, 42, 7], [9, 8, 7, 6, 5, 4, 3, 2, 1, 11, 12]]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    runs, models = {}, {}
+    for how in ("float", "all layers", "each layer", "op by op"):
+        kernels = "torch" if how == "float" else "auto"  # torch: K-quants widened to float
+        if how == "each layer":
+            monkeypatch.setattr(native, "stack_plan", lambda plans: None)
+        if how == "op by op":
+            monkeypatch.setattr(native, "layer_plan", lambda *a: None)
+        try:
+            llm = LLM(
+                str(path), device="cpu", kv_cache_memory_mb=8, autotune=False, cpu_kernels=kernels
+            )
+            seen = _record_logits(llm)
+            outs = llm.generate(prompts, params)
+        finally:
+            native.set_mode("auto")
+        models[how] = llm.engine.runner.model
+        runs[how] = [(o.token_ids, torch.stack(seen[o.request_id])) for o in outs]
+    layer = models["all layers"].layers[0]
+    assert layer.self_attn.qkv_proj.block_kind == MIXED  # Q4_K q/k with a Q6_K v
+    assert layer.mlp.down_proj.block_kind == "Q6_Kx8"
+    assert models["all layers"].layers[1].mlp.down_proj.block_kind == "Q5_Kx8"
+    assert models["all layers"].__dict__.get("native_stack") is not None
+    assert models["float"].layers[0].mlp.down_proj.format == "float"
+    for other in ("each layer", "op by op"):  # the same kernels, in one call or op by op
+        for (tokens_a, logits_a), (tokens_b, logits_b) in zip(
+            runs["all layers"], runs[other], strict=True
+        ):
+            assert tokens_a == tokens_b
+            assert torch.equal(logits_a, logits_b), other
+    # the prompt's logits (float32 steps) agree with the float weights'; decode steps' within
+    # what int8 activations per 256 move them
+    for (_, blocks_), (_, floats) in zip(runs["all layers"], runs["float"], strict=True):
+        assert rel(blocks_[0], floats[0]) < 1e-4
+        assert rel(blocks_[1], floats[1]) < 5e-2

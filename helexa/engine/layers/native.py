@@ -195,15 +195,19 @@ def library() -> ctypes.CDLL | None:
     cc = _compiler()
     if cc is None:
         log.warning(
-            "no C compiler (cc, gcc or clang) on PATH: GGUF Q4/Q8 weights run through "
-            "torch's int4 kernel, slower at decode; install one for the native kernels"
+            "no C compiler (cc, gcc or clang) on PATH: GGUF Q4_0/Q4_1/Q8_0 weights run "
+            "through torch's int4 kernel, slower at decode, and Q4_K/Q5_K/Q6_K ones are "
+            "widened to float32 (~7x the memory); install one for the native kernels"
         )
         return None
     try:
         path = build(cc, FLAGS)  # read now: tests/engine/test_cpu_isas.py narrows -march
         lib = load(path)
     except (OSError, RuntimeError, subprocess.SubprocessError) as e:
-        log.warning("the native CPU kernels did not build with %s: %s", cc, e)
+        log.warning(
+            "the native CPU kernels did not build with %s (GGUF K-quants are widened to "
+            "float32 without them): %s", cc, e,
+        )  # fmt: skip
         return None
     log.info("native CPU kernels: %s", path)
     return lib
