@@ -19,8 +19,9 @@ import torch.distributed as dist
 
 
 class PlacementError(ValueError):
-    """A model cannot be split the way the load asks (heads that do not divide, GGUF with
-    tensor parallel, more ranks than devices): a 422 at load, before any weight moves."""
+    """A model cannot be split the way the load asks (heads that do not divide, GGUF blocks
+    that a rank's columns would cut, more ranks than devices): a 422 at load, before any
+    weight moves."""
 
     def __init__(self, message: str, suggestion: str | None = None) -> None:
         super().__init__(message)

@@ -83,7 +83,8 @@ class PoolSize:
 
 def placement(args: EngineArgs) -> list[torch.device]:
     """Each rank's device, or PlacementError before anything loads: more ranks than CUDA
-    devices, a `devices` list of the wrong length or naming a missing device, a GGUF model."""
+    devices, a `devices` list of the wrong length or naming a missing device. (A GGUF
+    tensor that cannot be split on its blocks is refused by the load, before any read.)"""
     n = args.tensor_parallel
     device = args.torch_device()
     if n < 1:
@@ -95,13 +96,6 @@ def placement(args: EngineArgs) -> list[torch.device]:
         )
     if n == 1 and args.devices is None:
         return [device]
-    model = str(args.model or "")
-    if n > 1 and (model.lower().endswith(".gguf") or args.gguf_quant):
-        raise PlacementError(
-            f"tensor_parallel={n}: a GGUF file cannot be split across ranks",
-            "load the safetensors checkpoint (quant = 'int8' etc. for a smaller one), "
-            "or tensor_parallel = 1",
-        )
     if device.type != "cuda":
         return [device] * n  # N processes on the CPU
     count = torch.cuda.device_count() if torch.cuda.is_available() else 0

@@ -134,7 +134,7 @@ def engine_args(cfg: Config, options: LoadOptions) -> EngineArgs:
     kw["autotune_dir"] = str(cfg.node.state_dir / "autotune")
     args = EngineArgs.from_config(cfg.engine, ref, **kw)
     try:
-        placement(args)  # the engine's own refusals (a GGUF file split across ranks...)
+        placement(args)  # the engine's own refusals (more ranks than devices...)
     except PlacementError as e:
         raise LoadError("invalid_placement", model_id, str(e), e.suggestion) from e
     return args

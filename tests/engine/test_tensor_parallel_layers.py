@@ -291,15 +291,6 @@ def test_linear_attention_heads_that_do_not_divide_are_refused_at_build(fake_tp)
         Qwen3_5ForCausalLM(ModelConfig.from_hf(text))
 
 
-def test_a_gguf_file_cannot_be_split_across_ranks(fake_tp, tmp_path):
-    path = tmp_path / "model.Q4_0.gguf"
-    path.write_bytes(b"not read")  # refused before a byte of it is parsed
-    fake_tp(0, 2)
-    with pytest.raises(PlacementError, match="GGUF files cannot be split") as e:
-        load_model(str(path), device=torch.device("cpu"))
-    assert "safetensors" in e.value.suggestion
-
-
 @pytest.mark.parametrize("quant", ["int8", "int4"])
 def test_a_shard_is_cut_from_the_float_weight_then_quantized(fake_tp, quant):
     torch.manual_seed(0)

@@ -56,8 +56,6 @@ def test_a_malformed_body_is_a_400_naming_its_field(body, param, says):
     [
         (LoadOptions("a/b", quant="Q4_K_X"), "invalid_quant", "did you mean 'Q4_K_S'?"),
         (LoadOptions("a/b", dtype="float61"), "invalid_dtype", "did you mean 'float16'?"),
-        (LoadOptions("a/b", tensor_parallel=2, quant="Q4_K_M"), "invalid_placement", None),
-        (LoadOptions("a/b", tensor_parallel=2, ref="/m/x.gguf"), "invalid_placement", None),
         (LoadOptions("a/b", devices=(99,)), "device_unavailable", None),
     ],
 )
@@ -86,6 +84,14 @@ def _cpu_node() -> Config:
 def test_a_cpu_node_runs_tensor_parallel_n_as_n_ranks_on_the_cpu():
     args = engine_args(_cpu_node(), LoadOptions("a/b", tensor_parallel=3))
     assert args.tensor_parallel == 3 and args.devices is None
+
+
+def test_a_gguf_passes_placement_for_tensor_parallel_its_blocks_are_checked_at_load():
+    for options in (
+        LoadOptions("a/b-GGUF", tensor_parallel=2, quant="Q4_K_M"),
+        LoadOptions("a/b", tensor_parallel=2, ref="/m/x.gguf"),
+    ):
+        assert engine_args(_cpu_node(), options).tensor_parallel == 2
 
 
 def test_more_ranks_than_gpus_or_too_few_devices_is_a_422(monkeypatch):

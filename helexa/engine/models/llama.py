@@ -24,6 +24,7 @@ from helexa.engine.layers.linear import (
 )
 from helexa.engine.layers.norm import RMSNorm
 from helexa.engine.layers.rotary import RotaryEmbedding
+from helexa.engine.loader.gguf_shard import take_shard
 from helexa.engine.models.config import ModelConfig
 from helexa.engine.parallel import Shard, all_reduce, head_shard, tp, vocab_range
 from helexa.kernels.quant_pack import GGUF_KINDS, QuantWeight, naive_dequantize
@@ -266,22 +267,23 @@ class Embedding(nn.Module):
 
 class VocabParallelEmbedding(Embedding):
     """Tensor parallel: this rank's rows of the table (`vocab_range`, zero rows past the
-    vocabulary); ids outside them look up zeros, and the ranks' lookups are summed."""
+    vocabulary), held as an Embedding holds a whole one (GGUF blocks stay quantized); ids
+    outside them look up zeros, and the ranks' lookups are summed."""
 
     def __init__(self, vocab_size: int, hidden_size: int) -> None:
-        super().__init__(vocab_size, hidden_size)
-        self.shard = Shard(0, vocab_size, (vocab_range(vocab_size),))
-        self.start = self.shard.ranges[0][0]
+        shard = Shard(0, vocab_size, (vocab_range(vocab_size),))
+        super().__init__(shard.size, hidden_size)  # vocab_size: this rank's rows
+        self.shard, self.start = shard, shard.ranges[0][0]
 
     def load_weight(self, src: WeightSource, *, dtype: torch.dtype, quant: str | None = None):
-        assert tuple(src.shape) == (self.vocab_size, self.hidden_size), tuple(src.shape)
-        self.dtype = dtype
-        self.weight = self.shard.take(as_dense(src)).to(dtype).contiguous()
+        full = self.shard.full_shape((self.vocab_size, self.hidden_size))
+        assert tuple(src.shape) == full, tuple(src.shape)
+        super().load_weight(take_shard(self.shard, src), dtype=dtype, quant=quant)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         local = ids - self.start
-        outside = (local < 0) | (local >= self.shard.size)
-        x = self.weight[local.masked_fill(outside, 0)]  # [num_tokens, hidden]
+        outside = (local < 0) | (local >= self.vocab_size)
+        x = Embedding.forward(self, local.masked_fill(outside, 0))  # [num_tokens, hidden]
         return all_reduce(x.masked_fill_(outside.unsqueeze(-1), 0))
 
 
