@@ -20,6 +20,7 @@ import tokenizers
 import torch
 from tokenizers import decoders, models, normalizers, pre_tokenizers
 
+from helexa.engine.loader import gguf_qwen35
 from helexa.engine.loader.dequant import check_format, dequantize
 from helexa.engine.tokenizer import Tokenizer
 
@@ -29,8 +30,14 @@ MODEL_TYPES = {
     "qwen2": "qwen2",
     "qwen3": "qwen3",
     "qwen3moe": "qwen3_moe",
+    "qwen35": "qwen3_5_text",  # Qwen3.5 / Qwen3.6: Gated DeltaNet and gated attention
+    "qwen35moe": "qwen3_5_moe_text",
 }
 SUPPORTED_ARCHS = tuple(MODEL_TYPES)
+# Architectures whose files need more than the shared tables below: a module with
+# `config(meta, arch, config)`, the HF keys of its own metadata, and `restore(tensors, config)`,
+# its own tensor names and the converter's rewrites undone.
+ARCH_FILES = {"qwen35": gguf_qwen35, "qwen35moe": gguf_qwen35}
 
 # GGUF tensor stem -> HF module name; suffixes (.weight/.bias) carry over unchanged.
 GLOBAL_NAMES = {
@@ -60,6 +67,7 @@ EXPERT_NAMES = {
     "ffn_gate_exps": "mlp.experts.gate_proj",
     "ffn_up_exps": "mlp.experts.up_proj",
     "ffn_down_exps": "mlp.experts.down_proj",
+    "ffn_gate_up_exps": "mlp.experts.gate_up_proj",  # --fuse-gate-up-exps: [E, 2I, H]
 }
 # `{arch}.<key>` -> HF config key, for the keys MoE files carry (each only where present)
 MOE_KEYS = {
@@ -107,8 +115,11 @@ def load_gguf(path: str | os.PathLike[str]) -> GGUFModel:
         raise ValueError(
             f"unsupported GGUF architecture {arch!r}; supported: {list(SUPPORTED_ARCHS)}"
         )
-    tensors = {t.name: t for t in map(_raw_tensor, reader.tensors)}
+    tensors = _split_gate_up({t.name: t for t in map(_raw_tensor, reader.tensors)})
     config = _config(meta, arch, tensors)
+    if (arch_file := ARCH_FILES.get(arch)) is not None:
+        config = arch_file.config(meta, arch, config)
+        tensors = arch_file.restore(tensors, config)
     if arch == "llama":  # only llama.cpp's llama converter permutes Q/K
         for tensor in tensors.values():
             _unpermute_qk(tensor, config)
@@ -125,6 +136,25 @@ def hf_name(gguf_name: str) -> str:
     if (m := _GLOBAL_RE.fullmatch(gguf_name)) and m[1] in GLOBAL_NAMES:
         return f"{GLOBAL_NAMES[m[1]]}.{m[2]}"
     return gguf_name
+
+
+def _split_gate_up(tensors: dict[str, GGUFTensor]) -> dict[str, GGUFTensor]:
+    """Fused stacked experts [E, 2I, H] (gate rows, then up rows) as gate_proj and up_proj
+    [E, I, H], by whole rows of bytes."""
+    out = {}
+    for name, t in tensors.items():
+        if not name.endswith(".experts.gate_up_proj"):
+            out[name] = t
+            continue
+        experts, rows, cols = t.shape
+        data = t.data.reshape(experts, rows, -1)
+        for i, proj in enumerate(("gate_proj", "up_proj")):
+            half = data[:, i * rows // 2 : (i + 1) * rows // 2].reshape(experts * rows // 2, -1)
+            part = GGUFTensor(
+                name[: -len("gate_up_proj")] + proj, t.qtype, (experts, rows // 2, cols), half
+            )
+            out[part.name] = part
+    return out
 
 
 def _raw_tensor(t: Any) -> GGUFTensor:
@@ -245,6 +275,12 @@ _QWEN2_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
+# Qwen3.5's (llama.cpp's `qwen35`, transformers' Qwen3_5Tokenizer): Qwen2's, with combining
+# marks (\p{M}) kept inside words
+_QWEN35_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}"
+    r"| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 _TEKKEN_SPLIT = (
     r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
     r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
@@ -287,6 +323,7 @@ PRE_TOKENIZERS = {
     "smaug-bpe": _LLAMA3,
     "qwen2": _QWEN2,
     "deepseek-r1-qwen": _QWEN2,
+    "qwen35": _PreTokenizer(split=_QWEN35_SPLIT, nfc=True),
     "tekken": _PreTokenizer(split=_TEKKEN_SPLIT, ignore_merges=True),
 }
 
