@@ -291,6 +291,8 @@ BENCH_SUITES = [
     ("gpu", "decode vs memory bandwidth, TTFT and throughput on random Qwen3 weights",
      "helexa.bench.gpu", "add_arguments", "main"),
     ("node", "what the node's HTTP layer costs", "helexa.bench.node", "add_arguments", "main"),
+    ("gguf", "write a GGUF in a real checkpoint's shapes (random blocks) to measure with",
+     "helexa.bench.gguf_writer", "add_arguments", "main"),
     ("grammar", "llguidance vs xgrammar: compile, mask and decode cost of JSON schemas",
      "helexa.bench.grammar", "add_arguments", "main"),
     ("run", "the SPEC's scenarios against any OpenAI-compatible server, kept in the database",
