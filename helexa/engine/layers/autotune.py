@@ -103,6 +103,8 @@ def shape_key(linear: torch.nn.Module) -> str:
     k = linear.in_features * linear.k_repeat
     dense = "+dense" if linear.dense is not None else ""
     fmt = linear.format if linear.block_kind is None else f"{linear.format}-{linear.block_kind}"
+    if getattr(linear, "block_parts", ()):  # a fused Linear of parts held as different kinds
+        fmt += "-" + "+".join(f"{kind}:{rows}" for kind, rows in linear.block_parts)
     return f"{fmt}{dense}:{linear.out_features}x{k}"
 
 
