@@ -1,6 +1,6 @@
-"""y = x @ W.T (+ bias) with W held quantized (GGUF blocks, int8, int4, fp8) and dequantized
-in registers, never in memory. Layouts are quant_pack's (`QuantWeight`); this module re-exports
-its API.
+"""y = x @ W.T (+ bias) with W held quantized (GGUF blocks, int8, int4, fp8, and pre-quantized
+checkpoints' int4_zp and fp8_block) and dequantized in registers, never in memory. Layouts are
+quant_pack's (`QuantWeight`); this module re-exports its API.
 
 Two Triton kernels, one per regime, each parametrized by a constexpr KIND that picks the decode
 (`_codes`: the codes of a tile's low and high half-groups; `_affine`: each group's a, b with
@@ -37,7 +37,9 @@ from .quant_pack import (
     gguf_nbytes,
     make_gguf_blocks,
     naive_dequantize,
+    pack_fp8_blocks,
     pack_gguf,
+    pack_zero_point,
     quantize,
 )
 
@@ -97,7 +99,7 @@ if triton is not None:
         rows whose pointers are qs_row and qh_row; everything broadcasts to the tile's shape.
         fp8's code is its value / 256 (the epilogue's scale puts the 256 back)."""
         HALF: tl.constexpr = GROUP // 2
-        if KIND == "Q8_0" or KIND == "int8" or KIND == "fp8":  # a byte per weight
+        if KIND == "Q8_0" or KIND == "int8" or KIND == "fp8" or KIND == "fp8_block":  # bytes
             lo = tl.load(qs_row + g * GROUP + j, mask=mask, other=0)
             hi = tl.load(qs_row + g * GROUP + HALF + j, mask=mask, other=0)
         else:  # two 4-bit codes per byte, split by half-group
@@ -111,7 +113,7 @@ if triton is not None:
             h = tl.load(qh_row + g, mask=mask, other=0)
             lo |= ((h >> (2 * j)) & 3) << 4
             hi |= ((h >> (2 * j + GROUP)) & 3) << 4
-        if KIND == "fp8":
+        if KIND == "fp8" or KIND == "fp8_block":
             # e4m3 -> fp16 by moving its bits (exponent bias 7 -> 15, subnormals to
             # subnormals), which divides the value by 2^(15-7)
             lo, hi = lo.to(tl.uint16), hi.to(tl.uint16)
@@ -127,7 +129,12 @@ if triton is not None:
             a, b = 1.0, 0.0
         else:
             s = tl.load(s_row + g, mask=mask, other=0).to(tl.float32)
-            if KIND == "Q4_0":
+            if KIND == "fp8_block":  # its code is the e4m3 value / 256 (_codes)
+                a, b = s * 256.0, 0.0
+            elif KIND == "int4_zp":  # s * (q - z): z*s is exact in fp32 for an f16/bf16 s
+                a = s
+                b = -tl.load(m_row + g, mask=mask, other=0).to(tl.float32) * s
+            elif KIND == "Q4_0":
                 a, b = s, -8.0 * s
             elif KIND == "Q4_1":
                 a, b = s, tl.load(m_row + g, mask=mask, other=0).to(tl.float32)
@@ -418,7 +425,9 @@ __all__ = [
     "make_gguf_blocks",
     "naive_dequantize",
     "naive_quant_matmul",
+    "pack_fp8_blocks",
     "pack_gguf",
+    "pack_zero_point",
     "quantize",
     "triton_quant_matmul",
     "unsupported_reason",

@@ -8,16 +8,18 @@ half-group (GGUF Q4_0's order, for every kind): byte g*G/2 + j holds element g*G
 nibble and element g*G + G/2 + j in its high one. A kernel that loads a run of bytes so gets
 the two halves of each group as two tiles, each beside a contiguous run of x.
 
-    kind  qs (codes)   qh (high bits)  scales         mins           d, dmin         bits/w
-    Q4_0  u8 [N, K/2]  -               f16 [N, K/32]  -              -               4.5
-    Q4_1  u8 [N, K/2]  -               f16 [N, K/32]  f16 [N, K/32]  -               5.0
-    int4  u8 [N, K/2]  -               f16 [N, K/32]  f16 [N, K/32]  -               5.0
-    Q8_0  i8 [N, K]    -               f16 [N, K/32]  -              -               8.5
-    Q4_K  u8 [N, K/2]  -               u8 [N, K/32]   u8 [N, K/32]   f16 [N, K/256]  4.625
-    Q5_K  u8 [N, K/2]  i32 [N, K/32]   u8 [N, K/32]   u8 [N, K/32]   f16 [N, K/256]  5.625
-    Q6_K  u8 [N, K/2]  i32 [N, K/16]   i8 [N, K/16]   -              f16 [N, K/256]  6.5625
-    int8  i8 [N, K]    -               f32 [N]        -              -               8 + 32/K
-    fp8   u8 [N, K]    -               f32 [N]        -              -               8 + 32/K
+    kind       qs (codes)   qh (high bits)  scales         mins           d, dmin         bits/w
+    Q4_0       u8 [N, K/2]  -               f16 [N, K/32]  -              -               4.5
+    Q4_1       u8 [N, K/2]  -               f16 [N, K/32]  f16 [N, K/32]  -               5.0
+    int4       u8 [N, K/2]  -               f16 [N, K/32]  f16 [N, K/32]  -               5.0
+    Q8_0       i8 [N, K]    -               f16 [N, K/32]  -              -               8.5
+    Q4_K       u8 [N, K/2]  -               u8 [N, K/32]   u8 [N, K/32]   f16 [N, K/256]  4.625
+    Q5_K       u8 [N, K/2]  i32 [N, K/32]   u8 [N, K/32]   u8 [N, K/32]   f16 [N, K/256]  5.625
+    Q6_K       u8 [N, K/2]  i32 [N, K/16]   i8 [N, K/16]   -              f16 [N, K/256]  6.5625
+    int8       i8 [N, K]    -               f32 [N]        -              -               8 + 32/K
+    fp8        u8 [N, K]    -               f32 [N]        -              -               8 + 32/K
+    int4_zp    u8 [N, K/2]  -               f16 [N, K/32]  u8 [N, K/32]   -               4.75
+    fp8_block  u8 [N, K]    -               f32 [N, K/32]  -              -               9
 
 Weights, with q the code (low nibble | high bits << 4; bit b*e of a group's int32 qh is the
 lowest high bit of its element e, b = 1 for Q5_K and 2 for Q6_K): Q4_0 d*(q-8); Q4_1 d*q + m;
@@ -28,6 +30,14 @@ ops: no fp8 dtype or fp8 hardware needed). Against GGUF's bytes: Q4_0, Q4_1, Q8_
 the same size; Q4_K 148/144 and Q5_K 180/176 (the 6-bit scales and mins unpacked to bytes).
 The products above are exact in fp32, so `naive_dequantize` equals the loader's GGUF
 dequantization bit for bit.
+
+Two kinds hold pre-quantized checkpoints exactly (`pack_zero_point`, `pack_fp8_blocks`; the
+loader's prequant.py reads the files): int4_zp s*(q - z), an AWQ or GPTQ weight, z the
+group's integer zero point (0..16: GPTQ v1 files store z - 1), its scales in the file's dtype
+(f16 as a rule; bf16 or f32 kept as they come); fp8_block s * e4m3(q), an fp8 checkpoint's
+weight with its block scales (128 x 128 as a rule). Their groups (AWQ/GPTQ's 128, fp8's
+blocks) are wider than the kernels' 32: each group's scale (and zero) is repeated over its
+32s, and fp8's block scale over its rows, which costs 0.75 and 1 bit a weight over the files.
 """
 
 from __future__ import annotations
@@ -38,7 +48,11 @@ from dataclasses import dataclass, fields, replace
 
 import torch
 
-QUANT_KINDS = ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "int8", "int4", "fp8")
+QUANT_KINDS = (
+    *("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"),  # GGUF's
+    *("int8", "int4", "fp8"),  # made at load from float weights (`quantize`)
+    *("int4_zp", "fp8_block"),  # pre-quantized checkpoints (AWQ / GPTQ, fp8 block-scaled)
+)
 GGUF_KINDS = QUANT_KINDS[:6]
 QK_K = 256  # weights per super-block of the k-quants
 GROUP = {kind: 16 if kind == "Q6_K" else 32 for kind in QUANT_KINDS}
@@ -59,7 +73,7 @@ class QuantWeight:
     qs: torch.Tensor  # codes: 4-bit pairs (uint8 [N, K/2]) or bytes ([N, K])
     scales: torch.Tensor  # per group, or per output channel (int8, fp8)
     qh: torch.Tensor | None = None  # int32 high bits per group (Q5_K, Q6_K)
-    mins: torch.Tensor | None = None  # per group (Q4_1, int4, Q4_K, Q5_K)
+    mins: torch.Tensor | None = None  # per group (Q4_1, int4, Q4_K, Q5_K; int4_zp's zeros)
     d: torch.Tensor | None = None  # f16 per super-block of 256 (k-quants)
     dmin: torch.Tensor | None = None  # f16 per super-block (Q4_K, Q5_K)
 
@@ -245,16 +259,84 @@ def pack_gguf(raw: torch.Tensor, qtype: str, shape: tuple[int, int]) -> QuantWei
     )
 
 
-# -- float -> int8 / int4 / fp8 ----------------------------------------------------
+# -- pre-quantized checkpoints -> planar ---------------------------------------------
+def pack_zero_point(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> QuantWeight:
+    """4-bit codes with a scale and an integer zero point per group, w = s * (q - z), as an
+    "int4_zp" QuantWeight on their device (AWQ and GPTQ weights, unpacked by the loader).
+
+    codes: [N, K] of 0..15; scales: [N, K/G] (dtype kept); zeros: [N, K/G] integers 0..16;
+    G = K / scales.shape[1], a multiple of 32.
+    """
+    n, k = codes.shape
+    groups = scales.shape[1]
+    if k % groups or (k // groups) % 32 or scales.shape != zeros.shape or scales.shape[0] != n:
+        raise ValueError(
+            f"codes {list(codes.shape)} need scales and zeros [N, K/G] with G a multiple of 32; "
+            f"got {list(scales.shape)} and {list(zeros.shape)}"
+        )
+    per = k // groups // 32  # the kernels' groups of 32 in one of the file's groups
+    return QuantWeight(
+        "int4_zp", n, k,
+        qs=_pack_nibbles(codes, 32),
+        scales=scales.repeat_interleave(per, dim=1).contiguous(),
+        mins=zeros.to(torch.uint8).repeat_interleave(per, dim=1).contiguous(),
+    )  # fmt: skip
+
+
+def pack_fp8_blocks(q: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]) -> QuantWeight:
+    """An fp8 weight with one scale per block, w = e4m3(q) * scale[i // bn, j // bk], as an
+    "fp8_block" QuantWeight on its device (an fp8 checkpoint's `weight_scale_inv`).
+
+    q: [N, K] float8_e4m3fn (or its bits as uint8); scale: [ceil(N/bn), ceil(K/bk)] of any float
+    dtype (held as f32); block: (bn, bk), bk a multiple of 32.
+    """
+    n, k = q.shape
+    bn, bk = block
+    want = (-(-n // bn), -(-k // bk))
+    if bk % 32 or tuple(scale.shape) != want:
+        raise ValueError(
+            f"fp8 [{n}, {k}] in blocks of {list(block)} needs bk a multiple of 32 and scales "
+            f"{list(want)}; got {list(scale.shape)}"
+        )
+    _require_shape("fp8_block", (n, k))
+    per_row = scale.float().repeat_interleave(bn, dim=0)[:n]
+    group_block = torch.arange(0, k, 32, device=q.device) // bk  # the block of each group of 32
+    return QuantWeight(
+        "fp8_block", n, k,
+        qs=q.contiguous().view(torch.uint8),
+        scales=per_row[:, group_block].contiguous(),
+    )  # fmt: skip
+
+
+# -- float -> int8 / int4 / fp8 (and the pre-quantized kinds, for tests) ---------------
 def quantize(w: torch.Tensor, kind: str) -> QuantWeight:
     """A float [out, in] weight quantized on its device: "int8" (symmetric, one fp32 scale per
     output channel), "int4" (asymmetric groups of 32: fp16 scale and min, w ~ scale*q + min,
-    that is zero point -min/scale) or "fp8" (e4m3, one fp32 scale per output channel)."""
-    if kind not in ("int8", "int4", "fp8"):
-        raise ValueError(f"quantize makes int8, int4 or fp8; got {kind!r}")
+    that is zero point -min/scale) or "fp8" (e4m3, one fp32 scale per output channel); or as a
+    checkpoint would hold it: "int4_zp" (groups of 32 whose range takes in 0: fp16 scale,
+    integer zero point) or "fp8_block" (e4m3 in 128 x 128 blocks, an fp32 scale each)."""
+    if kind not in ("int8", "int4", "fp8", "int4_zp", "fp8_block"):
+        raise ValueError(f"quantize makes int8, int4 or fp8 (or int4_zp, fp8_block); got {kind!r}")
     _require_shape(kind, tuple(w.shape))
     out, inp = w.shape
     w = w.float()
+    if kind == "int4_zp":
+        g = w.reshape(out, inp // 32, 32)
+        lo, hi = g.amin(-1).clamp(max=0), g.amax(-1).clamp(min=0)
+        scale = ((hi - lo) / 15).half()
+        s = scale.float().clamp_min(1e-30)[..., None]
+        zero = (-lo[..., None] / s).round_().clamp_(0, 15)
+        q = (g / s + zero).round_().clamp_(0, 15).reshape(out, inp)
+        return pack_zero_point(q, scale, zero.squeeze(-1))
+    if kind == "fp8_block":
+        nb, kb = -(-out // 128), -(-inp // 128)
+        padded = w.new_zeros(nb * 128, kb * 128)
+        padded[:out, :inp] = w
+        amax = padded.reshape(nb, 128, kb, 128).abs().amax(dim=(1, 3))
+        scale = (amax / FP8_MAX).clamp_min(1e-30)
+        s = scale.repeat_interleave(128, 0)[:out].repeat_interleave(128, 1)[:, :inp]
+        q = (w / s).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+        return pack_fp8_blocks(q, scale, (128, 128))
     if kind == "int4":
         g = w.reshape(out, inp // 32, 32)
         lo, hi = g.amin(-1), g.amax(-1)
@@ -292,6 +374,9 @@ def naive_dequantize(qw: QuantWeight) -> torch.Tensor:
         return qw.qs.float() * qw.scales.float()[:, None]
     if kind == "fp8":
         return qw.qs.view(torch.float8_e4m3fn).float() * qw.scales.float()[:, None]
+    if kind == "fp8_block":
+        s = qw.scales.float().repeat_interleave(GROUP[kind], dim=1)
+        return qw.qs.view(torch.float8_e4m3fn).float() * s
     group = GROUP[kind]
     if kind == "Q8_0":
         q = qw.qs.float().reshape(n, -1, group)
@@ -302,6 +387,8 @@ def naive_dequantize(qw: QuantWeight) -> torch.Tensor:
         w = q.sub_(8).mul_(s)
     elif kind in ("Q4_1", "int4"):
         w = q.mul_(s).add_(qw.mins.float()[..., None])
+    elif kind == "int4_zp":
+        w = q.sub_(qw.mins.float()[..., None]).mul_(s)
     elif kind == "Q8_0":
         w = q.mul_(s)
     else:  # k-quants: one d (and dmin) per 256 weights, 256 // group groups

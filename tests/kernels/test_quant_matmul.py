@@ -82,6 +82,8 @@ def test_bits_per_weight_of_each_kind():
         "int8": 8 + 32 / 512,  # one fp32 scale per row
         "int4": 5.0,
         "fp8": 8 + 32 / 512,
+        "int4_zp": 4.75,  # f16 scale and u8 zero point per 32
+        "fp8_block": 9.0,  # an f32 scale per 32 (its 128 x 128 block's)
     }
 
 
