@@ -38,6 +38,7 @@ import socket
 import struct
 import sys
 import threading
+from collections import Counter
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import msgspec
@@ -91,6 +92,8 @@ class ModelFacts(msgspec.Struct):
     graphs_off_reason: str | None = None
     max_num_seqs: int = 0  # sequences the engine runs at once (0: unknown)
     autotune: TuneReport | None = None  # the CPU plans at load; `Tuned` tells of a change
+    checkpoint_quant: str | None = None  # a pre-quantized checkpoint's: fp8 | awq | gptq
+    linear_weights: str = ""  # how the Linears hold their weights: "int4×14 float×1"
 
 
 class Ready(msgspec.Struct, tag="ready", array_like=True):
@@ -216,7 +219,23 @@ def model_facts(engine: LLMEngine) -> ModelFacts:
         graphs_off_reason=engine.runner.graphs_off_reason if device.type == "cuda" else None,
         max_num_seqs=engine.scheduler.config.max_num_seqs,
         autotune=engine.autotune_report(),
+        checkpoint_quant=engine.loaded.checkpoint_quant,
+        linear_weights=linear_weights(engine.runner.model),
     )
+
+
+def linear_weights(model: torch.nn.Module) -> str:
+    """How many Linears hold their weight each way: format (float, int8, int4; "blocks" by
+    GGUF kind) on the CPU, QuantWeight kind on an accelerator: "int4_zp×14 float×1"."""
+    from helexa.engine.layers.linear import Linear
+
+    def held(m: Linear) -> str:
+        if m.qweight is not None:
+            return m.qweight.kind
+        return m.block_kind or m.format
+
+    counts = Counter(held(m) for m in model.modules() if isinstance(m, Linear))
+    return " ".join(f"{k}×{n}" for k, n in sorted(counts.items()))
 
 
 def load_failure(error: BaseException) -> LoadFailed:

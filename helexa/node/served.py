@@ -101,8 +101,12 @@ class ServedModel:
             "tensor_parallel": len(facts.pids),
             "workers": self.llm.describe_workers(),
             "dtype": facts.dtype,
-            "quant": self.options.quant or _gguf_quant_of(facts.source_format, facts.path),
+            # a pre-quantized checkpoint's (fp8, awq, gptq), else the one asked, else a GGUF's
+            "quant": facts.checkpoint_quant
+            or self.options.quant
+            or _gguf_quant_of(facts.source_format, facts.path),
             "format": facts.source_format,
+            "linear_weights": facts.linear_weights,  # as held: "int4×14 float×1"
             "capabilities": self.capabilities,
             "tool_call": self.tool_call_markers is not None,
             "reasoning": self.reasoning_markers is not None,

@@ -38,6 +38,7 @@ def test_models_lists_status_limits_and_memory(node, tiny_id, scripted_id):
     assert tiny["memory_mb"] > 0
     assert {"tool_call", "reasoning", "devices", "quant"} <= set(tiny)
     assert tiny["autotune"]["state"] == "off"  # float weights: no CPU plans to tune
+    assert tiny["quant"] is None and re.fullmatch(r"float×\d+", tiny["linear_weights"])
     assert models[scripted_id]["status"] == "loaded"
 
 

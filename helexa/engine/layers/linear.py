@@ -152,6 +152,9 @@ class Linear(nn.Module):
         `dtype` is the activation dtype (and the float weights' dtype); `quant` asks for int8
         or int4 where the source is not already 4-bit: Q4_0/Q4_1 blocks always stay int4.
         """
+        if hasattr(src, "load_into"):  # a pre-quantized checkpoint's (loader/prequant.py)
+            src.load_into(self, dtype=dtype, dense_copy=dense_copy)  # its own quant, not `quant`
+            return
         if quant not in QUANTS:
             raise ValueError(f"unknown quant {quant!r}; supported: {list(QUANTS)}")
         shape = (self.out_features, self.in_features)

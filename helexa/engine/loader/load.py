@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 from helexa.engine.layers import hugepages
+from helexa.engine.loader import prequant
 from helexa.engine.loader.gguf_shard import check_splits
 from helexa.engine.loader.hf import iter_safetensors, read_json, safetensors_files
 from helexa.engine.models import MODEL_REGISTRY, check_model_type
@@ -121,6 +122,7 @@ class LoadedModel:
     config: ModelConfig
     path: Path
     source_format: str  # "safetensors" | "gguf" | "scripted"
+    checkpoint_quant: str | None = None  # a pre-quantized checkpoint's: "fp8" | "awq" | "gptq"
 
 
 def default_dtype(device: torch.device) -> torch.dtype:
@@ -170,6 +172,7 @@ def load_model(
 
     model_type = hf_cfg.get("model_type")
     check_model_type(model_type)
+    scheme = prequant.scheme_of(hf_cfg)  # refused here, before any read, unless it loads
     family = MODEL_REGISTRY[model_type]
     model = family.build(hf_cfg, tokenizer, max_position=max_position)
     if fmt == "gguf" and tp().enabled:  # a split off the blocks is refused before any read
@@ -178,8 +181,9 @@ def load_model(
         weights, fmt = (), family.source_format
     elif weights is None:
         weights = iter_safetensors(safetensors_files(path))
+    stream = ((n, _to(w, device)) for n, w in weights)
     model.load_weights(
-        ((n, _to(w, device)) for n, w in weights),
+        prequant.gather(stream, scheme) if fmt == "safetensors" else stream,
         dtype=dtype,
         quant=quant,
         dense_copies=dense_copies and device.type == "cpu",
@@ -188,7 +192,8 @@ def load_model(
     model = model.to(device).eval()
     if device.type == "cpu":  # a decode step streams them all: on huge pages, fewer TLB misses
         hugepages.hold_weights(model)
-    return LoadedModel(model, tokenizer, model.config, path, fmt)
+    quant_method = scheme.method if scheme is not None else None
+    return LoadedModel(model, tokenizer, model.config, path, fmt, quant_method)
 
 
 def _to(w, device: torch.device):
