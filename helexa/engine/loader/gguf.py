@@ -21,7 +21,8 @@ import torch
 from tokenizers import decoders, models, normalizers, pre_tokenizers
 
 from helexa.engine.loader import gguf_qwen35
-from helexa.engine.loader.dequant import check_format, dequantize
+from helexa.engine.loader.dequant import check_format
+from helexa.engine.loader.gguf_tensor import GGUFTensor
 from helexa.engine.tokenizer import Tokenizer
 
 # llama.cpp architecture (`general.architecture`) -> HF `model_type` of the family that runs it
@@ -77,23 +78,6 @@ MOE_KEYS = {
 }
 _BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 _GLOBAL_RE = re.compile(r"(\w+)\.(weight|bias)")
-
-
-@dataclass(slots=True)
-class GGUFTensor:
-    """One tensor as stored in the file: raw bytes plus how to read them."""
-
-    name: str  # HF name, e.g. "model.layers.0.self_attn.q_proj.weight"
-    qtype: str  # a key of dequant.FORMATS: "F32", "F16", "BF16", "Q8_0", "Q4_1", "Q4_K", ...
-    shape: tuple[int, ...]  # torch/HF order, e.g. (out_features, in_features)
-    data: torch.Tensor  # uint8 [prod(shape[:-1]), bytes_per_row]; 1-D tensors: [1, bytes]
-
-    def dequantize(
-        self, dtype: torch.dtype = torch.float32, device: torch.device | str | None = None
-    ) -> torch.Tensor:
-        """The weights as `dtype`, of `shape`; with `device`, the raw bytes move there first."""
-        data = self.data if device is None else self.data.to(device)
-        return dequantize(data, self.qtype, self.shape).to(dtype)
 
 
 @dataclass(slots=True)

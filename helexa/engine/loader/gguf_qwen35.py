@@ -40,7 +40,7 @@ import torch
 from helexa.engine.loader.dequant import FORMATS
 
 if TYPE_CHECKING:
-    from helexa.engine.loader.gguf import GGUFTensor
+    from helexa.engine.loader.gguf_tensor import GGUFTensor
 
 # GGUF block tensor -> HF name within the layer, for the names gguf.py's shared table leaves
 NAMES = {

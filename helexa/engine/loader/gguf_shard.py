@@ -33,11 +33,10 @@ from helexa.engine.loader.dequant import FORMATS
 from helexa.engine.parallel import PlacementError, Shard, tp
 
 if TYPE_CHECKING:
-    from helexa.engine.layers.linear import WeightSource
-    from helexa.engine.loader.gguf import GGUFTensor
+    from helexa.engine.loader.gguf_tensor import GGUFTensor
 
 
-def take_shard(shard: Shard | None, src: WeightSource) -> WeightSource:
+def take_shard(shard: Shard | None, src: torch.Tensor | GGUFTensor) -> torch.Tensor | GGUFTensor:
     """This rank's part of a checkpoint tensor: a torch tensor's by `Shard.take`, a GGUF
     tensor's as its whole blocks (still quantized); all of `src` when `shard` is None."""
     if shard is None:
