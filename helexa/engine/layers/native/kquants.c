@@ -299,11 +299,12 @@ static inline const uint8_t *file_block(int kind, const uint8_t *w, int64_t nsb,
 }
 
 /* A quarter (positions [64 j, 64 j + 64)) of a group's super-block as floats, position by
- * position: buf[8 (p - 64 j) + r] = row r's weight p (dequant.py's arithmetic: d sc exact
+ * position: buf[ld (p - 64 j) + r] = row r's weight p (ld 8: packed; N: straight into a
+ * transposed weight's rows) (dequant.py's arithmetic: d sc exact
  * in float32, q d sc exact, one rounding at most after). With AVX2 straight from the group's
  * codes, 8 rows a vector; else row by row. A quarter is Q4_K's sub-blocks 2j and 2j + 1, and
  * Q6_K's codes j of each run. */
-static void kq_x8_quarter(int base, const uint8_t *g, int j, float *buf) {
+static void kq_x8_quarter(int base, const uint8_t *g, int j, float *buf, int64_t ld) {
 #ifdef __AVX2__
     const __m256i low = _mm256_set1_epi32(0x0f), three = _mm256_set1_epi32(3);
     const __m256 d8 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)g));
@@ -331,7 +332,7 @@ static void kq_x8_quarter(int base, const uint8_t *g, int j, float *buf) {
                         q = _mm256_or_si256(q, _mm256_slli_epi32(_mm256_and_si256(bit, _mm256_set1_epi32(1)), 4));
                     }
                     __m256 v = _mm256_fmsub_ps(_mm256_cvtepi32_ps(q), ds, dm);
-                    _mm256_storeu_ps(buf + 8 * (32 * h + 4 * t + k), v);
+                    _mm256_storeu_ps(buf + ld * (32 * h + 4 * t + k), v);
                 }
             }
         }
@@ -355,7 +356,7 @@ static void kq_x8_quarter(int base, const uint8_t *g, int j, float *buf) {
             __m256i q = _mm256_sub_epi32(_mm256_or_si256(lo, _mm256_slli_epi32(hi, 4)),
                                          _mm256_set1_epi32(32));
             int p = 4 * t + k; /* within the quarter: sub-block 4 j + p / 16 */
-            _mm256_storeu_ps(buf + 8 * p, _mm256_mul_ps(_mm256_cvtepi32_ps(q), dsc[p / 16]));
+            _mm256_storeu_ps(buf + ld * p, _mm256_mul_ps(_mm256_cvtepi32_ps(q), dsc[p / 16]));
         }
     }
 #else
@@ -364,14 +365,14 @@ static void kq_x8_quarter(int base, const uint8_t *g, int j, float *buf) {
     for (int r = 0; r < KQ_XR; r++) {
         group_row_k(base, g, r, blk);
         kq_dequant(base, blk, row);
-        for (int p = 0; p < 64; p++) buf[8 * p + r] = row[64 * j + p];
+        for (int p = 0; p < 64; p++) buf[ld * p + r] = row[64 * j + p];
     }
 #endif
 }
 
 /* the whole super-block: buf[8 p + r], p < 256 */
 static void kq_x8_unpack(int base, const uint8_t *g, float *buf) {
-    for (int j = 0; j < 4; j++) kq_x8_quarter(base, g, j, buf + 8 * 64 * j);
+    for (int j = 0; j < 4; j++) kq_x8_quarter(base, g, j, buf + 8 * 64 * j, 8);
 }
 
 /* x [M, K] -> q [M, K] int8, d [M, K/256] and bs [M, K/16] (the sums of each 16 codes),
@@ -931,13 +932,9 @@ int hx_kq_dequantize_t(int kind, const uint8_t *w, int64_t N, int64_t K, float *
         /* a quarter of a super-block at a time: 64 rows of out written along, not 256 */
 #pragma omp parallel for schedule(static) num_threads(num_threads)
         for (int64_t bq = 0; bq < 4 * nsb; bq++) {
-            float buf[8 * 64];
             float *o = out + bq * 64 * N;
-            for (int64_t g = 0; g < N / KQ_XR; g++) {
-                kq_x8_quarter(base, w + (g * nsb + bq / 4) * gb, (int)(bq % 4), buf);
-                for (int p = 0; p < 64; p++)
-                    memcpy(o + p * N + g * KQ_XR, buf + 8 * p, KQ_XR * sizeof(float));
-            }
+            for (int64_t g = 0; g < N / KQ_XR; g++)
+                kq_x8_quarter(base, w + (g * nsb + bq / 4) * gb, (int)(bq % 4), o + g * KQ_XR, N);
         }
         return 0;
     }
