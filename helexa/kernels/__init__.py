@@ -103,11 +103,14 @@ def chunk_gated_delta_rule(
     *,
     scale: float | None = None,
     use_qk_l2norm: bool = True,
+    tiled: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Gated delta rule over one sequence's prompt: q, k [T, Hk, K]; v [T, Hv, V];
-    g, beta [T, Hv]; initial_state [Hv, K, V] | None -> (o [T, Hv, V], state [Hv, K, V] fp32)."""
+    g, beta [T, Hv]; initial_state [Hv, K, V] | None -> (o [T, Hv, V], state [Hv, K, V] fp32).
+    Value head j reads q/k head j // (Hv/Hk), or j % Hk when `tiled` (llama.cpp's order)."""
     fn = gdr.triton_chunk_gated_delta_rule if uses_triton(q) else gdr.naive_chunk_gated_delta_rule
-    return fn(q, k, v, g, beta, initial_state, scale=scale, use_qk_l2norm=use_qk_l2norm)
+    kw = dict(scale=scale, use_qk_l2norm=use_qk_l2norm, tiled=tiled)
+    return fn(q, k, v, g, beta, initial_state, **kw)
 
 
 def fused_recurrent_gated_delta_rule(
@@ -121,15 +124,18 @@ def fused_recurrent_gated_delta_rule(
     *,
     scale: float | None = None,
     use_qk_l2norm: bool = True,
+    tiled: bool = False,
 ) -> torch.Tensor:
     """One decode step of N sequences: q, k [N, Hk, K]; v [N, Hv, V]; g, beta [N, Hv];
-    state [S, Hv, K, V] fp32 pool, updated in place at rows state_indices [N] -> o [N, Hv, V]."""
+    state [S, Hv, K, V] fp32 pool, updated in place at rows state_indices [N] -> o [N, Hv, V].
+    `tiled`: as chunk_gated_delta_rule's."""
     fn = (
         gdr.triton_fused_recurrent_gated_delta_rule
         if uses_triton(q)
         else gdr.naive_recurrent_gated_delta_rule
     )
-    return fn(q, k, v, g, beta, state, state_indices, scale=scale, use_qk_l2norm=use_qk_l2norm)
+    kw = dict(scale=scale, use_qk_l2norm=use_qk_l2norm, tiled=tiled)
+    return fn(q, k, v, g, beta, state, state_indices, **kw)
 
 
 def causal_conv1d(

@@ -3,6 +3,9 @@
 Per value head, with a state S: [K, V] and one token (q, k, v, g, beta):
     S = S * exp(g);  delta = (v - k^T S) * beta;  S = S + k ⊗ delta;  o = q^T S  (q pre-scaled)
 
+Value head j reads q/k head j // (Hv/Hk) (HF's order: the value heads grouped by key head)
+or, with `tiled=True`, head j % Hk (llama.cpp's GGUF order: the groups tiled, [Hv/Hk, Hk]).
+
 Two forms, each as a plain-torch reference (`naive_*`, fp32, runs anywhere) beside its Triton
 kernels (`triton_*`, after flash-linear-attention's decomposition):
 - chunked prefill of one sequence: `naive_chunk_gated_delta_rule`, `triton_chunk_gated_delta_rule`
@@ -46,16 +49,18 @@ def _check_shapes(q, k, v, g, beta) -> None:
         )
 
 
-def _prepare_qk(q, k, num_v_heads, scale, use_qk_l2norm):
-    """fp32 q, k repeated to the value heads (head i serves Hv//Hk consecutive value heads),
-    l2-normalised if asked, q scaled."""
+def _prepare_qk(q, k, num_v_heads, scale, use_qk_l2norm, tiled):
+    """fp32 q, k repeated to the value heads (head i serves Hv//Hk consecutive value heads,
+    or every Hk-th one when `tiled`), l2-normalised if asked, q scaled."""
     head_k_dim = k.shape[-1]
     scale = head_k_dim**-0.5 if scale is None else scale
     q, k = q.float(), k.float()
     if use_qk_l2norm:
         q, k = _l2norm(q), _l2norm(k)
     group = num_v_heads // k.shape[-2]
-    if group > 1:
+    if group > 1 and tiled:
+        q, k = q.repeat(1, group, 1), k.repeat(1, group, 1)
+    elif group > 1:
         q = q.repeat_interleave(group, dim=-2)
         k = k.repeat_interleave(group, dim=-2)
     return q * scale, k
@@ -71,19 +76,20 @@ def naive_chunk_gated_delta_rule(
     *,
     scale: float | None = None,
     use_qk_l2norm: bool = True,
+    tiled: bool = False,
     chunk_size: int = 64,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The gated delta rule over one sequence, chunk by chunk, in plain torch (fp32 inside).
 
     q, k: [T, Hk, K]; v: [T, Hv, V]; g: [T, Hv] log-decay (<= 0); beta: [T, Hv];
     initial_state: [Hv, K, V] fp32 or None (zeros). Hv % Hk == 0; q/k head i serves value heads
-    i*(Hv//Hk) ... (i+1)*(Hv//Hk)-1. scale None -> K**-0.5.
+    i*(Hv//Hk) ... (i+1)*(Hv//Hk)-1, or i, i+Hk, i+2Hk, ... when `tiled`. scale None -> K**-0.5.
     Returns o: [T, Hv, V] in v.dtype and the final state [Hv, K, V] fp32 (a new tensor).
     """
     _check_shapes(q, k, v, g, beta)
     num_tokens, num_v_heads, head_v_dim = v.shape
     head_k_dim, out_dtype = k.shape[-1], v.dtype
-    q, k = _prepare_qk(q, k, num_v_heads, scale, use_qk_l2norm)
+    q, k = _prepare_qk(q, k, num_v_heads, scale, use_qk_l2norm, tiled)
     # everything head-major from here: q, k: [Hv, T, K]; v: [Hv, T, V]; g, beta: [Hv, T]
     q, k, v = (x.transpose(0, 1) for x in (q, k, v.float()))
     g, beta = g.float().t(), beta.float().t()
@@ -142,14 +148,16 @@ def naive_recurrent_gated_delta_rule(
     *,
     scale: float | None = None,
     use_qk_l2norm: bool = True,
+    tiled: bool = False,
 ) -> torch.Tensor:
     """One decode step of N sequences (one token each) in plain torch (fp32 inside).
 
     q, k: [N, Hk, K]; v: [N, Hv, V]; g, beta: [N, Hv]; state: [S, Hv, K, V] fp32, a pool whose
-    rows state_indices: [N] int64 (distinct) are updated in place. Returns o: [N, Hv, V] in v.dtype.
+    rows state_indices: [N] int64 (distinct) are updated in place; `tiled`: the value heads'
+    order (see the module docstring). Returns o: [N, Hv, V] in v.dtype.
     """
     _check_shapes(q, k, v, g, beta)
-    q, k = _prepare_qk(q, k, v.shape[1], scale, use_qk_l2norm)  # [N, Hv, K]
+    q, k = _prepare_qk(q, k, v.shape[1], scale, use_qk_l2norm, tiled)  # [N, Hv, K]
     h = state[state_indices]  # [N, Hv, K, V], a copy
     h = h * g.float().exp()[..., None, None]
     kv = (h * k[..., None]).sum(-2)  # [N, Hv, V]
@@ -178,6 +186,15 @@ CHUNK_SIZE = 64
 if triton is not None:
 
     @triton.jit
+    def _key_head(i_h, HK: tl.constexpr, HV: tl.constexpr, TILED: tl.constexpr):
+        # the q/k head value head i_h reads: grouped [Hk, Hv/Hk] or tiled [Hv/Hk, Hk]
+        if TILED:
+            i_hk = i_h % HK
+        else:
+            i_hk = i_h // (HV // HK)
+        return i_hk
+
+    @triton.jit
     def _chunk_cumsum_kernel(g, g_cum, T, H: tl.constexpr, C: tl.constexpr):
         # grid (num_chunks, Hv); g, g_cum: [T, Hv]
         i_c, i_h = tl.program_id(0), tl.program_id(1)
@@ -190,10 +207,11 @@ if triton is not None:
         k, v, beta, g_cum, w, u, T,
         HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
         C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PRECISION: tl.constexpr,
+        TILED: tl.constexpr,
     ):  # fmt: skip
         # grid (num_chunks, Hv); k: [T, Hk, K]; v, u: [T, Hv, V]; w: [T, Hv, K]; beta: [T, Hv]
         i_c, i_h = tl.program_id(0), tl.program_id(1)
-        i_hk = i_h // (HV // HK)
+        i_hk = _key_head(i_h, HK, HV, TILED)
         r = tl.arange(0, C)
         t = i_c * C + r
         m_t = t < T
@@ -238,11 +256,11 @@ if triton is not None:
         k, w, u, g_cum, h0, h, v_new, ht, T,
         HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
         C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, HAS_H0: tl.constexpr,
-        PRECISION: tl.constexpr,
+        PRECISION: tl.constexpr, TILED: tl.constexpr,
     ):  # fmt: skip
         # grid (cdiv(V, BV), Hv); h: [num_chunks, Hv, K, V]; h0, ht: [Hv, K, V]; BK >= K
         i_v, i_h = tl.program_id(0), tl.program_id(1)
-        i_hk = i_h // (HV // HK)
+        i_hk = _key_head(i_h, HK, HV, TILED)
         r, o_k = tl.arange(0, C), tl.arange(0, BK)
         o_v = i_v * BV + tl.arange(0, BV)
         m_kv = (o_k < K)[:, None] & (o_v < V)[None, :]
@@ -279,10 +297,11 @@ if triton is not None:
         q, k, v_new, g_cum, h, o, T, scale,
         HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
         C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PRECISION: tl.constexpr,
+        TILED: tl.constexpr,
     ):  # fmt: skip
         # grid (cdiv(V, BV), num_chunks, Hv); q, k: [T, Hk, K]; v_new, o: [T, Hv, V]
         i_v, i_c, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-        i_hk = i_h // (HV // HK)
+        i_hk = _key_head(i_h, HK, HV, TILED)
         r, o_k = tl.arange(0, C), tl.arange(0, BK)
         o_v = i_v * BV + tl.arange(0, BV)
         t = i_c * C + r
@@ -316,11 +335,12 @@ if triton is not None:
         q, k, v, g, beta, state, state_indices, o, scale,
         HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
         BK: tl.constexpr, BV: tl.constexpr, USE_QK_L2NORM: tl.constexpr, EPS: tl.constexpr,
+        TILED: tl.constexpr,
     ):  # fmt: skip
         # grid (N, Hv, cdiv(V, BV)); q, k: [N, Hk, K]; v, o: [N, Hv, V]; g, beta: [N, Hv];
         # state: [S, Hv, K, V] fp32, row state_indices[n] read and written back in place
         i_n, i_h, i_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-        i_hk = i_h // (HV // HK)
+        i_hk = _key_head(i_h, HK, HV, TILED)
         o_k = tl.arange(0, BK)
         o_v = i_v * BV + tl.arange(0, BV)
         m_k, m_v = o_k < K, o_v < V
@@ -355,7 +375,7 @@ def _pow2(n: int, lo: int = 16) -> int:
     return max(lo, triton.next_power_of_2(n))
 
 
-def _chunk_launch(q, k, v, g, beta, initial_state, scale, chunk_size):
+def _chunk_launch(q, k, v, g, beta, initial_state, scale, chunk_size, tiled):
     """Launch the four chunk kernels; q, k fp32 [T, Hk, K] (normalised); v [T, Hv, V];
     g, beta fp32 [T, Hv]. Returns o [T, Hv, V] in v.dtype and the final state [Hv, K, V]."""
     num_tokens, num_k_heads, head_k_dim = k.shape
@@ -366,7 +386,7 @@ def _chunk_launch(q, k, v, g, beta, initial_state, scale, chunk_size):
     # registers: narrow V blocks keep that from spilling on sm_90 up to K = 128 (ptxas -v).
     BK_STATE = _pow2(head_k_dim)
     BV_STATE = min(16 if BK_STATE >= 128 else 32, _pow2(head_v_dim))
-    dims = dict(HK=num_k_heads, HV=num_v_heads, K=head_k_dim, V=head_v_dim, C=C)
+    dims = dict(HK=num_k_heads, HV=num_v_heads, K=head_k_dim, V=head_v_dim, C=C, TILED=tiled)
     if v.dtype != torch.float32:
         precision = "tf32"
     else:
@@ -413,12 +433,13 @@ def triton_chunk_gated_delta_rule(
     *,
     scale: float | None = None,
     use_qk_l2norm: bool = True,
+    tiled: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The gated delta rule over one sequence, chunked, in Triton (fp32 tensors, TF32 matmuls).
 
     q, k: [T, Hk, K]; v: [T, Hv, V]; g: [T, Hv] log-decay (<= 0); beta: [T, Hv];
     initial_state: [Hv, K, V] fp32 or None (zeros). Hv % Hk == 0; q/k head i serves value heads
-    i*(Hv//Hk) ... (i+1)*(Hv//Hk)-1. scale None -> K**-0.5.
+    i*(Hv//Hk) ... (i+1)*(Hv//Hk)-1, or i, i+Hk, i+2Hk, ... when `tiled`. scale None -> K**-0.5.
     Returns o: [T, Hv, V] in v.dtype and the final state [Hv, K, V] fp32 (a new tensor).
     """
     _require_triton()
@@ -434,6 +455,7 @@ def triton_chunk_gated_delta_rule(
         initial_state,
         scale,
         CHUNK_SIZE,
+        tiled,
     )
 
 
@@ -448,11 +470,13 @@ def triton_fused_recurrent_gated_delta_rule(
     *,
     scale: float | None = None,
     use_qk_l2norm: bool = True,
+    tiled: bool = False,
 ) -> torch.Tensor:
     """One decode step of N sequences (one token each), one Triton kernel.
 
     q, k: [N, Hk, K]; v: [N, Hv, V]; g, beta: [N, Hv]; state: [S, Hv, K, V] fp32, a pool whose
-    rows state_indices: [N] int64 (distinct) are updated in place. Returns o: [N, Hv, V] in v.dtype.
+    rows state_indices: [N] int64 (distinct) are updated in place; `tiled`: the value heads'
+    order (see the module docstring). Returns o: [N, Hv, V] in v.dtype.
     """
     _require_triton()
     _check_shapes(q, k, v, g, beta)
@@ -472,6 +496,6 @@ def triton_fused_recurrent_gated_delta_rule(
         q.contiguous(), k.contiguous(), v.contiguous(), g.contiguous(), beta.contiguous(),
         state, state_indices.contiguous(), o, scale,
         HK=num_k_heads, HV=num_v_heads, K=head_k_dim, V=head_v_dim, BK=BK, BV=BV,
-        USE_QK_L2NORM=use_qk_l2norm, EPS=L2NORM_EPS,
+        USE_QK_L2NORM=use_qk_l2norm, EPS=L2NORM_EPS, TILED=tiled,
     )  # fmt: skip
     return o

@@ -16,18 +16,14 @@ import subprocess
 import sys
 from pathlib import Path
 
-import gguf
-import numpy as np
 import pytest
 import tokenizers
 import torch
-from gguf import GGMLQuantizationType as QT
 from safetensors.torch import load_file, save_file
 
 from helexa.engine import LLM, SamplingParams
 from helexa.engine.layers.linear import Linear
 from helexa.engine.loader.gguf import PRE_TOKENIZERS, load_gguf
-from helexa.engine.loader.gguf_qwen35 import quantize_q8_0
 from tests.engine.test_gguf_moe import _round_trip, _teacher_forced_logits
 from tests.engine.test_parity import EXACT, _hf_greedy, _record_logits, assert_same_greedy_run
 from tests.engine.tiny import HYBRID_TEXT, MOE
@@ -56,15 +52,17 @@ def _converter() -> Path:
 def _hf_model(kind: str):
     """A tiny random Qwen3.5 (`dense`) or Qwen3.5-MoE (`moe`) CausalLM, float32, eval mode.
 
-    dense: 32-wide value heads (whole Q8_0 blocks) and an untied lm_head; moe: 24-wide ones
-    (a Q8_0 block spans two heads) and tied embeddings. Both group two value heads per key
-    head, so the converter reorders them."""
+    dense: three 32-wide value heads (whole Q8_0 blocks) per key head and an untied lm_head;
+    moe: two 24-wide ones (a Q8_0 block spans two heads) and tied embeddings. The converter
+    reorders the value heads of both (three per key head: its order is not its own inverse)."""
     from transformers.models.qwen3_5 import Qwen3_5ForCausalLM, Qwen3_5TextConfig
     from transformers.models.qwen3_5_moe import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
 
     torch.manual_seed(0)
     if kind == "dense":
-        text = dict(HYBRID_TEXT, linear_key_head_dim=32, linear_value_head_dim=32)
+        text = dict(
+            HYBRID_TEXT, linear_key_head_dim=32, linear_value_head_dim=32, linear_num_value_heads=6
+        )
         config = Qwen3_5TextConfig(
             **text, vocab_size=VOCAB, intermediate_size=96, tie_word_embeddings=False
         )
@@ -134,11 +132,46 @@ def tiny(request, tmp_path_factory):
     return request.param, hf, _write_checkpoint(hf, root / "hf")
 
 
+def tiled_value_heads(weights: dict[str, torch.Tensor], cfg: dict) -> dict[str, torch.Tensor]:
+    """HF `weights` with the linear-attention value heads reordered as llama.cpp's converter
+    writes them: grouped by key head, [Hk, r], to tiled, [r, Hk] (r value heads per key
+    head)."""
+    return {name: _move_value_heads(name, w, cfg, tile=True) for name, w in weights.items()}
+
+
+def grouped_value_heads(weights: dict[str, torch.Tensor], cfg: dict) -> dict[str, torch.Tensor]:
+    """`tiled_value_heads` undone: a GGUF's value heads back in HF's order."""
+    return {name: _move_value_heads(name, w, cfg, tile=False) for name, w in weights.items()}
+
+
+def _move_value_heads(name: str, w: torch.Tensor, cfg: dict, *, tile: bool) -> torch.Tensor:
+    hk, hv = cfg["linear_num_key_heads"], cfg["linear_num_value_heads"]
+    dk, dv = cfg["linear_key_head_dim"], cfg["linear_value_head_dim"]
+
+    def reorder(x: torch.Tensor, size: int, dim: int = 0) -> torch.Tensor:
+        heads = torch.arange(hv * size).reshape(hk, hv // hk, size)
+        tiled = heads.transpose(0, 1).reshape(-1)  # the grouped element at each tiled place
+        return x.index_select(dim, tiled if tile else tiled.argsort())
+
+    if ".linear_attn." not in name:
+        return w
+    qk = 2 * hk * dk  # in_proj_qkv's rows and conv1d's channels: q, k, then the value heads
+    if name.endswith(("in_proj_qkv.weight", "conv1d.weight")):
+        return torch.cat([w[:qk], reorder(w[qk:], dv)])
+    if name.endswith("in_proj_z.weight"):
+        return reorder(w, dv)
+    if name.endswith(("in_proj_a.weight", "in_proj_b.weight", "A_log", "dt_bias")):
+        return reorder(w, 1)
+    if name.endswith("out_proj.weight"):
+        return reorder(w, dv, dim=1)
+    return w
+
+
 def _held(hf, outtype: str):
     """`hf` with the weights a converted file holds: F16 or Q8_0 (F16 where a row does not
     split into 32s) for what the converter stores so; F32 for norms, conv1d, A_log, dt_bias
-    and the routers, which it always keeps. Q8_0 out_proj weights whose value heads are not
-    whole blocks go through the loader's requantization too (gguf_qwen35._out_proj)."""
+    and the routers, which it always keeps. out_proj's Q8_0 blocks run along its columns in
+    the file's tiled order, where a block may span two value heads (24 wide)."""
     held = copy.deepcopy(hf)
     kept = ("conv1d.weight", "mlp.gate.weight", "shared_expert_gate.weight")
     with torch.no_grad():
@@ -147,22 +180,14 @@ def _held(hf, outtype: str):
                 continue
             if outtype == "f16" or p.shape[-1] % 32:
                 p.copy_(p.half().float())
-            elif name.endswith("out_proj.weight") and hf.config.linear_value_head_dim % 32:
-                p.copy_(_requantized_out_proj(p, hf.config))
+            elif name.endswith("out_proj.weight"):
+                cfg = hf.config.to_dict()
+                tiled = _move_value_heads(name, p, cfg, tile=True)
+                stored = torch.from_numpy(_round_trip(tiled.numpy(), "Q8_0"))
+                p.copy_(_move_value_heads(name, stored, cfg, tile=False))
             else:
                 p.copy_(torch.from_numpy(_round_trip(p.numpy(), "Q8_0")))
     return held
-
-
-def _requantized_out_proj(w: torch.Tensor, cfg) -> torch.Tensor:
-    """out_proj [H, Hv * dv] as the file holds it (value heads tiled, then Q8_0) and as the
-    loader gives it back (grouped again, then Q8_0 once more)."""
-    rows, hk, dv = w.shape[0], cfg.linear_num_key_heads, cfg.linear_value_head_dim
-    r = cfg.linear_num_value_heads // hk
-    tiled = w.reshape(rows, hk, r, dv).transpose(1, 2).reshape(rows, -1).numpy()
-    stored = torch.from_numpy(_round_trip(tiled, "Q8_0"))
-    grouped = stored.reshape(rows, r, hk, dv).transpose(1, 2).reshape(rows, -1)
-    return torch.from_numpy(_round_trip(grouped.numpy(), "Q8_0"))
 
 
 def _generate(path: Path) -> tuple[LLM, list[tuple[list[int], torch.Tensor]]]:
@@ -201,9 +226,10 @@ def test_a_converted_file_maps_to_the_hf_config_without_its_mtp_head(tiny):
     assert {k: cfg[k] for k in expected} == expected
     assert not any(name.startswith("model.layers.4.") for name in model.tensors)
     assert not any(name.startswith("blk.") for name in model.tensors), "an unmapped tensor"
-    # the undone rewrites: norms back to offsets from one, A_log from -exp(A_log), the value
-    # heads back in HF's order, conv1d back to [C, 1, K]
-    ours, theirs = model.tensors, hf.state_dict()
+    # the undone rewrites: norms back to offsets from one, A_log from -exp(A_log), conv1d back
+    # to [C, 1, K]; the value heads stay in the file's tiled order, which the config says
+    assert cfg["linear_value_head_order"] == "tiled"
+    ours, theirs = model.tensors, tiled_value_heads(hf.state_dict(), ref.to_dict())
     for name in (
         "model.norm.weight",
         "model.layers.1.self_attn.q_norm.weight",
@@ -251,13 +277,6 @@ def test_a_q8_0_file_stays_quantized_and_matches_transformers_on_its_weights(tin
     # and decoding stays with the float model's picks, but for near ties
     share = agree / (NUM_TOKENS * len(PROMPTS))
     assert share >= 0.6, f"{kind} Q8_0: {share:.0%} of steps pick the float token"
-
-
-def test_q8_0_requantization_matches_llama_cpp_bit_for_bit():
-    w = torch.randn(8, 96) * torch.logspace(-3, 2, 96)
-    w[0, :32] = 0  # an all-zero block: scale 0
-    ours = quantize_q8_0(w).numpy()
-    assert np.array_equal(ours, gguf.quants.quantize(w.numpy(), QT.Q8_0))
 
 
 def test_the_qwen35_pre_tokenizer_keeps_combining_marks_inside_words():

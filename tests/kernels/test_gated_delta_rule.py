@@ -223,6 +223,36 @@ def test_triton_fused_recurrent_updates_the_listed_pool_rows_like_naive(
     assert torch.equal(pool[[1, 2]], pool_ref[[1, 2]])  # rows not listed are untouched
 
 
+def _tiled(num_k_heads: int, num_v_heads: int) -> torch.Tensor:
+    """Index taking value heads grouped by key head, [Hk, Hv/Hk], to tiled, [Hv/Hk, Hk]."""
+    return torch.arange(num_v_heads).reshape(num_k_heads, -1).t().reshape(-1)
+
+
+@pytest.mark.parametrize("form", ["naive", "triton"])
+def test_tiled_value_heads_give_the_grouped_result_in_their_own_order(form):
+    if form == "triton":
+        pytest.importorskip("triton")
+    chunk, recurrent = (
+        (gdr.naive_chunk_gated_delta_rule, gdr.naive_recurrent_gated_delta_rule)
+        if form == "naive"
+        else (gdr.triton_chunk_gated_delta_rule, gdr.triton_fused_recurrent_gated_delta_rule)
+    )
+    q, k, v, g, beta = make_inputs(63, 2, 6, 60, 32, seed=5)  # three value heads per key head
+    h0 = torch.randn(6, 60, 32, generator=torch.Generator().manual_seed(2))
+    t = _tiled(2, 6)
+    o, h = chunk(q, k, v, g, beta, h0)
+    o_tiled, h_tiled = chunk(q, k, v[:, t], g[:, t], beta[:, t], h0[t], tiled=True)
+    assert torch.equal(o_tiled, o[:, t]) and torch.equal(h_tiled, h[t])
+
+    pool = torch.randn(3, 6, 60, 32, generator=torch.Generator().manual_seed(3))
+    pool_tiled, rows = pool[:, t].clone(), torch.tensor([2, 0])
+    step = [x[:2] for x in (q, k, v, g, beta)]
+    o = recurrent(*step, pool, rows)
+    step[2:] = [x[:, t] for x in step[2:]]
+    assert torch.equal(recurrent(*step, pool_tiled, rows, tiled=True), o[:, t])
+    assert torch.equal(pool_tiled, pool[:, t])
+
+
 def test_triton_functions_say_so_when_triton_is_missing(monkeypatch):
     monkeypatch.setattr(gdr, "triton", None)
     q, k, v, g, beta = make_inputs(4, 1, 1, 16, 16)

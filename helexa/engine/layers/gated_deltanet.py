@@ -11,12 +11,19 @@ Prefill segments run the whole-prompt conv and the chunked delta rule from their
 state (zeros for a fresh sequence) and write the final state back; decode rows update
 their slots in place with the one-step kernels. Kernels come from `helexa.kernels`.
 
+Value heads come in the checkpoint's order, `linear_value_head_order`: HF's "grouped" (value
+head j reads key head j // (Hv/Hk)) or llama.cpp's "tiled" (j reads key head j % Hk, the order
+its GGUF converter writes). The layer keeps that order end to end (v rows and conv channels,
+z, a, b, A_log, dt_bias, the state, out_proj's columns) and tells the kernels which it is, so a
+GGUF's tensors load as the file holds them, quantized blocks and all.
+
 Tensor parallel splits the heads: each rank holds Hk/N key heads and the Hv/N value heads
-that read them (value head j reads key head j // (Hv/Hk), so both split evenly). The packed
-in_proj_qkv rows and conv channels are [q of all key heads | k of all key heads | v of all
-value heads], so a rank holds three slices of them; z, a, b, A_log and dt_bias are per
-value head; out_proj is row-parallel and all-reduces; the gated norm's weight (per head dim)
-is replicated. States are per rank.
+that read them: one run of value heads when grouped, Hv/Hk runs (one per tile) when tiled; a
+rank's own heads then keep the same order. The packed in_proj_qkv rows and conv channels are
+[q of all key heads | k of all key heads | v of all value heads], so a rank holds slices of
+each; z, a, b, A_log and dt_bias are per value head; out_proj is row-parallel over the value
+channels and all-reduces; the gated norm's weight (per head dim) is replicated. States are per
+rank.
 """
 
 from __future__ import annotations
@@ -59,6 +66,9 @@ class RMSNormGated(nn.Module):
         return (h.float() * F.silu(gate.float())).to(x.dtype)
 
 
+VALUE_HEAD_ORDERS = ("grouped", "tiled")
+
+
 class GatedDeltaNet(nn.Module):
     """The `linear_attn` block of a Qwen3.5 `linear_attention` layer."""
 
@@ -69,31 +79,42 @@ class GatedDeltaNet(nn.Module):
         self.head_k_dim = hf["linear_key_head_dim"]
         self.head_v_dim = hf["linear_value_head_dim"]
         self.conv_kernel = hf.get("linear_conv_kernel_dim", 4)
+        order = hf.get("linear_value_head_order", "grouped")
+        if order not in VALUE_HEAD_ORDERS:
+            raise ValueError(
+                f"unsupported linear_value_head_order {order!r}; supported: {VALUE_HEAD_ORDERS}"
+            )
+        self.is_tiled = order == "tiled"
         if self.num_v_heads % self.num_k_heads:
             raise ValueError(
                 f"linear_num_value_heads {self.num_v_heads} is not a multiple of "
                 f"linear_num_key_heads {self.num_k_heads}"
             )
         hk, hv, dk, dv = self.num_k_heads, self.num_v_heads, self.head_k_dim, self.head_v_dim
-        key_dim, value_dim = hk * dk, hv * dv
+        key_dim, value_dim, group = hk * dk, hv * dv, hv // hk
         conv_dim = 2 * key_dim + value_dim
-        # This rank's key and value heads (all of them at world size 1).
+        # This rank's key heads and the value heads that read them (all at world size 1).
         k0, k1 = shard_range(hk, "linear_num_key_heads")
-        v0, v1 = shard_range(hv, "linear_num_value_heads")
+        if self.is_tiled:  # value heads [Hv/Hk, Hk]: the rank's key heads in every tile
+            v_heads = tuple((i * hk + k0, i * hk + k1) for i in range(group))
+        else:
+            v_heads = ((k0 * group, k1 * group),)
+        v_channels = tuple((a * dv, b * dv) for a, b in v_heads)
         qkv_rows = (
             (k0 * dk, k1 * dk),
             (key_dim + k0 * dk, key_dim + k1 * dk),
-            (2 * key_dim + v0 * dv, 2 * key_dim + v1 * dv),
+            *((2 * key_dim + a, 2 * key_dim + b) for a, b in v_channels),
         )
         self.in_proj_qkv = column_parallel(hidden_size, conv_dim, rows=qkv_rows)
-        self.in_proj_z = column_parallel(hidden_size, value_dim, rows=[(v0 * dv, v1 * dv)])
-        self.in_proj_b = column_parallel(hidden_size, hv, rows=[(v0, v1)])
-        self.in_proj_a = column_parallel(hidden_size, hv, rows=[(v0, v1)])
-        self.out_proj = row_parallel(value_dim, hidden_size, what="linear attention value channels")
+        self.in_proj_z = column_parallel(hidden_size, value_dim, rows=v_channels)
+        self.in_proj_b = column_parallel(hidden_size, hv, rows=v_heads)
+        self.in_proj_a = column_parallel(hidden_size, hv, rows=v_heads)
+        self.out_proj = row_parallel(value_dim, hidden_size, cols=v_channels)
         # The checkpoint's conv channels and per-value-head tensors this rank holds.
         self.conv_shard = Shard(0, conv_dim, qkv_rows)
-        self.head_shard = Shard(0, hv, ((v0, v1),))
-        self.num_k_heads, self.num_v_heads = k1 - k0, v1 - v0  # local from here on
+        self.head_shard = Shard(0, hv, v_heads)
+        self.num_k_heads = k1 - k0  # local from here on
+        self.num_v_heads = self.num_k_heads * group
         self.key_dim = self.num_k_heads * dk
         self.value_dim = self.num_v_heads * dv
         self.conv_dim = 2 * self.key_dim + self.value_dim
@@ -159,7 +180,9 @@ class GatedDeltaNet(nn.Module):
             mixed, conv_end = kernels.causal_conv1d(qkv[rows], self.conv_weight, None, conv0)
             self.conv_state[s] = conv_end
             ssm0 = None if fresh else self.ssm_state[s]
-            out, ssm_end = kernels.chunk_gated_delta_rule(*split(mixed), g[rows], beta[rows], ssm0)
+            out, ssm_end = kernels.chunk_gated_delta_rule(
+                *split(mixed), g[rows], beta[rows], ssm0, tiled=self.is_tiled
+            )
             self.ssm_state[s] = ssm_end
             o[rows] = out
 
@@ -169,7 +192,7 @@ class GatedDeltaNet(nn.Module):
             mixed = kernels.causal_conv1d_update(xd, self.conv_state, self.conv_weight, None, slots)
             gd, bd = (g, beta) if ctx.all_decode else (g[rows], beta[rows])
             out = kernels.fused_recurrent_gated_delta_rule(
-                *split(mixed), gd, bd, self.ssm_state, slots
+                *split(mixed), gd, bd, self.ssm_state, slots, tiled=self.is_tiled
             )
             if ctx.all_decode:
                 o = out

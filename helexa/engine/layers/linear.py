@@ -483,16 +483,19 @@ def row_parallel(
     bias: bool = False,
     *,
     reduce: bool = True,
+    cols: Sequence[tuple[int, int]] | None = None,
     what: str = "in_features",
 ) -> Linear:
-    """A Linear whose rank holds an even split of the in_features columns (its input is the
-    matching slice of a column-parallel output). `reduce`: forward all-reduces, so every
-    rank gets the whole output; else the caller sums the ranks' partial outputs once (MoE,
-    after the experts are combined). At world size 1, a plain Linear."""
+    """A Linear whose rank holds `cols` ([start, end) ranges of in_features; by default an
+    even split of them) of the columns (its input is the matching slice of a column-parallel
+    output). `reduce`: forward all-reduces, so every rank gets the whole output; else the
+    caller sums the ranks' partial outputs once (MoE, after the experts are combined). At
+    world size 1, a plain Linear."""
     if not tp().enabled:
         return Linear(in_features, out_features, bias)
     cls = RowParallelLinear if reduce else Linear
-    shard = Shard(1, in_features, (shard_range(in_features, what),))
+    ranges = tuple(cols) if cols is not None else (shard_range(in_features, what),)
+    shard = Shard(1, in_features, ranges)
     return cls(in_features, out_features, bias).sharded(shard)
 
 

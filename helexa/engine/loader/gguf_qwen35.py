@@ -12,10 +12,10 @@ qwen3_5 family loads the file as it loads the HF checkpoint it came from:
 - Where a key head has several value heads (r = Hv / Hk > 1), the value heads are reordered
   from grouped by key head, [Hk, r], to tiled, [r, Hk] (for ggml's broadcast): in the v rows
   of in_proj_qkv, the v channels of conv1d, the rows of in_proj_z, in_proj_a and in_proj_b,
-  A_log, dt_bias, and the columns of out_proj. Rows move as raw bytes (a row is whole quant
-  blocks), and so do out_proj's columns where each head's columns are whole blocks. Where
-  they are not (a K-quant's 256-wide super-blocks over 128-wide heads) out_proj is
-  dequantized, reordered and requantized as Q8_0: a step finer than the file's own.
+  A_log, dt_bias, and the columns of out_proj. That is left as it is: the config says
+  `linear_value_head_order = "tiled"` and the layer runs its value heads in that order
+  (gated_deltanet.py), so every tensor loads as the file holds it. (Undoing it would move
+  out_proj's columns, which a K-quant's 256-wide super-blocks over 128-wide heads cut.)
 - The MTP head rides along as extra blocks past the decoder (`nextn_predict_layers`): dropped,
   as helexa serves without it.
 - `--fuse-qkv` writes a full-attention layer's q (with its gate), k and v as one `attn_qkv`:
@@ -36,8 +36,6 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import torch
-
-from helexa.engine.loader.dequant import FORMATS
 
 if TYPE_CHECKING:
     from helexa.engine.loader.gguf_tensor import GGUFTensor
@@ -86,6 +84,7 @@ def config(meta: dict[str, Any], arch: str, base: dict[str, Any]) -> dict[str, A
         "linear_value_head_dim": key("ssm.inner_size") // num_v_heads,
         "linear_conv_kernel_dim": key("ssm.conv_kernel"),
         "partial_rotary_factor": key("rope.dimension_count", head_dim) / head_dim,
+        "linear_value_head_order": "tiled",  # the converter's order, kept (module docstring)
     }
     if shared := key("expert_shared_feed_forward_length"):
         cfg["shared_expert_intermediate_size"] = shared
@@ -93,7 +92,8 @@ def config(meta: dict[str, Any], arch: str, base: dict[str, Any]) -> dict[str, A
 
 
 def restore(tensors: dict[str, GGUFTensor], cfg: dict[str, Any]) -> dict[str, GGUFTensor]:
-    """The file's tensors under HF names and in HF layouts (see the module docstring)."""
+    """The file's tensors under HF names and in HF layouts, the value heads left in the
+    file's order (see the module docstring)."""
     heads, out = _Heads(cfg), {}
     for name, t in tensors.items():
         m = _LAYER_RE.fullmatch(name)
@@ -114,19 +114,11 @@ def restore(tensors: dict[str, GGUFTensor], cfg: dict[str, Any]) -> dict[str, GG
 
 
 class _Heads:
-    """The linear-attention and attention head counts of a config, for the reorders."""
+    """The full-attention head counts of a config, to split a fused attn_qkv."""
 
     def __init__(self, cfg: dict[str, Any]) -> None:
-        self.num_k, self.num_v = cfg["linear_num_key_heads"], cfg["linear_num_value_heads"]
-        self.dk, self.dv = cfg["linear_key_head_dim"], cfg["linear_value_head_dim"]
-        self.r = self.num_v // self.num_k  # value heads per key head
         self.heads, self.kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
         self.head_dim = cfg["head_dim"]
-
-    def grouped(self, head_size: int) -> torch.Tensor:
-        """Index that takes tiled value heads [r, Hk, head_size] back to grouped [Hk, r, ...]."""
-        n = self.r * self.num_k * head_size
-        return torch.arange(n).reshape(self.r, self.num_k, head_size).transpose(0, 1).reshape(-1)
 
 
 def _restore(t: GGUFTensor, h: _Heads) -> list[GGUFTensor]:
@@ -143,48 +135,11 @@ def _as_stored(t: GGUFTensor, h: _Heads) -> list[GGUFTensor]:
 
 
 def _a_log(t: GGUFTensor, h: _Heads) -> list[GGUFTensor]:
-    a_log = torch.log(-t.dequantize())  # stored as A = -exp(A_log)
-    return [_floats(t, a_log[h.grouped(1)] if h.r > 1 else a_log)]
-
-
-def _dt_bias(t: GGUFTensor, h: _Heads) -> list[GGUFTensor]:
-    return [_floats(t, t.dequantize()[h.grouped(1)]) if h.r > 1 else t]
+    return [_floats(t, torch.log(-t.dequantize()))]  # stored as A = -exp(A_log)
 
 
 def _conv1d(t: GGUFTensor, h: _Heads) -> list[GGUFTensor]:
-    w = t.dequantize()  # [C, K]: the q and k channels, then the value heads'
-    if h.r > 1:
-        qk = 2 * h.num_k * h.dk
-        w = torch.cat([w[:qk], w[qk:][h.grouped(h.dv)]])
-    return [_floats(t, w.unsqueeze(1))]  # HF's [C, 1, K]
-
-
-def _in_proj_qkv(t: GGUFTensor, h: _Heads) -> list[GGUFTensor]:
-    if h.r == 1:
-        return [t]
-    qk = 2 * h.num_k * h.dk
-    return [_rows(t, torch.cat([torch.arange(qk), qk + h.grouped(h.dv)]))]
-
-
-def _value_rows(head_size: Callable[[_Heads], int]) -> Callable[..., list[GGUFTensor]]:
-    """The fix for a tensor whose rows are the value heads, `head_size` rows each."""
-
-    def fix(t: GGUFTensor, h: _Heads) -> list[GGUFTensor]:
-        return [_rows(t, h.grouped(head_size(h))) if h.r > 1 else t]
-
-    return fix
-
-
-def _out_proj(t: GGUFTensor, h: _Heads) -> list[GGUFTensor]:
-    """Columns [r, Hk, dv] -> [Hk, r, dv]: as raw bytes where a head is whole blocks."""
-    if h.r == 1:
-        return [t]
-    rows, cols = t.shape
-    if h.dv % FORMATS[t.qtype][0] == 0:
-        data = t.data.reshape(rows, h.r, h.num_k, -1).transpose(1, 2)
-        return [replace(t, data=data.reshape(rows, -1).contiguous())]
-    w = t.dequantize().reshape(rows, h.r, h.num_k, h.dv).transpose(1, 2).reshape(rows, cols)
-    return [replace(t, qtype="Q8_0", data=quantize_q8_0(w)) if cols % 32 == 0 else _floats(t, w)]
+    return [replace(t, shape=(t.shape[0], 1, t.shape[1]))]  # HF's [C, 1, K]; same rows
 
 
 def _fused_qkv(t: GGUFTensor, h: _Heads) -> list[GGUFTensor]:
@@ -207,13 +162,7 @@ def _shared_expert_gate(t: GGUFTensor, h: _Heads) -> list[GGUFTensor]:
 _FIXES: dict[str, Callable[[GGUFTensor, _Heads], list[GGUFTensor]]] = {
     "linear_attn.norm.weight": _as_stored,  # the gated norm: a plain scale, not 1 + w
     "linear_attn.A_log": _a_log,
-    "linear_attn.dt_bias": _dt_bias,
     "linear_attn.conv1d.weight": _conv1d,
-    "linear_attn.in_proj_qkv.weight": _in_proj_qkv,
-    "linear_attn.in_proj_z.weight": _value_rows(lambda h: h.dv),
-    "linear_attn.in_proj_a.weight": _value_rows(lambda h: 1),
-    "linear_attn.in_proj_b.weight": _value_rows(lambda h: 1),
-    "linear_attn.out_proj.weight": _out_proj,
     "self_attn.qkv_proj.weight": _fused_qkv,
     "mlp.shared_expert_gate.weight": _shared_expert_gate,
 }
@@ -230,16 +179,3 @@ def _floats(t: GGUFTensor, w: torch.Tensor) -> GGUFTensor:
     w = w.float().contiguous()
     rows = w.shape[:-1].numel()
     return replace(t, qtype="F32", shape=tuple(w.shape), data=w.view(torch.uint8).reshape(rows, -1))
-
-
-def quantize_q8_0(w: torch.Tensor) -> torch.Tensor:
-    """Float [rows, n] (n a multiple of 32) as Q8_0 bytes [rows, n / 32 * 34], the way
-    llama.cpp's quantize_row_q8_0_ref rounds: d = max|x| / 127 (stored f16), q = round(x / d)
-    with halves away from zero."""
-    rows = w.shape[0]
-    blocks = w.float().reshape(rows, -1, 32)
-    d = blocks.abs().amax(-1, keepdim=True) / 127
-    x = blocks * torch.where(d > 0, 1 / d, torch.zeros_like(d))
-    q = (x.sign() * (x.abs() + 0.5).floor()).to(torch.int8)
-    packed = torch.cat([d.half().view(torch.uint8), q.view(torch.uint8)], dim=-1)
-    return packed.reshape(rows, -1)
