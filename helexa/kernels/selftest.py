@@ -38,6 +38,9 @@ KERNEL_MODULES = ("causal_conv1d", "gdn_gating", "fused_moe", "gated_delta_rule"
 KERNELS = (
     "chunk_gated_delta_rule",
     "fused_recurrent_gated_delta_rule",
+    # value heads in llama.cpp's tiled order (a qwen35 GGUF's): key head j % Hk
+    "chunk_gated_delta_rule[tiled]",
+    "fused_recurrent_gated_delta_rule[tiled]",
     "causal_conv1d",
     "causal_conv1d_update",
     "gdn_gating",
@@ -84,22 +87,22 @@ def cases(device: str, dtype: torch.dtype) -> list[Case]:
     beta = torch.rand(T, Hv, generator=gen).to(device)
     h0 = randn(Hv, D, D, scale=0.1, dt=torch.float32)
 
-    def chunk(triton: bool) -> list[torch.Tensor]:
+    def chunk(triton: bool, tiled: bool = False) -> list[torch.Tensor]:
         fn = gdr.triton_chunk_gated_delta_rule if triton else gdr.naive_chunk_gated_delta_rule
-        return list(fn(q, k, v, g, beta, h0))
+        return list(fn(q, k, v, g, beta, h0, tiled=tiled))
 
     dq, dk, dv = randn(N, Hk, D), randn(N, Hk, D), randn(N, Hv, D)
     dg, dbeta = g[:N].clone(), beta[:N].clone()
     pool = randn(S, Hv, D, D, scale=0.1, dt=torch.float32)
 
-    def recurrent(triton: bool) -> list[torch.Tensor]:
+    def recurrent(triton: bool, tiled: bool = False) -> list[torch.Tensor]:
         fn = (
             gdr.triton_fused_recurrent_gated_delta_rule
             if triton
             else gdr.naive_recurrent_gated_delta_rule
         )
         state = pool.clone()
-        return [fn(dq, dk, dv, dg, dbeta, state, rows), state]
+        return [fn(dq, dk, dv, dg, dbeta, state, rows, tiled=tiled), state]
 
     x, cw, cb, c0 = randn(T, C), randn(C, W, scale=0.5), randn(C, scale=0.1), randn(C, W - 1)
 
@@ -153,6 +156,16 @@ def cases(device: str, dtype: torch.dtype) -> list[Case]:
     return [
         Case("chunk_gated_delta_rule", f"q,k[{T},{Hk},{D}] v[{T},{Hv},{D}]", chunk),
         Case("fused_recurrent_gated_delta_rule", f"q,k[{N},{Hk},{D}] pool[{S},{Hv},..]", recurrent),
+        Case(
+            "chunk_gated_delta_rule[tiled]",
+            f"q,k[{T},{Hk},{D}] v[{T},{Hv},{D}]",
+            lambda triton: chunk(triton, tiled=True),
+        ),
+        Case(
+            "fused_recurrent_gated_delta_rule[tiled]",
+            f"q,k[{N},{Hk},{D}] pool[{S},{Hv},..]",
+            lambda triton: recurrent(triton, tiled=True),
+        ),
         Case("causal_conv1d", f"x[{T},{C}] w[{C},{W}]", conv_prompt, tight=True),
         Case("causal_conv1d_update", f"x[{N},{C}] pool[{S},{C},{W - 1}]", conv_step, tight=True),
         Case("gdn_gating", f"a,b[{T},{Hv}]", gates, tight=True),
