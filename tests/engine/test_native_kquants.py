@@ -238,3 +238,15 @@ def test_a_q4_k_m_model_decodes_on_the_blocks_as_its_float_weights_do(tmp_path, 
     for (_, blocks_), (_, floats) in zip(runs["all layers"], runs["float"], strict=True):
         assert rel(blocks_[0], floats[0]) < 1e-4
         assert rel(blocks_[1], floats[1]) < 5e-2
+
+
+def test_the_prompt_gemm_unpacks_a_panel_of_rows_at_a_time(monkeypatch):
+    from helexa.engine.layers import linear as linear_module
+
+    monkeypatch.setattr(linear_module, "cache_bytes", lambda level: 4096)  # 8-row panels
+    for kind in ("Q4_K", "Q6_K"):
+        src, ref = source(kind, 44, 256)  # 5 panels of 8 and one of 4
+        lin = Linear(256, 44)
+        lin.load_weight(src, dtype=torch.float32)
+        x = torch.randn(5, 256, generator=torch.Generator().manual_seed(0))
+        assert rel(lin.dense_matmul(x), x @ ref.T) < 1e-6

@@ -28,6 +28,7 @@ at start (`holds`), and `retune.Retuner` re-measures the rest when the machine i
 from __future__ import annotations
 
 import copy
+import functools
 import hashlib
 import itertools
 import platform
@@ -145,6 +146,22 @@ def timed(call: Callable[[], object], path: str, rows: int) -> float:
         elapsed = time.perf_counter() - t0
         if elapsed >= MIN_TIMED_S:
             return elapsed / n
+
+
+@functools.cache
+def cache_bytes(level: int) -> int | None:
+    """The size of cpu0's level-`level` data or unified cache (sysfs), None where unknown."""
+    for index in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
+        try:
+            if int((index / "level").read_text()) != level:
+                continue
+            if (index / "type").read_text().strip() == "Instruction":
+                continue
+            text = (index / "size").read_text().strip().upper()
+            return int(text[:-1]) * {"K": 1 << 10, "M": 1 << 20}[text[-1]]
+        except (OSError, ValueError, KeyError):
+            continue
+    return None
 
 
 def last_level_cache_bytes() -> int:

@@ -43,7 +43,7 @@ from torch import nn
 
 from helexa import kernels
 from helexa.engine.layers import int4_cpu, native
-from helexa.engine.layers.autotune import WHOLE, Plan
+from helexa.engine.layers.autotune import WHOLE, Plan, cache_bytes
 from helexa.engine.loader.gguf_shard import take_shard
 from helexa.engine.parallel import Shard, all_gather_last, all_reduce, shard_range, tp, vocab_range
 from helexa.kernels.quant_pack import GGUF_KINDS, QuantWeight, cat_rows, naive_dequantize
@@ -323,8 +323,8 @@ class Linear(nn.Module):
         kept, else with the weight dequantized for this call (it pays on wide calls): GGUF
         blocks unpacked transposed, [in, out], which the GEMM reads faster than [out, in]."""
         if self.dense is None and self.format == "blocks":
-            parts = [native.unpack_t(w, kind, rows) for kind, w, rows in self.block_views()]
-            return torch.mm(h, parts[0] if len(parts) == 1 else torch.cat(parts, dim=1))
+            parts = [_panels_mm(h, w, kind, rows) for kind, w, rows in self.block_views()]
+            return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
         return F.linear(h, self.dense if self.dense is not None else self.dequantize())
 
     def block_views(self) -> list[tuple[str, torch.Tensor, int]]:
@@ -549,6 +549,22 @@ def fuse(linears: Sequence[Linear]) -> Linear:
         )
     fused.bias = _cat_biases(linears)
     return fused
+
+
+def _panels_mm(h: torch.Tensor, blocks: torch.Tensor, kind: str, rows: int) -> torch.Tensor:
+    """h @ W^T for W of `rows` rows held as `kind` blocks, unpacked (transposed) a panel of
+    rows at a time of about twice the L2 cache, which the GEMM then reads from cache: a
+    whole 12288 x 4096 weight unpacked took 60 of its 92 ms at 128 rows (200 MB written to
+    memory and read back), in 256-row panels 63 ms all told."""
+    k = h.shape[1]
+    per = max(native.XR, (2 * (cache_bytes(2) or 1 << 20)) // (4 * k) // native.XR * native.XR)
+    if per >= rows:
+        return torch.mm(h, native.unpack_t(blocks, kind, rows))
+    out = torch.empty(h.shape[0], rows, dtype=torch.float32)
+    for n0 in range(0, rows, per):
+        n1 = min(rows, n0 + per)
+        out[:, n0:n1] = torch.mm(h, native.unpack_t(blocks[n0:n1], kind, n1 - n0))
+    return out
 
 
 def _held_as(m: Linear) -> str:
