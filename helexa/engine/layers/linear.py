@@ -298,7 +298,9 @@ class Linear(nn.Module):
             return y.reshape(*x.shape[:-1], self.out_features)
         # decode calls this ~200 times a token: every skipped no-op counts
         rows, plans, exact = x.shape[0], self.plans, False
-        if PREFILL_STEP.get():  # prompts in float32 whatever their size (see PREFILL_STEP)
+        if PREFILL_STEP.get() and self.kquant_prompts:  # see kquant_prompts
+            dense, chunk = False, 0
+        elif PREFILL_STEP.get():  # prompts in float32 whatever their size (see PREFILL_STEP)
             exact = self.format == "blocks" and rows <= self.exact_rows  # no weight unpacked
             dense, chunk = not exact, 0
         elif plans is None:
@@ -326,6 +328,19 @@ class Linear(nn.Module):
             parts = [_panels_mm(h, w, kind, rows) for kind, w, rows in self.block_views()]
             return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
         return F.linear(h, self.dense if self.dense is not None else self.dequantize())
+
+    @property
+    def kquant_prompts(self) -> bool:
+        """Whether prompt steps take the int8 kernel, as decode steps do: GGUF K-quant blocks
+        (every part of them), whose activations llama.cpp too quantizes per 256 in prompts.
+        A float32 GEMM cannot keep up there: an 8B's 128-token prompt took 31 s through it
+        on 2 cores, llama.cpp 3.9 s; the int8 kernel multiplies a 12288 x 4096 Q4_K weight
+        by 128 rows in 35 ms, the GEMM in ~60 (a Q4_0/Q4_1/Q8_0 prompt stays float32:
+        SmolLM2 in Q4_1 needs it). Every row count alike, so a prompt's logits do not depend
+        on how it was chunked or how much of it came from the prefix cache."""
+        return self.format == "blocks" and all(
+            kind.removesuffix("x8") in native.K_KINDS for kind, _, _ in self.block_views()
+        )
 
     def block_views(self) -> list[tuple[str, torch.Tensor, int]]:
         """A "blocks" weight as (kind, blocks [rows, row bytes], rows) per part: itself, or
