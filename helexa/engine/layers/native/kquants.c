@@ -562,6 +562,21 @@ static void kq_rows_block(int kind, const uint8_t *w, int64_t row_bytes, int64_t
 }
 
 #ifdef __AVX2__
+#if (defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__)
+/* VNNI (AVX-512 Xeons and EPYCs, AVX-VNNI cores): u8 x s8 products summed 4 to an int32 lane
+ * in one instruction, where AVX2 takes maddubs into int16 and an add; the sub-block scales
+ * then multiply int32 sums (mullo). A 6144 x 1024 Q4_Kx8 times 128 rows: 4.35 -> 3.77 ms on 2
+ * threads (the prompt steps' kernel). */
+#define KQ_VNNI 1
+static inline __m256i kq_dpbusd(__m256i acc, __m256i u8, __m256i s8) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return _mm256_dpbusd_epi32(acc, u8, s8);
+#else
+    return _mm256_dpbusd_avx_epi32(acc, u8, s8);
+#endif
+}
+#endif
+
 /* rows [8 g0, 8 g1) of a Q4_Kx8 or Q5_Kx8 weight against mt (<= KQ_MT) quantized rows of
  * x. Per sub-block, rounds of maddubs sum in int16 (Q4_K: all 8, 8 x 2 x 15 x 127 < 32768;
  * Q5_K: 4 at a time, 4 x 2 x 31 x 127 < 32768), then one madd by the 8 rows' scales (each
@@ -576,6 +591,11 @@ static inline __attribute__((always_inline)) void qkx8_kernel(
     const __m256i even = _mm256_setr_epi8(0, -1, 0, -1, 2, -1, 2, -1, 4, -1, 4, -1, 6, -1, 6, -1,
                                           8, -1, 8, -1, 10, -1, 10, -1, 12, -1, 12, -1, 14, -1, 14, -1);
     const __m256i odd = _mm256_add_epi8(even, _mm256_set1_epi16(1));
+#ifdef KQ_VNNI /* lane r: (scale of row r, 0, 0, 0): an int32 */
+    const __m256i even32 = _mm256_setr_epi8(0, -1, -1, -1, 2, -1, -1, -1, 4, -1, -1, -1, 6, -1, -1, -1,
+                                            8, -1, -1, -1, 10, -1, -1, -1, 12, -1, -1, -1, 14, -1, -1, -1);
+    const __m256i odd32 = _mm256_add_epi8(even32, _mm256_set1_epi32(1));
+#endif
     const int64_t ng = K / 16;
     for (int64_t g = g0; g < g1; g++) {
         const uint8_t *grp = w + g * nsb * gb;
@@ -591,7 +611,12 @@ static inline __attribute__((always_inline)) void qkx8_kernel(
                 __m256i pairs = _mm256_broadcastsi128_si256(
                     _mm_loadu_si128((const __m128i *)(blk + 32 + 32 * c)));
                 for (int h = 0; h < 2; h++) {
+#ifdef KQ_VNNI
+                    __m256i scale = _mm256_shuffle_epi8(pairs, h ? odd32 : even32);
+                    (void)even, (void)odd;
+#else
                     __m256i scale = _mm256_shuffle_epi8(pairs, h ? odd : even);
+#endif
                     for (int tq = 0; tq < 2; tq++) { /* Q4_K: both halves before the madd */
                         __m256i part[KQ_MT];
                         if (!q5 && tq == 1) continue;
@@ -608,12 +633,20 @@ static inline __attribute__((always_inline)) void qkx8_kernel(
                             for (int i = 0; i < mt; i++) {
                                 int32_t x4;
                                 memcpy(&x4, xq + i * K + b * QK_K + 64 * c + 32 * h + 4 * t, 4);
+#ifdef KQ_VNNI
+                                part[i] = kq_dpbusd(part[i], q, _mm256_set1_epi32(x4));
+#else
                                 part[i] = _mm256_add_epi16(part[i],
                                                            _mm256_maddubs_epi16(q, _mm256_set1_epi32(x4)));
+#endif
                             }
                         }
                         for (int i = 0; i < mt; i++)
+#ifdef KQ_VNNI
+                            acc[i] = _mm256_add_epi32(acc[i], _mm256_mullo_epi32(part[i], scale));
+#else
                             acc[i] = _mm256_add_epi32(acc[i], _mm256_madd_epi16(part[i], scale));
+#endif
                     }
                 }
             }
@@ -666,8 +699,19 @@ static inline __attribute__((always_inline)) void q6kx8_kernel(
                 for (int j = 0; j < 4; j++) {
                     __m256i pairs = _mm256_cvtepi8_epi16(
                         _mm_loadu_si128((const __m128i *)(blk + 16 + 16 * (2 * j + tq / 2))));
+#ifdef KQ_VNNI /* lane r: row r's scale as an int32 */
+                    scale[j] = tq % 2 ? _mm256_srai_epi32(pairs, 16)
+                                      : _mm256_srai_epi32(_mm256_slli_epi32(pairs, 16), 16);
+                    (void)dup0, (void)dup1;
+#else
                     scale[j] = _mm256_shuffle_epi8(pairs, tq % 2 ? dup1 : dup0);
+#endif
                 }
+#ifdef KQ_VNNI
+                __m256i part[4][KQ_MT];
+                for (int j = 0; j < 4; j++)
+                    for (int i = 0; i < mt; i++) part[j][i] = _mm256_setzero_si256();
+#endif
                 for (int tt = 0; tt < 4; tt++) {
                     const int t = 4 * tq + tt;
                     __m256i l0 = _mm256_loadu_si256((const __m256i *)(codes + 96 * t));
@@ -681,11 +725,20 @@ static inline __attribute__((always_inline)) void q6kx8_kernel(
                         for (int i = 0; i < mt; i++) {
                             int32_t x4;
                             memcpy(&x4, xq + i * K + b * QK_K + 64 * j + 4 * t, 4);
+#ifdef KQ_VNNI
+                            part[j][i] = kq_dpbusd(part[j][i], q, _mm256_set1_epi32(x4));
+#else
                             __m256i p = _mm256_maddubs_epi16(q, _mm256_set1_epi32(x4));
                             acc[i] = _mm256_add_epi32(acc[i], _mm256_madd_epi16(p, scale[j]));
+#endif
                         }
                     }
                 }
+#ifdef KQ_VNNI
+                for (int j = 0; j < 4; j++)
+                    for (int i = 0; i < mt; i++)
+                        acc[i] = _mm256_add_epi32(acc[i], _mm256_mullo_epi32(part[j][i], scale[j]));
+#endif
             }
             const __m256 d8 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk));
             for (int i = 0; i < mt; i++) {
