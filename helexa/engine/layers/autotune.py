@@ -84,6 +84,7 @@ def cpu_info() -> tuple[str, str]:
 # the native kernels' sources: a change to them can change which path is quicker
 NATIVE_SOURCE = Path(__file__).with_name("native") / "blocks.c"
 KQUANT_SOURCE = NATIVE_SOURCE.with_name("kquants.c")
+COMMON_HEADER = NATIVE_SOURCE.with_name("common.h")
 
 
 def machine_key(num_threads: int) -> str:
@@ -91,7 +92,7 @@ def machine_key(num_threads: int) -> str:
     source, hashed: plans measured under one never serve another."""
     cpu, flags = cpu_info()
     try:
-        sources = NATIVE_SOURCE.read_bytes() + KQUANT_SOURCE.read_bytes()
+        sources = b"".join(p.read_bytes() for p in (NATIVE_SOURCE, KQUANT_SOURCE, COMMON_HEADER))
         native = hashlib.sha256(sources).hexdigest()[:16]
     except OSError:
         native = "none"

@@ -35,6 +35,7 @@ log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("native") / "blocks.c"
 # the K-quants' kernels, built into the same library (blocks.c hands those kinds to them)
 SOURCES = (SOURCE, SOURCE.with_name("kquants.c"))
+HEADERS = (SOURCE.with_name("common.h"),)  # what both include: part of the build's key
 # GGUF block kinds the kernels take: the file's rows, or ("…x8") 8 rows interleaved; the
 # K-quants as the file's rows of 256-weight super-blocks
 KINDS = {"Q4_0": 0, "Q4_1": 1, "Q8_0": 2, "Q4_0x8": 3, "Q4_1x8": 4, "Q8_0x8": 5}
@@ -80,7 +81,7 @@ def build(cc: str, flags: tuple[str, ...] = FLAGS) -> Path:
     (keyed by the source, the compiler's version, the CPU and the flags). Raises RuntimeError
     with the compiler's message when the build fails."""
     cpu, cpu_flags = cpu_info()
-    code = [src.read_bytes() for src in SOURCES]
+    code = [src.read_bytes() for src in (*SOURCES, *HEADERS)]
     parts = [*code, _version(cc).encode(), cpu.encode(), cpu_flags.encode()]
     key = hashlib.sha256(b"|".join([*parts, *map(str.encode, flags)])).hexdigest()[:16]
     target = cache_dir() / f"blocks-{key}.so"

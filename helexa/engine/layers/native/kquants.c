@@ -30,6 +30,7 @@
 #ifdef __AVX2__
 #include <immintrin.h>
 #endif
+#include "common.h"
 
 enum { QK_K = 256, KQ_MT = 4, KQ_CHUNK = 16, KQ_XR = 8 };
 /* the kinds' numbers, as native.KINDS has them; "x8": 8 rows interleaved (see below) */
@@ -63,30 +64,10 @@ int hx_kq_block_bytes(int kind) {
     }
 }
 
-static float kq_f16(const uint8_t *p) {
+static inline float kq_f16(const uint8_t *p) {
     uint16_t h;
     memcpy(&h, p, 2);
-#ifdef __F16C__
-    return _cvtsh_ss(h);
-#else
-    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff, bits;
-    if (exp == 0) {
-        if (man == 0) {
-            bits = sign;
-        } else {
-            exp = 127 - 15 + 1;
-            while (!(man & 0x400)) { man <<= 1; exp--; }
-            bits = sign | (exp << 23) | ((man & 0x3ff) << 13);
-        }
-    } else if (exp == 31) {
-        bits = sign | 0x7f800000 | (man << 13);
-    } else {
-        bits = sign | ((exp + 127 - 15) << 23) | (man << 13);
-    }
-    float f;
-    memcpy(&f, &bits, 4);
-    return f;
-#endif
+    return f16_to_f32(h);
 }
 
 /* Q4_K/Q5_K's 12 bytes -> 8 scales and 8 mins of 6 bits: bytes 0-3 hold scales 0-3 (low 6
@@ -399,12 +380,6 @@ static void kq_quantize_x(const float *x, int64_t M, int64_t K, int8_t *q, float
 }
 
 #ifdef __AVX2__
-static inline float kq_hsum8(__m256 v) {
-    __m128 r = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    r = _mm_add_ps(r, _mm_movehl_ps(r, r));
-    r = _mm_add_ss(r, _mm_movehdup_ps(r));
-    return _mm_cvtss_f32(r);
-}
 /* sum over 32 u8 weights times s8 activations, times a scale per 16 (lanes 0-7: the first
  * 16 weights' pairs, 8-15: the second's), as 8 int32 */
 static inline __m256i kq_dot32(__m256i w, __m256i x, __m256i scale) {
@@ -539,7 +514,7 @@ static inline __attribute__((always_inline)) void kq_rows_kernel(
 #endif
         }
 #ifdef __AVX2__
-        for (int i = 0; i < mt; i++) out[i] += kq_hsum8(facc[i]);
+        for (int i = 0; i < mt; i++) out[i] += hsum8(facc[i]);
 #endif
         for (int i = 0; i < mt; i++) y[i * N + n] = out[i];
     }
@@ -857,21 +832,6 @@ int hx_kq_matmul(int kind, const uint8_t *w, int64_t N, int64_t K, const float *
     return 0;
 }
 
-static float kq_dot_f32(const float *a, const float *b, int64_t n) {
-    int64_t i = 0;
-    float sum = 0.f;
-#ifdef __AVX2__
-    __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(),
-                     _mm256_setzero_ps()};
-    for (; i + 32 <= n; i += 32)
-        for (int j = 0; j < 4; j++)
-            acc[j] = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8 * j), _mm256_loadu_ps(b + i + 8 * j),
-                                     acc[j]);
-    sum = kq_hsum8(_mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3])));
-#endif
-    for (; i < n; i++) sum += a[i] * b[i];
-    return sum;
-}
 
 /* y [M, N] = x [M, K] @ W^T with x in float32 as it is: each row of W widened to its exact
  * floats once and multiplied into every row of x (prompt steps' few-row calls, as
@@ -936,7 +896,7 @@ int hx_kq_matmul_f32(int kind, const uint8_t *w, int64_t N, int64_t K, const flo
             uint8_t tmp[256];
             for (int64_t b = 0; b < nsb; b++)
                 kq_dequant(kq_base(kind), file_block(kind, w, nsb, n, b, tmp), wr + b * QK_K);
-            for (int64_t m = 0; m < M; m++) y[m * N + n] = kq_dot_f32(wr, x + m * K, K);
+            for (int64_t m = 0; m < M; m++) y[m * N + n] = dot_f32(wr, x + m * K, K);
         }
         free(wr);
     }
