@@ -31,15 +31,6 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
-@pytest.fixture(scope="module")
-def scalar(tmp_path_factory):
-    """blocks.c built for x86-64 without AVX2 (its #else loops), once, outside the cache."""
-    flags = (*(f for f in native.FLAGS if not f.startswith("-march")), "-march=x86-64")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("HELEXA_NATIVE_DIR", str(tmp_path_factory.mktemp("scalar")))
-        return native.load(native.build(native._compiler(), flags))
-
-
 @pytest.mark.parametrize("kind", KINDS)
 def test_dequantize_is_ggufs_arithmetic(kind):
     raw, ref = blocks(kind, 40, 96)

@@ -16,6 +16,7 @@ from helexa.engine.layers.linear import MIXED, Linear, fuse
 from helexa.engine.loader.dequant import dequantize
 from helexa.engine.loader.gguf import GGUFTensor
 from helexa.kernels.quant_pack import make_gguf_blocks
+from tests.engine.test_native import rel
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="no C compiler here")
 KINDS = native.K_KINDS
@@ -33,19 +34,6 @@ def held(kind: str, raw: torch.Tensor) -> list[tuple[torch.Tensor, str]]:
     if raw.shape[0] % native.XR == 0 and f"{kind}x8" in native.KINDS:
         forms.append(native.interleave(raw, kind))
     return forms
-
-
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.double() - b.double()).norm() / b.double().norm()).item()
-
-
-@pytest.fixture(scope="module")
-def scalar(tmp_path_factory):
-    """The kernels built for x86-64 without AVX2 (their #else loops), once, outside the cache."""
-    flags = (*(f for f in native.FLAGS if not f.startswith("-march")), "-march=x86-64")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("HELEXA_NATIVE_DIR", str(tmp_path_factory.mktemp("scalar")))
-        return native.load(native.build(native._compiler(), flags))
 
 
 @pytest.mark.parametrize("kind", KINDS)
