@@ -41,6 +41,7 @@ from helexa.engine.sampling_params import SamplingParams
 from helexa.engine.scheduler import Scheduler, SchedulerConfig
 from helexa.engine.sequence import RequestOutput, Sequence
 from helexa.engine.state_manager import StateManager
+from helexa.engine.warmup import warm_up
 from helexa.protocol.wire import DEFAULT_MAX_OUTPUT_TOKENS
 
 log = logging.getLogger(__name__)
@@ -184,6 +185,8 @@ class LLMEngine:
         self._seqs: dict[str, Sequence] = {}
         self.num_generated_tokens = 0  # every token sampled into a sequence, ever
         self._grammars: GrammarCompiler | None = None  # built at the first structured request
+        if device.type == "cuda":  # compiles now, not inside the first requests
+            warm_up(self)
 
     def _autotune(self, args: EngineArgs) -> None:
         """How each CPU-packed Linear runs each row count: from the plan file (checked), or
