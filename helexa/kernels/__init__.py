@@ -7,9 +7,10 @@ CPU tensors that means Triton's interpreter, TRITON_INTERPRET=1, which only test
 Nothing here reads the environment.
 
 Shapes are in each function's docstring; the kernels live beside their twins in
-causal_conv1d.py, gdn_gating.py, fused_moe.py, gated_delta_rule.py, paged_attention.py and
-quant_matmul.py and quant_moe.py (with quant_pack.py, the quantized weights' layouts); the
-decoder's and sampler's small ops in rms_norm.py, rotary.py, activation.py and sampling.py.
+causal_conv1d.py, gdn_gating.py, fused_moe.py, gated_delta_rule.py, paged_attention.py,
+kv_store.py, quant_matmul.py and quant_moe.py (with quant_pack.py, the quantized weights'
+layouts); the decoder's and sampler's small ops in rms_norm.py, rotary.py, activation.py
+and sampling.py.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from .causal_conv1d import (
 )
 from .fused_moe import moe_by_expert, naive_fused_moe, triton_fused_moe
 from .gdn_gating import naive_gdn_gating, triton_gdn_gating
+from .kv_store import naive_store_kv, triton_store_kv
 from .paged_attention import (
     naive_paged_decode_attention,
     naive_paged_prefill_attention,
@@ -220,6 +222,20 @@ def paged_prefill_attention(
     return fn(q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, scale, max_seqlen_q)
 
 
+def store_kv(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """The new tokens' K/V into the paged cache, in place: k, v [T, KVH, D]; k_cache,
+    v_cache [num_blocks, block_size, KVH, D]; slot_mapping [T] int (negative: a padding
+    row, not written). The Triton path is one launch for both, CUDA-graph safe."""
+    fn = triton_store_kv if uses_triton(k) else naive_store_kv
+    fn(k, v, k_cache, v_cache, slot_mapping)
+
+
 def quant_matmul(
     x: torch.Tensor, qw: QuantWeight, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
@@ -336,6 +352,7 @@ __all__ = [
     "sample",
     "set_backend",
     "silu_and_mul",
+    "store_kv",
     "unsupported_reason",
     "uses_triton",
 ]
