@@ -9,8 +9,8 @@ Nothing here reads the environment.
 Shapes are in each function's docstring; the kernels live beside their twins in
 causal_conv1d.py, gdn_gating.py, fused_moe.py, gated_delta_rule.py, paged_attention.py,
 kv_store.py, quant_matmul.py and quant_moe.py (with quant_pack.py, the quantized weights'
-layouts); the decoder's and sampler's small ops in rms_norm.py, rotary.py, activation.py
-and sampling.py.
+layouts, and quant_dequant.py, a whole weight dequantized for the dense prefill path); the
+decoder's and sampler's small ops in rms_norm.py, rotary.py, activation.py and sampling.py.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 
 from . import gated_delta_rule as gdr
+from . import quant_dequant
 from .activation import naive_silu_and_mul, triton_silu_and_mul
 from .causal_conv1d import (
     naive_causal_conv1d,
@@ -240,9 +241,15 @@ def quant_matmul(
     x: torch.Tensor, qw: QuantWeight, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
     """y = x @ W.T (+ bias) with W held quantized (quant_matmul.QuantWeight [N, K], from
-    pack_gguf or quantize): x [M, K] bf16/fp16/fp32, bias [N] | None -> [M, N] in x.dtype."""
-    fn = triton_quant_matmul if uses_triton(x) else naive_quant_matmul
-    return fn(x, qw, bias)
+    pack_gguf or quantize): x [M, K] bf16/fp16/fp32, bias [N] | None -> [M, N] in x.dtype.
+    On Triton, M >= quant_dequant.DENSE_MIN_M rows dequantize W into a reused scratch for
+    F.linear; fewer, and any under CUDA-graph capture (a decode graph), run the fused kernels."""
+    if not uses_triton(x):
+        return naive_quant_matmul(x, qw, bias)
+    rows = x.numel() // max(1, x.shape[-1])
+    if rows >= quant_dequant.DENSE_MIN_M and not quant_dequant.capturing(x):
+        return quant_dequant.dense_quant_matmul(x, qw, bias)
+    return triton_quant_matmul(x, qw, bias)
 
 
 def quant_fused_moe(
