@@ -1,7 +1,11 @@
 """The dense prefill path: triton_dequantize against naive_dequantize (every kind, bit for bit),
-dense_quant_matmul and its scratch, and quant_matmul's dispatch to it."""
+dense_quant_matmul and its scratch, quant_matmul's dispatch to it, and its benchmark's
+refusal without CUDA."""
 
 from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
 
 import pytest
 import torch
@@ -23,6 +27,8 @@ from helexa.kernels.quant_matmul import (
 
 from . import DEVICE, max_rel_error, needs_triton
 from .test_quant_matmul import RTOL, any_weight
+
+BENCH = Path(__file__).parents[2] / "bench" / "quant_prefill.py"
 
 
 @pytest.fixture
@@ -171,6 +177,30 @@ def test_cpu_tensors_keep_the_naive_path_at_any_rows(monkeypatch):
     x = torch.randn(DENSE_MIN_M, 64)
     assert torch.equal(kernels.quant_matmul(x, qw), naive_quant_matmul(x, qw))
     assert dense.calls == 0
+
+
+# -- the benchmark -----------------------------------------------------------------------------
+def load_bench():
+    spec = importlib.util.spec_from_file_location("bench_quant_prefill", BENCH)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_benchmark_counts_tflops_and_rotates_weights_past_l2():
+    bench = load_bench()
+    assert bench.tflops(512, 12288, 4096, 1e-3) == pytest.approx(51.54, abs=0.01)
+    assert bench.num_copies(29 << 20) == 8  # Q4_K 4096 x 12288: capped
+    assert bench.num_copies(300 << 20) == 1
+    assert bench.parse_list("512, 4096", range(1, 8192), int) == [512, 4096]
+    with pytest.raises(ValueError, match="Q4_K"):
+        bench.parse_list("Q2_K", bench.KINDS)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for hosts without CUDA")
+def test_the_benchmark_refuses_to_run_without_cuda(capsys):
+    assert load_bench().main([]) == 2
+    assert "no CUDA device" in capsys.readouterr().err
 
 
 # -- on a GPU ----------------------------------------------------------------------------
