@@ -3,8 +3,8 @@
 Past a few hundred rows a GEMM is compute-bound, and the fused `_quant_gemm_kernel`
 (quant_matmul.py), which dequantizes each tile in registers before its dots, measured a
 quarter of bf16 F.linear's TFLOP/s on an H100. `dense_quant_matmul` instead writes W once into
-a float scratch buffer (`triton_dequantize`: ~2 bytes a weight written, under 1 read) and hands
-it to F.linear (cuBLAS); the write costs about as much as a 512-row GEMM's reading of W does,
+a float scratch buffer (`triton_dequantize`: 2 bytes a weight written in bf16, under 1 read)
+and hands it to F.linear (cuBLAS). That costs a fixed time a call, about a 256-row bf16 GEMM's,
 so it pays from a few hundred rows on (DENSE_MIN_M, the dispatcher's threshold).
 
 The scratch: one flat buffer per (device, dtype), kept across calls and grown to the largest
@@ -18,6 +18,9 @@ captured call to the fused kernels whatever its rows (decode graphs go up to 512
 
 `triton_dequantize` equals quant_pack's `naive_dequantize` exactly in fp32, and its rounding
 (to nearest even) in bf16 and fp16. It decodes with quant_matmul's `_codes` and `_affine`.
+Every kind compiles for sm_90 to vector loads of the codes and 16-byte stores, without
+register spills (checked with Triton's compiler and ptxas, without a GPU); its tiles and
+DENSE_MIN_M are yet to be tuned on one.
 """
 
 from __future__ import annotations
@@ -37,10 +40,10 @@ except ImportError:  # triton is optional: the naive path serves CPU hosts
     triton = None
 
 # Rows from which quant_matmul takes the dense path on the Triton backend. Estimated, not
-# measured: at Qwen3-8B's 4096 -> 12288 the dequantize writes ~100 MB (~35 µs at 3 TB/s)
-# while a 256-row bf16 GEMM takes ~35 µs at 700 TFLOP/s, so the dense path runs at ~half of
-# bf16 from 256 rows and ~80% from 1024, where the fused GEMM ran at a quarter. To be tuned on
-# a GPU with bench/quant_prefill.py.
+# measured: at Qwen3-8B's 4096 -> 12288 in Q4_K the dequantize moves ~130 MB (~40 µs at
+# 3.3 TB/s) and a 256-row bf16 GEMM takes ~37 µs at 700 TFLOP/s, so the dense path would run
+# at ~half of bf16's rate at 256 rows and ~80% at 1024, where the fused GEMM ran at a quarter.
+# To be tuned on a GPU with bench/quant_prefill.py.
 DENSE_MIN_M = 256
 DENSE_SCRATCH_MAX_BYTES = 256 << 20
 OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -69,11 +72,18 @@ if triton is not None:
         mask = n_ok[:, None, None] & (g < num_groups)
         lo, hi = _codes(qs_ptr + rows * stride_qs, qh_ptr + rows * stride_qh, g, j, mask,
                         KIND, GROUP)  # fmt: skip
-        a, b = _affine(s_ptr + rows * stride_s, m_ptr + rows * stride_s, d_ptr + rows * stride_d,
-                       dmin_ptr + rows * stride_d, g, mask, KIND, GROUP)  # fmt: skip
-        # every product is exact in fp32 (quant_pack's doc), so a * q + b rounds once, as
-        # naive_dequantize's arithmetic does, fused or not
-        lo, hi = lo * a + b, hi * a + b
+        s_row, m_row = s_ptr + rows * stride_s, m_ptr + rows * stride_s
+        if KIND == "int4_zp":
+            # s * (q - z), as naive's: _affine's s*q - s*z rounds twice for an fp32 s
+            s = tl.load(s_row + g, mask=mask, other=0).to(tl.float32)
+            z = tl.load(m_row + g, mask=mask, other=0).to(tl.float32)
+            lo, hi = (lo - z) * s, (hi - z) * s
+        else:
+            a, b = _affine(s_row, m_row, d_ptr + rows * stride_d, dmin_ptr + rows * stride_d,
+                           g, mask, KIND, GROUP)  # fmt: skip
+            # every product is exact in fp32 (quant_pack's doc), so a * q + b rounds once, as
+            # naive_dequantize's arithmetic does, fused or not
+            lo, hi = lo * a + b, hi * a + b
         if KIND == "int8" or KIND == "fp8":  # per output channel; fp8's code is value / 256
             c = tl.load(s_ptr + offs_n, mask=n_ok, other=0.0)
             if KIND == "fp8":

@@ -22,6 +22,7 @@ from helexa.kernels.quant_matmul import (
     QUANT_KINDS,
     naive_dequantize,
     naive_quant_matmul,
+    pack_zero_point,
     triton_quant_matmul,
 )
 
@@ -58,6 +59,17 @@ def test_dequantize_equals_naive_in_fp32_and_rounds_as_it_does_in_bf16_and_fp16(
         got = triton_dequantize(qw, dtype=dtype, block_k=block_k)
         assert got.dtype == dtype
         assert torch.equal(got, want.to(dtype)), dtype
+
+
+@pytest.mark.parametrize("scale_dtype", [torch.float32, torch.bfloat16])
+@needs_triton
+def test_zero_point_weights_with_a_checkpoints_wider_scales_dequantize_exactly(scale_dtype):
+    gen = torch.Generator().manual_seed(4)
+    codes = torch.randint(0, 16, (24, 256), generator=gen)
+    scales = (torch.rand(24, 2, generator=gen) * 0.01).to(scale_dtype)  # groups of 128
+    qw = pack_zero_point(codes, scales, torch.randint(0, 17, (24, 2), generator=gen))
+    assert torch.equal(triton_dequantize(qw.to(DEVICE), dtype=torch.float32).cpu(),
+                       naive_dequantize(qw))  # fmt: skip
 
 
 @needs_triton
