@@ -10,7 +10,8 @@ measured 38 tok/s on an H200 where the warm engine decodes at 128).
 `warm_up` drives the engine itself (add_request / step) through the shapes requests take: a
 prompt of 16 tokens alone (batch-1 prefill and decode), then a prompt of 7 beside a second
 sequence (ragged prefill, two-row decode) sampling with every knob (temperature, top-k, top-p,
-min-p, penalties, logit bias, a seed), and the structured-output mask once. Afterwards the
+min-p, penalties, logit bias, a seed), a prompt long enough for quantized weights' dense
+prefill path (`quant_dequant.DENSE_MIN_M` rows), and the structured-output mask once. Afterwards the
 engine's counters read as if nothing had run. Triton keeps what it compiled in its on-disk
 cache, so a later load warms up in well under a second.
 """
@@ -25,6 +26,7 @@ import torch
 
 from helexa import kernels
 from helexa.engine.sampling_params import SamplingParams
+from helexa.kernels import quant_dequant
 
 if TYPE_CHECKING:
     from helexa.engine.llm_engine import LLMEngine
@@ -56,6 +58,8 @@ def warm_up(engine: LLMEngine) -> float:
     ids = _token_ids(engine, 16 + 7 + 16)
     _run(engine, [(ids[:16], GREEDY)])
     _run(engine, [(ids[16:23], SAMPLED), (ids[23:], GREEDY)])
+    long = min(quant_dequant.DENSE_MIN_M + 16, engine.max_model_len - GREEDY.max_tokens)
+    _run(engine, [((ids * -(-long // len(ids)))[:long], GREEDY)])
     device = engine.runner.device
     vocab = engine.loaded.config.vocab_size
     logits = torch.zeros(1, vocab, device=device)
