@@ -64,7 +64,7 @@ def test_float_weights_are_quantized_in_situ_on_the_device(quant, device_layout)
 
 
 @needs_triton
-@pytest.mark.parametrize("rows", [1, 17])
+@pytest.mark.parametrize("rows", [1, 17, 300])  # GEMV, fused GEMM, dense (DENSE_MIN_M)
 def test_the_triton_kernels_serve_a_quantized_linear(rows, device_layout):
     src = gguf_weight("Q4_K", 32, 256, seed=3)
     lin = Linear(256, 32, bias=True)
