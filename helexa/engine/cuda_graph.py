@@ -8,8 +8,8 @@ block and their recurrent state to a scratch row that no sequence owns, and atte
 nothing (context length 0). Only the model's forward is captured; logits and sampling run
 after it, on the rows that are real.
 
-Graphs need the Triton attention path (its decode kernel reads lengths and block tables
-from the device; the torch path's shapes change with the context).
+Graphs need an attention backend that `captures_graphs`: Triton's, whose decode kernel reads
+lengths and block tables from the device (SDPA's shapes change with the context).
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from torch import nn
 from helexa.engine.layers.attention import AttentionContext
 
 if TYPE_CHECKING:
+    from helexa.engine.attention import AttentionBackend
     from helexa.engine.scheduler import ScheduledBatch
     from helexa.engine.sequence import Sequence
 
@@ -45,7 +46,7 @@ class ModelRunner(Protocol):
     block_size: int
     scratch_block: int
     scratch_state_slot: int
-    use_triton: bool
+    attention: AttentionBackend
     recurrent_layers: list
 
     def rotary_tables(self, positions: torch.Tensor) -> tuple[torch.Tensor | None, ...]: ...
@@ -84,8 +85,6 @@ class DecodeGraphs:
             sin=sin,
             prefills=[],
             decode_rows=self.rows[:bs],
-            decode_blocks=None,
-            decode_mask=None,
             all_decode=True,
             decode_state_slots=self.state_slots[:bs] if runner.recurrent_layers else None,
             context_lens=self.context_lens[:bs],
@@ -162,8 +161,9 @@ def capture_decode_graphs(
     runner: ModelRunner, max_num_seqs: int, max_model_len: int
 ) -> tuple[DecodeGraphs | None, str | None]:
     """Graphs for `runner` on a CUDA device, or None and the reason they cannot be used."""
-    if not runner.use_triton:
-        return None, "CUDA graphs need the Triton kernels (kernels = 'naive' is set)"
+    if not runner.attention.captures_graphs:
+        name = runner.attention.name
+        return None, f"CUDA graphs need the Triton kernels (attention runs {name!r})"
     graphs = DecodeGraphs(runner, max_num_seqs, max_model_len)
     try:
         graphs.capture(runner)

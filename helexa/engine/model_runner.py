@@ -12,19 +12,20 @@ from dataclasses import dataclass
 
 import torch
 
-from helexa import kernels
+from helexa.engine.attention import AttentionBackend, select_backend
+from helexa.engine.attention import base as paging
 from helexa.engine.cuda_graph import DecodeGraphs, capture_decode_graphs
-from helexa.engine.layers import sampler as sampling_ops
-from helexa.engine.layers.attention import (
-    AttentionContext,
-    PrefillSegment,
-    split_prefix_attention,
-)
+from helexa.engine.layers.attention import AttentionContext, PrefillSegment
 from helexa.engine.layers.linear import PREFILL_STEP
-from helexa.engine.layers.sampler import Sampler
 from helexa.engine.scheduler import ScheduledBatch
 from helexa.engine.sequence import Sequence, TokenLogprob
 from helexa.engine.state_manager import StateCopy
+from helexa.engine.step_plan import StepPlan
+from helexa.engine.step_sampler import (  # noqa: F401 (re-exported: the engine, the worker)
+    NonFiniteLogitsError,
+    NonFiniteRowError,
+    StepSampler,
+)
 from helexa.kernels import QuantWeight
 
 MiB = 1 << 20
@@ -35,42 +36,15 @@ def recurrent_layers(model: torch.nn.Module) -> list:
     return list(getattr(model, "recurrent_layers", ()))
 
 
-class NonFiniteLogitsError(RuntimeError):
-    """Every row of a step's logits was NaN/Inf: a sign of a device fault or bad weights."""
-
-
-class NonFiniteRowError(RuntimeError):
-    """One sequence's logits were NaN/Inf while its batch-mates' were finite: it fails alone."""
-
-
 @dataclass(slots=True)
-class StepPlan:
-    """One step's inputs as host values, no Sequence and no tensor: rank 0 plans the step
-    from the scheduled batch and, under tensor parallel, sends the plan to every other rank,
-    so that all of them build the same tensors from it (`ModelRunner.build`)."""
+class StepHidden:
+    """A step's forward, as sampling reads it: hidden states, the rows of them to sample
+    (None: the first len(seqs), in order) and those rows' sequences' batch indices."""
 
-    ids: list[int]  # [num_tokens] the flat batch's token ids
-    positions: list[int]  # [num_tokens]
-    slots: list[int]  # [num_tokens] the cache slot of each new token
-    # one per prefill chunk: start row, end row, state slot, tokens cached before it, and on
-    # the torch path for a later chunk the slots of its whole context (else None)
-    prefills: list[tuple[int, int, int, int, list[int] | None]]
-    decode_rows: list[int]  # rows of one-token chunks that continue a sequence
-    sample_rows: list[int]  # rows whose logits are computed this step
-    sample_seqs: list[int]  # their sequences' batch indices
-    restores: list[StateCopy]  # state copies before the forward
-    snapshots: list[StateCopy]  # and after it
-    has_prompt: bool  # PREFILL_STEP: some sequence is still reading its prompt
-    decode_state_slots: list[int] | None = None  # hybrid models: the decode rows' state rows
-    decode_lens: list[int] | None = None  # torch path: each decode row's context length
-    decode_tables: list[list[int]] | None = None  # torch path: their padded block tables
-    context_lens: list[int] | None = None  # Triton path: every sequence's length after the step
-    block_tables: list[list[int]] | None = None  # Triton path: every sequence's, padded
-    cu_seqlens_q: list[int] | None = None  # Triton path, with prefills: new-token offsets
-    max_seqlen_q: int = 1
-    # the model returns the sample rows' hidden states only (AttentionContext.output_rows):
-    # a prompt step's last layer then runs its MLP on those rows alone
-    output_rows: bool = False
+    hidden: torch.Tensor
+    rows: list[int] | None
+    seqs: list[int]
+    has_prompt: bool
 
 
 class ModelRunner:
@@ -91,9 +65,9 @@ class ModelRunner:
         self.kv_dtype = kv_dtype or dtype  # the KV cache's (engine_args.kv_dtype)
         self.block_size = block_size
         self.num_blocks = num_blocks
-        self.sampler = Sampler()
-        # the whole model's kernels are Triton (CUDA, or `kernels = "triton"`) or plain torch
-        self.use_triton = kernels.uses_triton(torch.empty(0, device=device))
+        self.step_sampler = StepSampler()
+        # how every attention layer runs, for the whole model: Triton, native or SDPA
+        self.attention: AttentionBackend = select_backend(device, dtype, self.kv_dtype, block_size)
         self.graphs: DecodeGraphs | None = None  # set by capture_graphs()
         self.attention_layers = model.attention_layers
         self.recurrent_layers = recurrent_layers(model)
@@ -105,6 +79,7 @@ class ModelRunner:
             shape = (num_blocks + 1, block_size, attn.num_kv_heads, attn.head_dim)
             attn.k_cache = torch.zeros(shape, dtype=self.kv_dtype, device=device)
             attn.v_cache = torch.zeros(shape, dtype=self.kv_dtype, device=device)
+            attn.backend = self.attention
         rows = num_state_slots + 1
         for layer in self.recurrent_layers:
             conv, ssm = layer.state_shapes()
@@ -116,6 +91,11 @@ class ModelRunner:
         self.graphs_off_reason: str | None = "not captured"
         # tensor parallel, on rank 0: sends each step's plan to the other ranks
         self.broadcast: Callable[[StepPlan], None] | None = None
+
+    @property
+    def use_triton(self) -> bool:
+        """Whether the model's kernels are Triton (CUDA, or `kernels = "triton"`)."""
+        return self.attention.name == "triton"
 
     def capture_graphs(self, max_num_seqs: int, max_model_len: int) -> None:
         """Capture the decode CUDA graphs on a CUDA device (or record why not, in
@@ -158,13 +138,12 @@ class ModelRunner:
 
     def slots(self, seq: Sequence, start: int, end: int) -> list[int]:
         """Cache slots of positions [start, end) of `seq`."""
-        bs, table = self.block_size, seq.block_table
-        return [table[p // bs] * bs + p % bs for p in range(start, end)]
+        return paging.slots(seq, start, end, self.block_size)
 
     @staticmethod
     def block_tables(seqs: list[Sequence], width: int) -> list[list[int]]:
         """Each sequence's first `width` blocks, padded with block 0 (read by no one)."""
-        return [t + [0] * (width - len(t)) for t in (s.block_table[:width] for s in seqs)]
+        return paging.block_tables(seqs, width)
 
     def tensor(self, values: list, dtype: torch.dtype = torch.long) -> torch.Tensor:
         """A host list on the device. On CUDA through pinned memory and a non-blocking copy:
@@ -179,12 +158,12 @@ class ModelRunner:
         ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
-        prefills: list[tuple[int, int, int, int, list[int] | None]] = []
+        prefills: list[tuple[int, int, int, int]] = []
         decode_rows: list[int] = []
-        decode_seqs: list[Sequence] = []
         sample_rows: list[int] = []
         sample_seqs: list[int] = []
-        triton = self.use_triton
+        prefill_seqs: list[Sequence] = []
+        decode_seqs: list[Sequence] = []
         row = 0
         for i, seq in enumerate(batch.seqs):
             n = batch.num_new_tokens[i]
@@ -196,8 +175,8 @@ class ModelRunner:
                 decode_rows.append(row)
                 decode_seqs.append(seq)
             else:
-                context = self.slots(seq, 0, start + n) if start and not triton else None
-                prefills.append((row, row + n, seq.state_slot, start, context))
+                prefills.append((row, row + n, seq.state_slot, start))
+                prefill_seqs.append(seq)
             row += n
             if batch.samples(i):
                 sample_rows.append(row - 1)
@@ -215,25 +194,9 @@ class ModelRunner:
             has_prompt=any(s.num_computed_tokens < s.num_prompt_tokens for s in batch.seqs),
         )
         plan.output_rows = self.selects_output_rows and len(sample_rows) < len(ids)
-        bs = self.block_size
-        if triton:  # block tables and lengths of every sequence, for the kernels
-            news = batch.num_new_tokens
-            lengths = [s.num_computed_tokens + n for s, n in zip(batch.seqs, news, strict=True)]
-            plan.context_lens = lengths
-            plan.block_tables = self.block_tables(batch.seqs, max(-(-n // bs) for n in lengths))
-            if prefills:
-                cu = [0]
-                for n in news:
-                    cu.append(cu[-1] + n)
-                plan.cu_seqlens_q = cu
-                plan.max_seqlen_q = max(news)
-        if decode_seqs:
-            if self.recurrent_layers:
-                plan.decode_state_slots = [s.state_slot for s in decode_seqs]
-            if not triton:  # the torch path gathers whole blocks of each decode row
-                lengths = [s.num_computed_tokens + 1 for s in decode_seqs]
-                plan.decode_lens = lengths
-                plan.decode_tables = self.block_tables(decode_seqs, -(-max(lengths) // bs))
+        if decode_seqs and self.recurrent_layers:
+            plan.decode_state_slots = [s.state_slot for s in decode_seqs]
+        self.attention.plan(plan, batch, prefill_seqs, decode_seqs)
         return plan
 
     def build(self, plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor, AttentionContext]:
@@ -241,57 +204,25 @@ class ModelRunner:
         input_ids = self.tensor(plan.ids)
         pos = self.tensor(plan.positions)
         cos, sin = self.rotary_tables(pos)
-        prefills: list[PrefillSegment] = []
-        for start, end, state_slot, cached, context in plan.prefills:
-            seg = PrefillSegment(start, end, None, state_slot=state_slot, cached=cached)
-            if context is not None:  # a later chunk on the torch path
-                seg.context_slots = self.tensor(context)
-                if not split_prefix_attention(self.device):  # else no mask is needed
-                    n, span = end - start, len(context)
-                    seg.mask = torch.ones(n, span, dtype=torch.bool).tril(span - n)
-                    seg.mask = seg.mask.to(self.device, non_blocking=True)
-            prefills.append(seg)
-        ctx = AttentionContext(
-            slot_mapping=self.tensor(plan.slots),
-            cos=cos,
-            sin=sin,
-            prefills=prefills,
-            decode_rows=None,
-            decode_blocks=None,
-            decode_mask=None,
-        )
+        prefills = [
+            PrefillSegment(start, end, None, state_slot=state_slot, cached=cached)
+            for start, end, state_slot, cached in plan.prefills
+        ]
+        ctx = AttentionContext(self.tensor(plan.slots), cos, sin, prefills)
         if plan.output_rows:
             ctx.output_rows = self.tensor(plan.sample_rows)
-        if plan.context_lens is not None:
-            ctx.context_lens = self.tensor(plan.context_lens, torch.int32)
-            ctx.block_tables = self.tensor(plan.block_tables, torch.int32)
-            if plan.cu_seqlens_q is not None:
-                ctx.cu_seqlens_q = self.tensor(plan.cu_seqlens_q, torch.int32)
-                ctx.max_seqlen_q = plan.max_seqlen_q
         if plan.decode_rows:
             ctx.decode_rows = self.tensor(plan.decode_rows)
             ctx.all_decode = not prefills
             if plan.decode_state_slots is not None:
                 ctx.decode_state_slots = self.tensor(plan.decode_state_slots)
-            if plan.decode_tables is not None:
-                self._decode_blocks(ctx, plan.decode_tables, plan.decode_lens)
+        self.attention.build(plan, ctx, self.tensor)
         return input_ids, pos, ctx
 
     def rotary_tables(self, positions: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         """cos, sin [num_tokens, 1, rotary_dim] for the positions (None without rotary)."""
         rotary = getattr(self.model, "rotary", None)
         return rotary.lookup(positions, self.dtype) if rotary is not None else (None, None)
-
-    def _decode_blocks(
-        self, ctx: AttentionContext, tables: list[list[int]], lengths: list[int]
-    ) -> None:
-        """Torch path: the decode rows' whole blocks and lengths; whether some row ends short
-        of its last block, for which attention then masks (`decode_mask`, built by the
-        first layer that needs it: the native decode kernels read the lengths instead)."""
-        ctx.decode_blocks = self.tensor(tables)
-        ctx.decode_lens = self.tensor(lengths, torch.int32)
-        span = len(tables[0]) * self.block_size
-        ctx.decode_ragged = any(n != span for n in lengths)
 
     def forward(self, plan: StepPlan) -> torch.Tensor:
         """The model over the plan's inputs: hidden [num_tokens, hidden_size]."""
@@ -325,123 +256,49 @@ class ModelRunner:
         A decode step on CUDA reads nothing back from the device but its sampled tokens
         (with each row's finiteness, in the same copy)."""
         self.copy_states(batch.restores)
-        hidden = self.graphs.run(self, batch) if self.graphs is not None else None
-        if hidden is None:
-            plan = self.plan(batch)
-            if self.broadcast is not None:  # tensor parallel: the followers run it too
-                self.broadcast(plan)
-            hidden = self.forward(plan)
-            sample_rows, sample_seqs = plan.sample_rows, plan.sample_seqs
-            prompt_step = plan.has_prompt
-            if plan.output_rows:  # the model returned those rows alone, in order
-                sample_rows = sample_seqs
-        else:  # a replayed graph: every sequence decodes and samples, in order
-            sample_seqs = list(range(len(batch.seqs)))
-            sample_rows = sample_seqs
-            prompt_step = False
+        step = self.forward_step(batch)
         self.copy_states(batch.snapshots)
+        return self.sample(batch, step)
+
+    def forward_step(self, batch: ScheduledBatch) -> StepHidden:
+        """The batch's forward: a captured decode graph replayed where one covers the step,
+        else the model run eagerly (by every rank, under tensor parallel)."""
+        hidden = self.graphs.run(self, batch) if self.graphs is not None else None
+        if hidden is not None:  # every sequence decodes and samples, in order
+            return StepHidden(hidden, None, list(range(len(batch.seqs))), has_prompt=False)
+        plan = self.plan(batch)
+        if self.broadcast is not None:  # tensor parallel: the followers run it too
+            self.broadcast(plan)
+        hidden = self.forward(plan)
+        # where output_rows is set, the model returned the sampled rows alone, in order
+        rows = None if plan.output_rows else plan.sample_rows
+        return StepHidden(hidden, rows, plan.sample_seqs, plan.has_prompt)
+
+    def sample(
+        self, batch: ScheduledBatch, step: StepHidden
+    ) -> tuple[list[int | None], list[TokenLogprob | None] | None, dict[int, Exception]]:
+        """The step's logits and tokens, by batch index (see `run`)."""
         out: list[int | None] = [None] * len(batch.seqs)
         errors: dict[int, Exception] = {}
-        if not sample_seqs:
+        if not step.seqs:
             return out, None, errors
-        sampling = [batch.seqs[i] for i in sample_seqs]
-        rows = hidden[: len(sample_rows)] if sample_rows is sample_seqs else hidden[sample_rows]
+        seqs = [batch.seqs[i] for i in step.seqs]
+        hidden = step.hidden[: len(seqs)] if step.rows is None else step.hidden[step.rows]
         # a prompt step's logits in float32 too (PREFILL_STEP): its first token is the
         # answer's first word, and SmolLM2's "What is the capital of France?" has "The" and
         # "L" within 0.08 of each other there, which the decode kernels' rounding swapped
-        with _prompt_step(prompt_step):
-            logits = self.model.compute_logits(rows, sampling)
-        if any(s.params.debug_fault == "nonfinite" for s in sampling):
-            for j, s in enumerate(sampling):
-                if s.params.debug_fault == "nonfinite":
-                    logits[j] = torch.nan
-        finite_rows = sampling_ops.finite_rows(logits)
-        # seeded rows' generators as they were, for a retry row by row after a failed attempt
-        states = [q.generator.get_state() if q.generator is not None else None for q in sampling]
-        wants_logprobs = any(q.params.logprobs is not None for q in sampling)
-        tokens = None if wants_logprobs else self._sample_fast(logits, sampling, finite_rows)
-        finite = tokens[1] if tokens is not None else finite_rows.tolist()
-        if not any(finite):  # a lone sequence, or all of them: the device, not a request
-            bad = [s.request_id for s in sampling]
-            raise NonFiniteLogitsError(f"non-finite logits for requests {bad}")
-        if not all(finite):
-            for j, ok in enumerate(finite):
-                if not ok:
-                    errors[sample_seqs[j]] = NonFiniteRowError(
-                        f"non-finite logits for request {sampling[j].request_id} "
-                        "while its batch-mates' were finite"
-                    )
-        if tokens is not None:  # rows sample independently: the finite rows' tokens stand
-            for j, i in enumerate(sample_seqs):
-                if finite[j]:
-                    out[i] = tokens[0][j]
-            return out, None, errors
-        if not all(finite):
-            keep = [j for j, ok in enumerate(finite) if ok]
-            logits = logits[keep]
-            sampling = [sampling[j] for j in keep]
-            sample_seqs = [sample_seqs[j] for j in keep]
-            states = [states[j] for j in keep]
-        # the whole batch at once, unless the fast path just failed at that
-        tokens, lps, failed = self._sample(logits, sampling, states, whole_batch=wants_logprobs)
-        out_lps: list[TokenLogprob | None] = [None] * len(batch.seqs)
-        for j, i in enumerate(sample_seqs):
-            if failed[j] is not None:
-                errors[i] = failed[j]
+        with _prompt_step(step.has_prompt):
+            logits = self.model.compute_logits(hidden, seqs)
+        sampled = self.step_sampler.sample(logits, seqs)
+        logprobs = None if sampled.logprobs is None else [None] * len(batch.seqs)
+        for j, i in enumerate(step.seqs):
+            if sampled.errors[j] is not None:
+                errors[i] = sampled.errors[j]
                 continue
-            out[i] = tokens[j]
-            if lps is not None:
-                out_lps[i] = lps[j]
-        return out, (out_lps if lps is not None else None), errors
-
-    def _sample_fast(
-        self, logits: torch.Tensor, seqs: list[Sequence], finite: torch.Tensor
-    ) -> tuple[list[int], list[bool]] | None:
-        """Tokens and row finiteness in one device-to-host copy, when sampling the whole batch
-        at once succeeds; else None (the careful path runs, row by row)."""
-        try:
-            tokens = self.sampler.sample(logits, seqs)
-            host = torch.stack((tokens, finite.to(tokens.dtype))).tolist()
-        except Exception:
-            return None
-        return host[0], [bool(f) for f in host[1]]
-
-    def _sample(
-        self,
-        logits: torch.Tensor,
-        seqs: list[Sequence],
-        states: list[torch.Tensor | None],
-        *,
-        whole_batch: bool,
-    ) -> tuple[list[int | None], list[TokenLogprob | None] | None, list[Exception | None]]:
-        """The sampler over the batch (when `whole_batch`); when that raises, or was already
-        tried, row by row, so that one sequence's error fails it alone and the others get the
-        tokens they would have got (seeded rows from their generators' `states` before any
-        attempt)."""
-        # logits: [num_seqs, vocab]
-        num = len(seqs)
-        if whole_batch:
-            try:
-                tokens, lps = self.sampler(logits, seqs)
-                return tokens, lps, [None] * num
-            except Exception:
-                pass  # found again below, row by row
-        out: list[int | None] = [None] * num
-        out_lps: list[TokenLogprob | None] = [None] * num
-        errors: list[Exception | None] = [None] * num
-        for j, (seq, state) in enumerate(zip(seqs, states, strict=True)):
-            if seq.generator is not None and state is not None:
-                seq.generator.set_state(state)
-            try:
-                row_tokens, row_lps = self.sampler(logits[j : j + 1], [seq])
-            except Exception as e:
-                errors[j] = e
-                continue
-            out[j] = row_tokens[0]
-            if row_lps is not None:
-                out_lps[j] = row_lps[0]
-        wants_logprobs = any(s.params.logprobs is not None for s in seqs)
-        return out, (out_lps if wants_logprobs else None), errors
+            out[i] = sampled.tokens[j]
+            if logprobs is not None:
+                logprobs[i] = sampled.logprobs[j]
+        return out, logprobs, errors
 
 
 def model_memory_mb(model: torch.nn.Module) -> int:

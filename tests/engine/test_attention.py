@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from helexa.engine.layers.attention import prefix_then_causal, split_prefix_attention
+from helexa.engine.attention.sdpa import prefix_then_causal, split_prefix_attention
 from tests.shared_fixtures import need_shared
 
 
