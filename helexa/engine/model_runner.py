@@ -1,6 +1,9 @@
 """Runs one scheduled batch through the model: inputs → forward → logits → tokens.
 
-The runner owns the KV cache tensors and the model; it never decides who runs.
+The runner owns the KV cache tensors and the model; it never decides who runs. It picks,
+once, the attention backend every layer runs through (helexa/engine/attention). A step is
+`forward_step` (a captured decode graph replayed, or the step planned, built and run
+eagerly) then `sample` (the logits, and step_sampler.StepSampler's tokens).
 """
 
 from __future__ import annotations
