@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import torch
 
@@ -28,8 +28,26 @@ from helexa import kernels
 from helexa.engine.sampling_params import SamplingParams
 from helexa.kernels import quant_dequant
 
-if TYPE_CHECKING:
-    from helexa.engine.llm_engine import LLMEngine
+
+class LLMEngine(Protocol):
+    """What the warm-up uses of llm_engine.LLMEngine (which imports this module)."""
+
+    tokenizer: Any
+    loaded: Any
+    runner: Any
+    block_manager: Any
+    scheduler: Any
+    max_model_len: int
+    num_generated_tokens: int
+
+    def add_request(self, prompt: list[int], params: SamplingParams) -> Any: ...
+
+    def step(self) -> list: ...
+
+    def abort(self, request_id: str) -> Any: ...
+
+    def has_unfinished(self) -> bool: ...
+
 
 log = logging.getLogger(__name__)
 
