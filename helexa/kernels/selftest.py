@@ -34,7 +34,9 @@ LAYER_KERNELS = (  # layer_cases()
     "apply_token_bitmask",
     "sample",
 )
-KERNEL_MODULES = ("causal_conv1d", "gdn_gating", "fused_moe", "gated_delta_rule", "paged_attention")
+KERNEL_MODULES = (
+    "causal_conv1d", "gdn_gating", "fused_moe", "gated_delta_rule", "paged_attention", "kv_store",
+)  # fmt: skip
 KERNELS = (
     "chunk_gated_delta_rule",
     "fused_recurrent_gated_delta_rule",
@@ -47,7 +49,12 @@ KERNELS = (
     "fused_moe",
     "paged_decode_attention",
     "paged_prefill_attention",
-    *(f"quant_{kernel}[{kind}]" for kind in QUANT_KINDS for kernel in ("gemv", "gemm")),
+    "store_kv",
+    *(
+        f"quant_{kernel}[{kind}]"
+        for kind in QUANT_KINDS
+        for kernel in ("gemv", "gemm", "dequantize")
+    ),
     "quant_fused_moe",
     *LAYER_KERNELS,
 )
@@ -70,7 +77,7 @@ class Case:
 
 def cases(device: str, dtype: torch.dtype) -> list[Case]:
     # by module path: the package's causal_conv1d, fused_moe and gdn_gating are the dispatcher's
-    conv, gating, moe, gdr, paged = (
+    conv, gating, moe, gdr, paged, kv = (
         importlib.import_module(f"{__package__}.{name}") for name in KERNEL_MODULES
     )
 
@@ -153,6 +160,17 @@ def cases(device: str, dtype: torch.dtype) -> list[Case]:
         fn = paged.triton_paged_prefill_attention if triton else paged.naive_paged_prefill_attention
         return [fn(fq, k_cache, v_cache, cu, totals, tables[:3], D**-0.5, max(chunks))]
 
+    # a prompt's K/V into fresh caches at scattered slots, padding rows (slot -1) skipped
+    store_slots = torch.randperm(N * MB * BS, generator=gen)[:T].to(device)
+    store_slots[::7] = -1
+    new_k, new_v = randn(T, Hkv, D), randn(T, Hkv, D)
+
+    def store(triton: bool) -> list[torch.Tensor]:
+        fn = kv.triton_store_kv if triton else kv.naive_store_kv
+        kc, vc = torch.zeros_like(k_cache), torch.zeros_like(v_cache)
+        fn(new_k, new_v, kc, vc, store_slots)
+        return [kc, vc]
+
     return [
         Case("chunk_gated_delta_rule", f"q,k[{T},{Hk},{D}] v[{T},{Hv},{D}]", chunk),
         Case("fused_recurrent_gated_delta_rule", f"q,k[{N},{Hk},{D}] pool[{S},{Hv},..]", recurrent),
@@ -174,6 +192,7 @@ def cases(device: str, dtype: torch.dtype) -> list[Case]:
             "paged_decode_attention", f"q[{N},{Hq},{D}] kv[{N * MB},{BS},{Hkv},{D}]", paged_decode
         ),
         Case("paged_prefill_attention", f"q[{sum(chunks)},{Hq},{D}] chunks{chunks}", paged_prefill),
+        Case("store_kv", f"k,v[{T},{Hkv},{D}] -> kv[{N * MB},{BS},{Hkv},{D}]", store, tight=True),
         *quant_cases(device, dtype, gen),
         *layer_cases(device, dtype),
     ]
@@ -183,6 +202,7 @@ def quant_cases(device: str, dtype: torch.dtype, gen: torch.Generator) -> list[C
     """Per quant kind: the GEMV kernel at 1 and 5 rows, the GEMM at 33, on a [40, 256] weight
     (random valid GGUF blocks, or a random weight quantized)."""
     qm = importlib.import_module(f"{__package__}.quant_matmul")
+    dq = importlib.import_module(f"{__package__}.quant_dequant")
     N, K = 40, 256
     xs = {m: (torch.randn(m, K, generator=gen)).to(device, dtype) for m in (1, 5, 33)}
     bias = (torch.randn(N, generator=gen) * 0.1).to(device, dtype)
@@ -204,6 +224,13 @@ def quant_cases(device: str, dtype: torch.dtype, gen: torch.Generator) -> list[C
 
         out.append(Case(f"quant_gemv[{kind}]", f"x[1|5,{K}] w[{N},{K}]", gemv))
         out.append(Case(f"quant_gemm[{kind}]", f"x[33,{K}] w[{N},{K}]", gemm))
+
+        def dequantize(triton: bool, qw=qw) -> list[torch.Tensor]:
+            if triton:  # in the dtype the dense prefill path reads, as the reference rounds
+                return [dq.triton_dequantize(qw, dtype=dtype)]
+            return [qm.naive_dequantize(qw).to(dtype)]
+
+        out.append(Case(f"quant_dequantize[{kind}]", f"w[{N},{K}]", dequantize, tight=True))
 
     # routed experts over stacked quantized weights: Q4_K gate/up, Q6_K down (as GGUF MoE files)
     moe = importlib.import_module(f"{__package__}.quant_moe")
