@@ -3,20 +3,33 @@ checkpoints' int4_zp and fp8_block) and dequantized in registers, never in memor
 quant_pack's (`QuantWeight`); this module re-exports its API.
 
 Two Triton kernels, one per regime, each parametrized by a constexpr KIND that picks the decode
-(`_codes`: the codes of a tile's low and high half-groups; `_affine`: each group's a, b with
-w = a * code + b):
-- `_quant_gemv_kernel` for a few rows (decode, M <= GEMV_MAX_M): programs split N (and K, for
-  split-K) and loop over K a [BLOCK_N, groups, half-group] tile at a time, dequantized in fp32
-  registers and multiply-added with the M rows of x into an fp32 accumulator of the tile's
-  shape, reduced across threads once, after the loop;
+(`_code_bits`/`_codes`: the codes of a tile's low and high half-groups; `_affine`: each
+group's a, b with w = a * code + b):
+- `_quant_gemv_kernel` for a few rows (decode, M <= GEMV_MAX_M), after llama.cpp's MMVQ: each
+  program owns a few rows of W (4 or 8 at Qwen3-8B's shapes: >= 1000 programs) and walks all
+  of K, so there is no split-K and nothing runs after it: it writes the output in x's dtype,
+  bias added. A step's tiles are [rows, groups, runs, 8]: each thread loads 8 contiguous code
+  bytes (16 4-bit codes) and, for each row of x, the 16 columns of x beside them, in the same
+  layout (no shuffles or shared memory between them), sums code * x over them in its own
+  registers and applies the group's a (and b * Σ x, for the kinds with a b) once per group.
+  Codes become fp32 by integer adds into a float's mantissa (`_exact_f32`: full rate, where
+  int-to-float conversions run at a quarter), Q4_0's, Q6_K's and int4_zp's already centred on
+  their zero points. Its fp32 accumulator keeps a sum per (row, group, run, row of x) and is
+  reduced across threads once, after the loop;
 - `_quant_gemm_kernel` for more rows (prefill): [BLOCK_M, BLOCK_N] output tiles; each K step
   dequantizes W's [BLOCK_K, BLOCK_N] tile in registers as its low and high half-groups (two
   [BLOCK_K/2, BLOCK_N], each beside a run of x's columns), casts them to x's dtype and
-  tl.dot's them into an fp32 accumulator (bf16/fp16 tensor cores; fp32 x: 3xTF32).
-Split-K programs write fp32 partials, summed afterwards. No host syncs: the grid and every
-choice come from shapes (and the GPU's SM count), so both are CUDA-graph safe. Every tile
-plan of _plan compiles for sm_90, bf16 and fp16 ones without register spills (checked with
-Triton's compiler and ptxas, without a GPU); tiles and GEMV_MAX_M are yet to be tuned on one.
+  tl.dot's them into an fp32 accumulator (bf16/fp16 tensor cores; fp32 x: 3xTF32). Its
+  split-K programs write fp32 partials, summed afterwards.
+No host syncs: the grid and every choice come from shapes (and the GPU's SM count), so both are
+CUDA-graph safe. Checked with Triton's compiler and ptxas for sm_90, without a GPU: every GEMM
+tile plan compiles without register spills at bf16 and fp16, and the GEMV for every kind at
+M = 1..8, bf16, fp16 and fp32 x, at Qwen3-8B's shapes, in <= 128 registers (166 at fp32 x,
+M = 8) and no spills. Speeds are unmeasured: GEMV_MAX_M, GEMV_RUNS and the tiles are yet to be
+tuned on a GPU (bench/kernels.py). By count, the GEMV spends ~4 ALU operations a weight at
+M = 1 and ~M + 3 at M rows, on the SMs' fp32 lanes, which at 4 bits a weight is near what an
+H100/H200 issues at memory speed at M = 1 and past it from M = 2 or 4: the GEMM's tensor
+cores may serve those rows better.
 """
 
 from __future__ import annotations
@@ -49,10 +62,13 @@ try:
 except ImportError:  # triton is optional: the naive path serves CPU hosts
     triton = None
 
-# Rows up to which the GEMV kernel runs: it spends M fp32 FMAs per weight where the GEMM's
-# tensor cores spend none, so past a few rows the GEMM (16-row tiles) should win. To tune on
-# the GPU (bench), as are the tiles in _plan.
-GEMV_MAX_M = 4
+# Rows up to which the GEMV kernel runs (issue 36 asks 1..8 of it). It spends M fp32 FMAs a
+# weight where the GEMM's tensor cores spend none, so past a few rows the GEMM (16-row tiles)
+# may win: to be tuned on a GPU with bench/kernels.py, as are GEMV_RUNS and _plan's tiles.
+GEMV_MAX_M = 8
+# Runs of 8 positions of W's half-groups (8 bytes of 4-bit codes) a GEMV step holds, for 3 or
+# more rows of x: one a thread at 8 warps (~64-128 registers on sm_90), two for 1 or 2 rows
+GEMV_RUNS = 256
 # the kernels' decode: int4 is held as Q4_1
 DECODE = {kind: "Q4_1" if kind == "int4" else kind for kind in QUANT_KINDS}
 
@@ -94,10 +110,10 @@ def unsupported_reason(kind: str, device: torch.device | str) -> str | None:
 if triton is not None:
 
     @triton.jit
-    def _codes(qs_row, qh_row, g, j, mask, KIND: tl.constexpr, GROUP: tl.constexpr):
-        """(lo, hi): the fp32 codes of elements g*GROUP + j and g*GROUP + GROUP/2 + j of the
-        rows whose pointers are qs_row and qh_row; everything broadcasts to the tile's shape.
-        fp8's code is its value / 256 (the epilogue's scale puts the 256 back)."""
+    def _code_bits(qs_row, qh_row, g, j, mask, KIND: tl.constexpr, GROUP: tl.constexpr):
+        """(lo, hi): the codes of elements g*GROUP + j and g*GROUP + GROUP/2 + j of the rows
+        whose pointers are qs_row and qh_row, as integers (fp8: fp16, its value / 256, which
+        the epilogue's scale puts back); everything broadcasts to the tile's shape."""
         HALF: tl.constexpr = GROUP // 2
         if KIND == "Q8_0" or KIND == "int8" or KIND == "fp8" or KIND == "fp8_block":  # bytes
             lo = tl.load(qs_row + g * GROUP + j, mask=mask, other=0)
@@ -119,6 +135,12 @@ if triton is not None:
             lo, hi = lo.to(tl.uint16), hi.to(tl.uint16)
             lo = (((lo & 0x7F) << 7) | ((lo & 0x80) << 8)).to(tl.float16, bitcast=True)
             hi = (((hi & 0x7F) << 7) | ((hi & 0x80) << 8)).to(tl.float16, bitcast=True)
+        return lo, hi
+
+    @triton.jit
+    def _codes(qs_row, qh_row, g, j, mask, KIND: tl.constexpr, GROUP: tl.constexpr):
+        """_code_bits' codes as fp32."""
+        lo, hi = _code_bits(qs_row, qh_row, g, j, mask, KIND, GROUP)
         return lo.to(tl.float32), hi.to(tl.float32)
 
     @triton.jit
@@ -169,44 +191,101 @@ if triton is not None:
         tl.store(out + offs_n[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
+    def _exact_f32(q, zero):
+        """q - zero as fp32, exactly, for integer codes q and zero points (|q|, |zero| < 2^21):
+        q added to the bits of 1.5 * 2^23 puts it in the mantissa, and one fp32 subtraction
+        takes both off. An integer and an fp32 add, both full rate on a GPU, where converting
+        int to float runs at a quarter of it."""
+        return (q.to(tl.int32) + 0x4B400000).to(tl.float32, bitcast=True) - (12582912.0 + zero)
+
+    @triton.jit
+    def _gemv_group(
+        qs_row, qh_row, s_row, m_row, d_row, dmin_row, g, j, mask,
+        KIND: tl.constexpr, GROUP: tl.constexpr,
+    ):  # fmt: skip
+        """(lo, hi, a, b) for groups g: the low and high half-group codes as exact fp32, and
+        a and b, per group, with w = a * code + b. Q4_0's, Q6_K's and int4_zp's codes come
+        centred on their zero points (q - 8, q - 32, q - z), so their b is 0; so is Q8_0's,
+        fp8_block's, int8's and fp8's (a = 1 for these two: their per-channel scale is the
+        epilogue's). Only Q4_1 (int4), Q4_K and Q5_K have a b."""
+        lo, hi = _code_bits(qs_row, qh_row, g, j, mask, KIND, GROUP)
+        a, b = 1.0, 0.0
+        if KIND == "fp8" or KIND == "fp8_block":
+            lo, hi = lo.to(tl.float32), hi.to(tl.float32)
+            if KIND == "fp8_block":  # its code is the e4m3 value / 256
+                a = tl.load(s_row + g, mask=mask, other=0).to(tl.float32) * 256.0
+        elif KIND == "int8":
+            lo, hi = _exact_f32(lo, 0.0), _exact_f32(hi, 0.0)
+        else:
+            zero = 0.0
+            if KIND == "Q4_0":
+                zero = 8.0
+            elif KIND == "Q6_K":
+                zero = 32.0
+            elif KIND == "int4_zp":
+                zero = tl.load(m_row + g, mask=mask, other=0).to(tl.float32)
+            lo, hi = _exact_f32(lo, zero), _exact_f32(hi, zero)
+            a = tl.load(s_row + g, mask=mask, other=0).to(tl.float32)
+            if KIND == "Q4_1":
+                b = tl.load(m_row + g, mask=mask, other=0).to(tl.float32)
+            elif KIND == "Q4_K" or KIND == "Q5_K" or KIND == "Q6_K":  # d per super-block
+                sb = g // (256 // GROUP)
+                a = tl.load(d_row + sb, mask=mask, other=0).to(tl.float32) * a
+                if KIND != "Q6_K":
+                    mn = tl.load(m_row + g, mask=mask, other=0).to(tl.float32)
+                    b = -tl.load(dmin_row + sb, mask=mask, other=0).to(tl.float32) * mn
+        return lo, hi, a, b
+
+    @triton.jit
     def _quant_gemv_kernel(
         x_ptr, qs_ptr, qh_ptr, s_ptr, m_ptr, d_ptr, dmin_ptr, bias_ptr, out_ptr,
-        M, N, num_groups, groups_per_split,
-        stride_xm, stride_qs, stride_qh, stride_s, stride_d, stride_os, stride_om,
+        M, N, num_groups,
+        stride_xm, stride_qs, stride_qh, stride_s, stride_d, stride_om,
         KIND: tl.constexpr, GROUP: tl.constexpr, HAS_BIAS: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr,
     ):  # fmt: skip
-        """out[:M, n-block] for one split of K. Each step dequantizes a [BLOCK_N, BLOCK_G
-        groups, GROUP/2] tile (its low and high half-groups; a and b loaded once per group) and
-        multiply-adds it into a [BLOCK_M, BLOCK_N, BLOCK_G, GROUP/2] fp32 accumulator: no
-        reduction across threads until after the loop."""
+        """out[:M, n-block] = x @ W[n-block].T (+ bias), in x's dtype: the program owns
+        BLOCK_N rows of W and walks all of K, BLOCK_G groups a step. A step's tiles are
+        [rows, groups, runs, 8]: each thread holds one run of 8 positions of a half-group, its
+        codes and, for each row of x, x's 16 columns beside them (low and high halves), so
+        Σ code * x over the run is summed in its own registers, then scaled by the group's a
+        (and b * Σ x added) once. The fp32 accumulator [rows, groups, runs, BLOCK_M] keeps one
+        sum per row of x in each thread; it is reduced across threads once, after the loop."""
         HALF: tl.constexpr = GROUP // 2
-        split = tl.program_id(1)
+        RUNS: tl.constexpr = HALF // 8
         offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-        n_ok = (offs_n < N)[None, :, None, None]  # (row, n, group, position)
-        rows = offs_n.to(tl.int64)[None, :, None, None]
+        # rows past N read row N-1 again (no mask on their loads); the store drops them
+        rows = tl.minimum(offs_n, N - 1).to(tl.int64)[:, None, None, None]
         qs_row, qh_row = qs_ptr + rows * stride_qs, qh_ptr + rows * stride_qh
         s_row, m_row = s_ptr + rows * stride_s, m_ptr + rows * stride_s
         d_row, dmin_row = d_ptr + rows * stride_d, dmin_ptr + rows * stride_d
-        j = tl.arange(0, HALF)[None, None, None, :]
-        offs_m = tl.arange(0, BLOCK_M)
-        # rows past M read row M-1 again; the store drops them
-        x_rows = x_ptr + tl.minimum(offs_m, M - 1)[:, None, None, None] * stride_xm
-        g_first = split * groups_per_split
-        g_end = tl.minimum(g_first + groups_per_split, num_groups)
-        acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_G, HALF], dtype=tl.float32)
-        for g0 in range(g_first, g_end, BLOCK_G):
-            g = g0 + tl.arange(0, BLOCK_G)[None, None, :, None]
-            g_ok = g < g_end
-            lo, hi = _codes(qs_row, qh_row, g, j, n_ok & g_ok, KIND, GROUP)
-            a, b = _affine(s_row, m_row, d_row, dmin_row, g, n_ok & g_ok, KIND, GROUP)
-            k = g * GROUP + j  # the low halves' x columns
-            x_lo = tl.load(x_rows + k, mask=g_ok, other=0.0).to(tl.float32)
-            x_hi = tl.load(x_rows + k + HALF, mask=g_ok, other=0.0).to(tl.float32)
-            acc += (lo * a + b) * x_lo + (hi * a + b) * x_hi
-        acc = tl.sum(tl.sum(acc, axis=3), axis=2)  # [BLOCK_M, BLOCK_N]
+        # position j = 8 * run + t of each half-group: (row, group, run, t)
+        j = (tl.arange(0, RUNS) * 8)[None, None, :, None] + tl.arange(0, 8)[None, None, None, :]
+        m_of = tl.arange(0, BLOCK_M)[None, None, None, :]  # the accumulator's last axis
+        acc = tl.zeros([BLOCK_N, BLOCK_G, RUNS, BLOCK_M], dtype=tl.float32)
+        for g0 in range(0, num_groups, BLOCK_G):
+            g = g0 + tl.arange(0, BLOCK_G)[None, :, None, None]
+            g_ok = g < num_groups
+            lo, hi, a, b = _gemv_group(
+                qs_row, qh_row, s_row, m_row, d_row, dmin_row, g, j, g_ok, KIND, GROUP
+            )
+            # the low halves' x columns, as a tile of the codes' shape: loaded so, x lands in
+            # the codes' layout, each thread beside its codes (the rows' repeats are cache hits)
+            k = tl.broadcast_to(g * GROUP + j, [BLOCK_N, BLOCK_G, RUNS, 8])
+            for m in tl.static_range(BLOCK_M):
+                # rows of x past M read row M-1 again; the store drops them
+                x_m = x_ptr + tl.minimum(M - 1, m) * stride_xm + k
+                x_lo = tl.load(x_m, mask=g_ok, other=0.0).to(tl.float32)
+                x_hi = tl.load(x_m + HALF, mask=g_ok, other=0.0).to(tl.float32)
+                part = tl.sum(lo * x_lo + hi * x_hi, axis=3, keep_dims=True)
+                if KIND != "int8" and KIND != "fp8":
+                    part = a * part
+                if KIND == "Q4_1" or KIND == "Q4_K" or KIND == "Q5_K":
+                    part += b * tl.sum(x_lo + x_hi, axis=3, keep_dims=True)
+                acc = tl.where(m_of == m, acc + part, acc)
+        y = tl.trans(tl.sum(tl.sum(acc, axis=2), axis=1))  # [BLOCK_M, BLOCK_N]
         _epilogue(
-            acc, offs_m, offs_n, M, N, split, s_ptr, bias_ptr, out_ptr, stride_os, stride_om,
+            y, tl.arange(0, BLOCK_M), offs_n, M, N, 0, s_ptr, bias_ptr, out_ptr, 0, stride_om,
             KIND, HAS_BIAS,
         )  # fmt: skip
 
@@ -276,46 +355,59 @@ def _split_k(programs: int, num_groups: int, block_g: int, device: torch.device)
     return max(1, min(want, num_groups // (4 * block_g), 16))
 
 
+def _gemv_plan(m: int, n: int, num_groups: int, group: int, device: torch.device, given) -> dict:
+    """Tiles of the GEMV: every row of x in one program, BLOCK_N rows of W a program (as many
+    as leave >= 4 programs an SM: 4096 rows on 132 SMs take 4 a program, 1024 programs), and
+    as many groups a step as make GEMV_RUNS runs of 8 positions. It never splits K."""
+    if m > 16:  # its accumulator holds every row
+        raise ValueError(f"the GEMV kernel takes at most 16 rows; got {m}")
+    block_m = given.get("block_m") or triton.next_power_of_2(m)
+    if block_m < m:
+        raise ValueError(f"the GEMV kernel holds every row of x: block_m {block_m} < {m} rows")
+    block_n = given.get("block_n")
+    if block_n is None:
+        block_n = next((b for b in (8, 4, 2) if n >= 4 * _num_sms(device) * b), 1)
+    runs = max(1, group // 16)  # runs of 8 positions a half-group
+    if given.get("block_k"):
+        block_g = given["block_k"] // group
+    else:
+        step = GEMV_RUNS * (2 if block_m <= 2 else 1)
+        block_g = min(max(1, step // (block_n * runs)), triton.next_power_of_2(num_groups))
+    warps = max(1, min(8, block_n * block_g * runs // 32))
+    return {
+        "gemv": True, "block_m": block_m, "block_n": block_n, "block_g": block_g,
+        "block_k": block_g * group, "split_k": 1, "num_warps": warps, "num_stages": 2,
+    }  # fmt: skip
+
+
 def _plan(
     m: int, n: int, k: int, kind: str, dtype: torch.dtype, device: torch.device, **given
 ) -> dict:
     """Kernel, tiles and split-K for an [m, k] @ [n, k].T; `given` overrides any of them."""
     group = GROUP[kind]
     num_groups = k // group
+    block_k = given.get("block_k")
+    if block_k is not None and (block_k < group or block_k % group):
+        raise ValueError(f"block_k {block_k} is not a multiple of {kind}'s {group}")
     gemv = given.get("gemv")
-    gemv = m <= GEMV_MAX_M if gemv is None else gemv
-    if gemv:
-        if m > 16:  # its accumulator holds every row
-            raise ValueError(f"the GEMV kernel takes at most 16 rows; got {m}")
-        block_m = triton.next_power_of_2(m)
-        # ~8K fp32 accumulators whatever the rows: 32 a thread at 8 warps. Compiled for sm_90,
-        # one row's 32 x 256 tile at 8 warps keeps the whole step in registers (no shared
-        # memory, ~80 registers); at 4 warps Triton shuffles it through shared memory.
-        block_n = 32 if block_m == 1 else 16
-        plan = {"block_m": block_m, "block_n": block_n, "block_k": 8192 // (block_m * block_n)}
-        plan.update({key: v for key, v in given.items() if v is not None})
-        programs = triton.cdiv(n, plan["block_n"])
-        warps, stages = 8, 2
-    else:
-        block_m = 16 if m <= 16 else 32 if m <= 32 else 64 if m <= 64 else 128
-        if dtype == torch.float32:  # its 3xTF32 dots spill past 64 x 64 (sm_90)
-            block_m = min(block_m, 64)
-        plan = {"block_m": block_m, "block_n": 64 if block_m <= 64 else 128, "block_k": 64}
-        plan.update({key: v for key, v in given.items() if v is not None})
-        programs = triton.cdiv(m, plan["block_m"]) * triton.cdiv(n, plan["block_n"])
-        warps = 8 if plan["block_m"] * plan["block_n"] >= 128 * 128 else 4
-        stages = 3
+    if m <= GEMV_MAX_M if gemv is None else gemv:
+        return _gemv_plan(m, n, num_groups, group, device, given)
+    block_m = 16 if m <= 16 else 32 if m <= 32 else 64 if m <= 64 else 128
+    if dtype == torch.float32:  # its 3xTF32 dots spill past 64 x 64 (sm_90)
+        block_m = min(block_m, 64)
+    plan = {"block_m": block_m, "block_n": 64 if block_m <= 64 else 128, "block_k": 64}
+    plan.update({key: v for key, v in given.items() if v is not None})
+    programs = triton.cdiv(m, plan["block_m"]) * triton.cdiv(n, plan["block_n"])
     block_g = plan["block_k"] // group
-    if block_g < 1 or plan["block_k"] % group:
-        raise ValueError(f"block_k {plan['block_k']} is not a multiple of {kind}'s {group}")
-    if not gemv and plan["block_k"] < 32:  # two dots of block_k/2, and tl.dot takes K >= 16
+    if plan["block_k"] < 32:  # two dots of block_k/2, and tl.dot takes K >= 16
         raise ValueError(f"the GEMM kernel needs block_k >= 32; got {plan['block_k']}")
     split = plan.get("split_k") or _split_k(programs, num_groups, block_g, device)
     # whole steps per split, and no split left empty
     per_split = triton.cdiv(triton.cdiv(num_groups, split), block_g) * block_g
     plan.update(
-        gemv=gemv, block_g=block_g, per_split=per_split,
-        split_k=triton.cdiv(num_groups, per_split), num_warps=warps, num_stages=stages,
+        gemv=False, block_g=block_g, per_split=per_split,
+        split_k=triton.cdiv(num_groups, per_split),
+        num_warps=8 if plan["block_m"] * plan["block_n"] >= 128 * 128 else 4, num_stages=3,
     )  # fmt: skip
     return plan
 
@@ -329,7 +421,33 @@ def _precision(x: torch.Tensor) -> str:
     return "tf32x3" if x.is_cuda else "ieee"
 
 
+def _weight_args(qw: QuantWeight) -> tuple:
+    """The kernels' weight pointers (qs standing in for the tensors a kind lacks)."""
+    qs = qw.qs
+    qh, mins, d, dmin = (t if t is not None else qs for t in (qw.qh, qw.mins, qw.d, qw.dmin))
+    return qs, qh, qw.scales, mins, d, dmin
+
+
+def _launch_gemv(x, qw: QuantWeight, bias, plan: dict) -> torch.Tensor:
+    """One launch, which writes the output (bias added, in x's dtype): nothing runs after."""
+    m, n = x.shape[0], qw.out_features
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    qs, qh, scales, mins, d, dmin = _weight_args(qw)
+    grid = (triton.cdiv(n, plan["block_n"]),)
+    _quant_gemv_kernel[grid](
+        x, qs, qh, scales, mins, d, dmin, bias if bias is not None else qs, out,
+        m, n, qw.in_features // GROUP[qw.kind],
+        x.stride(0), qs.stride(0), qh.stride(0), scales.stride(0), d.stride(0), out.stride(0),
+        KIND=DECODE[qw.kind], GROUP=GROUP[qw.kind], HAS_BIAS=bias is not None,
+        BLOCK_M=plan["block_m"], BLOCK_N=plan["block_n"], BLOCK_G=plan["block_g"],
+        num_warps=plan["num_warps"], num_stages=plan["num_stages"],
+    )  # fmt: skip
+    return out
+
+
 def _launch(x, qw: QuantWeight, bias, plan: dict) -> torch.Tensor:
+    if plan["gemv"]:
+        return _launch_gemv(x, qw, bias, plan)
     m, n = x.shape[0], qw.out_features
     split, group = plan["split_k"], GROUP[qw.kind]
     out = torch.empty(
@@ -337,35 +455,18 @@ def _launch(x, qw: QuantWeight, bias, plan: dict) -> torch.Tensor:
         dtype=torch.float32 if split > 1 else x.dtype,
         device=x.device,
     )
-    qs = qw.qs
-    qh, mins, d, dmin = (t if t is not None else qs for t in (qw.qh, qw.mins, qw.d, qw.dmin))
-    args = (
-        x, qs, qh, qw.scales, mins, d, dmin, bias if split == 1 and bias is not None else qs, out,
+    qs, qh, scales, mins, d, dmin = _weight_args(qw)
+    grid = (triton.cdiv(m, plan["block_m"]), triton.cdiv(n, plan["block_n"]), split)
+    _quant_gemm_kernel[grid](
+        x, qs, qh, scales, mins, d, dmin, bias if split == 1 and bias is not None else qs, out,
         m, n, qw.in_features // group, plan["per_split"],
-        x.stride(0), qs.stride(0), qh.stride(0), qw.scales.stride(0), d.stride(0),
+        x.stride(0), qs.stride(0), qh.stride(0), scales.stride(0), d.stride(0),
         out.stride(0), out.stride(1),
+        KIND=DECODE[qw.kind], GROUP=group, HAS_BIAS=split == 1 and bias is not None,
+        PRECISION=_precision(x), UPCAST=x.device.type == "cpu" and x.dtype != torch.float32,
+        BLOCK_M=plan["block_m"], BLOCK_N=plan["block_n"], BLOCK_K=plan["block_k"],
+        num_warps=plan["num_warps"], num_stages=plan["num_stages"],
     )  # fmt: skip
-    common = {
-        "KIND": DECODE[qw.kind],
-        "GROUP": group,
-        "HAS_BIAS": split == 1 and bias is not None,
-        "BLOCK_M": plan["block_m"],
-        "BLOCK_N": plan["block_n"],
-        "num_warps": plan["num_warps"],
-        "num_stages": plan["num_stages"],
-    }
-    if plan["gemv"]:
-        grid = (triton.cdiv(n, plan["block_n"]), split)
-        _quant_gemv_kernel[grid](*args, BLOCK_G=plan["block_g"], **common)
-    else:
-        grid = (triton.cdiv(m, plan["block_m"]), triton.cdiv(n, plan["block_n"]), split)
-        _quant_gemm_kernel[grid](
-            *args,
-            PRECISION=_precision(x),
-            UPCAST=x.device.type == "cpu" and x.dtype != torch.float32,
-            BLOCK_K=plan["block_k"],
-            **common,
-        )
     if split == 1:
         return out[0]
     y = out.sum(0)
@@ -388,7 +489,8 @@ def triton_quant_matmul(
 
     The keywords override the plan (tests: small tiles run faster in Triton's interpreter):
     gemv picks the kernel (default: M <= GEMV_MAX_M), block_k counts weights and must be a
-    multiple of the kind's group (32; 16 for Q6_K), split_k splits K (default: to fill the GPU).
+    multiple of the kind's group (32; 16 for Q6_K), split_k splits K in the GEMM (default: to
+    fill the GPU); the GEMV never splits K and ignores it.
     """
     if triton is None:
         raise RuntimeError(
