@@ -10,8 +10,9 @@ group's a, b with w = a * code + b):
   of K, so there is no split-K and nothing runs after it: it writes the output in x's dtype,
   bias added. A step's tiles are [rows, groups, runs, 8]: each thread loads 8 contiguous code
   bytes (16 4-bit codes) and, for each row of x, the 16 columns of x beside them, in the same
-  layout (no shuffles or shared memory between them), sums code * x over them in its own
-  registers and applies the group's a (and b * Σ x, for the kinds with a b) once per group.
+  layout (no shuffles or shared memory between them; the per-group scales and high bits are
+  loaded in that layout too, `_per_group`), sums code * x over them in its own registers and
+  applies the group's a (and b * Σ x, for the kinds with a b) once per group.
   Codes become fp32 by integer adds into a float's mantissa (`_exact_f32`: full rate, where
   int-to-float conversions run at a quarter), Q4_0's, Q6_K's and int4_zp's already centred on
   their zero points. Its fp32 accumulator keeps a sum per (row, group, run, row of x) and is
@@ -24,12 +25,16 @@ group's a, b with w = a * code + b):
 No host syncs: the grid and every choice come from shapes (and the GPU's SM count), so both are
 CUDA-graph safe. Checked with Triton's compiler and ptxas for sm_90, without a GPU: every GEMM
 tile plan compiles without register spills at bf16 and fp16, and the GEMV for every kind at
-M = 1..8, bf16, fp16 and fp32 x, at Qwen3-8B's shapes, in <= 128 registers (166 at fp32 x,
-M = 8) and no spills. Speeds are unmeasured: GEMV_MAX_M, GEMV_RUNS and the tiles are yet to be
-tuned on a GPU (bench/kernels.py). By count, the GEMV spends ~4 ALU operations a weight at
-M = 1 and ~M + 3 at M rows, on the SMs' fp32 lanes, which at 4 bits a weight is near what an
-H100/H200 issues at memory speed at M = 1 and past it from M = 2 or 4: the GEMM's tensor
-cores may serve those rows better.
+M = 1..8, bf16, fp16 and fp32 x, at Qwen3-8B's shapes, in <= 128 registers (171 at fp32 x,
+M = 8), no spills, and no shared memory or barrier inside its loop.
+
+Speeds are unmeasured; GEMV_MAX_M, GEMV_RUNS and the tiles are yet to be tuned on a GPU
+(bench/kernels.py). By count, the GEMV's compiled loop (sm_90) issues 7-8 instructions a weight
+for the 8-bit kinds at M = 1, 8-11 for the 4- to 6-bit ones, ~15 for Q4_K at M = 2 and ~43 at
+M = 8. An H200 issues ~31e12 a second, so the 8-bit kinds may reach memory speed at M = 1 but
+the 4-bit ones top out near 35-50% of it, and from M = 2-4 the GEMM's tensor cores (a fixed
+cost a weight, whatever M) likely win. The next step for 4 bits is fewer instructions a code
+(MMVQ quantizes x to int8 for dp4a; Marlin decodes two codes an instruction into f16 pairs).
 """
 
 from __future__ import annotations
@@ -62,9 +67,10 @@ try:
 except ImportError:  # triton is optional: the naive path serves CPU hosts
     triton = None
 
-# Rows up to which the GEMV kernel runs (issue 36 asks 1..8 of it). It spends M fp32 FMAs a
-# weight where the GEMM's tensor cores spend none, so past a few rows the GEMM (16-row tiles)
-# may win: to be tuned on a GPU with bench/kernels.py, as are GEMV_RUNS and _plan's tiles.
+# Rows up to which the GEMV kernel runs: issue 36 asks 1..8 of it. It spends M fp32 FMAs a
+# weight where the GEMM's tensor cores spend none, and by instruction count (module doc) the
+# GEMM should win from 2-4 rows at 4 bits: to be tuned on a GPU with bench/kernels.py (its
+# [gemm] rows), as are GEMV_RUNS and _plan's tiles.
 GEMV_MAX_M = 8
 # Runs of 8 positions of W's half-groups (8 bytes of 4-bit codes) a GEMV step holds, for 3 or
 # more rows of x: one a thread at 8 warps (~64-128 registers on sm_90), two for 1 or 2 rows
@@ -199,21 +205,42 @@ if triton is not None:
         return (q.to(tl.int32) + 0x4B400000).to(tl.float32, bitcast=True) - (12582912.0 + zero)
 
     @triton.jit
+    def _per_group(row, idx, mask, RUNS: tl.constexpr):
+        """row[idx] as fp32, a [rows, groups, RUNS, 1] tile. Its indices are clamped, not
+        masked, and repeated over the runs: with no run of addresses along the groups left
+        to coalesce, the compiler loads it in the layout of the codes it scales, where a
+        plain load gets a layout of its own and shared memory and barriers to convert it
+        every step."""
+        runs = tl.zeros([1, 1, RUNS, 1], dtype=tl.int32)
+        return tl.load(row + (tl.where(mask, idx, 0) + runs)).to(tl.float32)
+
+    @triton.jit
     def _gemv_group(
         qs_row, qh_row, s_row, m_row, d_row, dmin_row, g, j, mask,
-        KIND: tl.constexpr, GROUP: tl.constexpr,
+        KIND: tl.constexpr, GROUP: tl.constexpr, RUNS: tl.constexpr,
     ):  # fmt: skip
         """(lo, hi, a, b) for groups g: the low and high half-group codes as exact fp32, and
         a and b, per group, with w = a * code + b. Q4_0's, Q6_K's and int4_zp's codes come
         centred on their zero points (q - 8, q - 32, q - z), so their b is 0; so is Q8_0's,
         fp8_block's, int8's and fp8's (a = 1 for these two: their per-channel scale is the
         epilogue's). Only Q4_1 (int4), Q4_K and Q5_K have a b."""
-        lo, hi = _code_bits(qs_row, qh_row, g, j, mask, KIND, GROUP)
+        if KIND == "Q5_K" or KIND == "Q6_K":
+            lo, hi = _code_bits(qs_row, qh_row, g, j, mask, "Q4_0", GROUP)  # the low nibbles
+            # the group's high bits, as _per_group loads (and for the same reason)
+            h = tl.load(qh_row + (tl.where(mask, g, 0) + 0 * j))
+            if KIND == "Q5_K":  # one high bit per weight: bit e of the group's int32
+                lo |= ((h >> j) & 1) << 4
+                hi |= ((h >> (j + GROUP // 2)) & 1) << 4
+            else:  # two: bits 2e and 2e+1
+                lo |= ((h >> (2 * j)) & 3) << 4
+                hi |= ((h >> (2 * j + GROUP)) & 3) << 4
+        else:
+            lo, hi = _code_bits(qs_row, qh_row, g, j, mask, KIND, GROUP)
         a, b = 1.0, 0.0
         if KIND == "fp8" or KIND == "fp8_block":
             lo, hi = lo.to(tl.float32), hi.to(tl.float32)
             if KIND == "fp8_block":  # its code is the e4m3 value / 256
-                a = tl.load(s_row + g, mask=mask, other=0).to(tl.float32) * 256.0
+                a = _per_group(s_row, g, mask, RUNS) * 256.0
         elif KIND == "int8":
             lo, hi = _exact_f32(lo, 0.0), _exact_f32(hi, 0.0)
         else:
@@ -223,17 +250,16 @@ if triton is not None:
             elif KIND == "Q6_K":
                 zero = 32.0
             elif KIND == "int4_zp":
-                zero = tl.load(m_row + g, mask=mask, other=0).to(tl.float32)
+                zero = _per_group(m_row, g, mask, RUNS)
             lo, hi = _exact_f32(lo, zero), _exact_f32(hi, zero)
-            a = tl.load(s_row + g, mask=mask, other=0).to(tl.float32)
+            a = _per_group(s_row, g, mask, RUNS)
             if KIND == "Q4_1":
-                b = tl.load(m_row + g, mask=mask, other=0).to(tl.float32)
+                b = _per_group(m_row, g, mask, RUNS)
             elif KIND == "Q4_K" or KIND == "Q5_K" or KIND == "Q6_K":  # d per super-block
                 sb = g // (256 // GROUP)
-                a = tl.load(d_row + sb, mask=mask, other=0).to(tl.float32) * a
+                a = _per_group(d_row, sb, mask, RUNS) * a
                 if KIND != "Q6_K":
-                    mn = tl.load(m_row + g, mask=mask, other=0).to(tl.float32)
-                    b = -tl.load(dmin_row + sb, mask=mask, other=0).to(tl.float32) * mn
+                    b = -_per_group(dmin_row, sb, mask, RUNS) * _per_group(m_row, g, mask, RUNS)
         return lo, hi, a, b
 
     @triton.jit
@@ -267,7 +293,7 @@ if triton is not None:
             g = g0 + tl.arange(0, BLOCK_G)[None, :, None, None]
             g_ok = g < num_groups
             lo, hi, a, b = _gemv_group(
-                qs_row, qh_row, s_row, m_row, d_row, dmin_row, g, j, g_ok, KIND, GROUP
+                qs_row, qh_row, s_row, m_row, d_row, dmin_row, g, j, g_ok, KIND, GROUP, RUNS
             )
             # the low halves' x columns, as a tile of the codes' shape: loaded so, x lands in
             # the codes' layout, each thread beside its codes (the rows' repeats are cache hits)
