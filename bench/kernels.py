@@ -17,7 +17,8 @@ Groups, on CUDA in bf16 (states, logits fp32):
 - quant: quant_matmul per quant kind at Qwen3-8B's 4096 -> 12288 (gate/up), 12288 -> 4096
   (down), 4096 -> 6144 (qkv) and 4096 -> 151936 (lm_head), beside bf16 F.linear (torch:
   cuBLAS, the baseline, in the triton column); the GEMV's rows (M = 1, 2, 4, 8) as GB/s of
-  weight bytes and % of the copy bandwidth (issue 36 asks >= 70%), M=512 in TFLOP/s;
+  weight bytes and % of the copy bandwidth (issue 36 asks >= 70%), and the GEMM at those
+  rows too ([gemm]: where it wins is where GEMV_MAX_M belongs), M=512 in TFLOP/s;
 - small: RMSNorm (with residual too), rotary, SiLU-and-mul, penalties and the sampler (vocab
   151936; top_k 50, top_p 0.9) for a decode batch of 64 at hidden 4096, in µs per call.
 
@@ -359,6 +360,12 @@ def quant_cases(device: str, dtype: torch.dtype, quick: bool, sizes: dict | None
                            [partial(fast, x, w) for w in weights],
                            nbytes=nbytes if gemv else 0, flops=0 if gemv else 2 * M * N * K,
                            torch_op=torch_op)  # fmt: skip
+                if gemv and M > 1 and not torch_op and not quick:  # the GEMM at these rows:
+                    # where it beats the GEMV is where GEMV_MAX_M belongs
+                    yield Case(f"{label} [gemm] {K}->{N} M={M}",
+                               partial(naive, x, weights[0]),
+                               [partial(fast, x, w, gemv=False) for w in weights],
+                               nbytes=nbytes)  # fmt: skip
             del weights
 
 
