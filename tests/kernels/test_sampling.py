@@ -1,24 +1,36 @@
 """Penalties and sampling: the naive penalties against the engine's per-row loop as it was
 before the kernels (bit for bit), and the Triton kernels against their naive twins, the
 sampled tokens equal given the same noise. (The naive sample is the engine's old filter and
-race on tensors; tests/engine/test_sampler.py holds the whole sampler to its old self.)"""
+race on tensors; tests/engine/test_sampler.py holds the whole sampler to its old self.)
+
+The sampler's gathered candidates are sorted by tl.sort, which the interpreter runs slowly,
+so on the CPU these tests gather at most 64 (on a GPU, the default).
+"""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from helexa.kernels import sampling
 from helexa.kernels.sampling import (
     naive_apply_penalties,
     naive_filter,
     naive_sample,
     triton_apply_penalties,
-    triton_sample,
 )
 
 from . import DEVICE, needs_triton
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+def triton_sample(*args, **kwargs) -> torch.Tensor:
+    """sampling.triton_sample, gathering at most 64 candidates on the CPU unless told."""
+    if DEVICE == "cpu":
+        kwargs.setdefault("max_candidates", 64)
+    return sampling.triton_sample(*args, **kwargs)
+
 
 # -- penalties -------------------------------------------------------------------------------
 
@@ -206,12 +218,33 @@ def test_naive_keeps_the_defined_tokens_but_a_top_p_1_rows_rounded_tail():
 
 
 @needs_triton
-def test_triton_greedy_rows_take_the_first_argmax_and_read_no_noise():
+@pytest.mark.parametrize("chunk_v", [None, 64])  # the tied maxima in one chunk; in two
+def test_triton_greedy_rows_take_the_first_argmax_and_read_no_noise(chunk_v):
     logits = torch.randn(2, 300, device=DEVICE)
     logits[:, 7] = logits[:, 250] = 10.0
     noise = torch.full((2, 300), float("nan"), device=DEVICE)
     params = row_params([(0.0, 0, 1.0, 0.0), (0.9, 1, 0.5, 0.0)])
-    assert triton_sample(logits, noise, *params, block_v=64).tolist() == [7, 7]
+    got = triton_sample(logits, noise, *params, block_v=64, chunk_v=chunk_v)
+    assert got.tolist() == [7, 7]
+
+
+# 64 rows of every kind: greedy, temperature only, each filter alone, all combined
+MIXED = (CONFIGS * 5)[:64]
+
+
+@needs_triton
+@pytest.mark.parametrize(
+    ("num_rounds", "max_candidates"),
+    [(0, 16), (1, 64), (3, 64)],  # cuts found by the one-program search; gathered; narrowed
+)
+def test_triton_samples_the_naive_tokens_with_rows_split_over_chunks(num_rounds, max_candidates):
+    # 1037 = 4 chunks of 256 and a ragged 13; rows strided (a view of wider logits)
+    logits, noise, params = sample_inputs(MIXED, 1037, seed=9)
+    wide = torch.zeros(len(MIXED), 1100, device=DEVICE)
+    wide[:, :1037] = logits
+    got = triton_sample(wide[:, :1037], noise, *params, block_v=64, chunk_v=256,
+                        num_rounds=num_rounds, max_candidates=max_candidates)  # fmt: skip
+    assert got.tolist() == naive_sample(logits, noise, *params).tolist()
 
 
 @needs_triton
@@ -228,7 +261,7 @@ def test_triton_rows_with_masked_logits_sample_among_the_finite_ones():
     assert torch.isfinite(logits.gather(1, got[:, None])).all()
 
 
-# -- on a GPU, at a real vocabulary ----------------------------------------------------------
+# -- at a real vocabulary -------------------------------------------------------------------
 
 
 def llm_like_logits(num_rows: int, vocab: int, seed: int = 0) -> torch.Tensor:
@@ -239,6 +272,19 @@ def llm_like_logits(num_rows: int, vocab: int, seed: int = 0) -> torch.Tensor:
     top = torch.rand(num_rows, vocab, generator=gen).argsort(dim=-1)[:, :64]
     spikes = 22.0 - 0.25 * torch.arange(64.0) + 0.05 * torch.rand(num_rows, 64, generator=gen)
     return logits.scatter_(1, top, spikes)
+
+
+@needs_triton
+def test_triton_samples_the_naive_tokens_at_qwens_vocabulary():
+    # a few rows, so the interpreter takes seconds: top-k and top-p, top-p, min-p, temperature
+    configs = [(0.7, 20, 0.8, 0.0), (1.0, 0, 0.95, 0.0), (1.0, 0, 1.0, 0.05), (0.9, 0, 1.0, 0.0)]
+    vocab = 151936
+    logits = llm_like_logits(len(configs), vocab, seed=2).to(DEVICE)
+    gen = torch.Generator().manual_seed(3)
+    noise = torch.empty(len(configs), vocab).exponential_(generator=gen).to(DEVICE)
+    params = row_params(configs)
+    got = triton_sample(logits, noise, *params)
+    assert got.tolist() == naive_sample(logits, noise, *params).tolist()
 
 
 @pytest.mark.gpu
