@@ -363,11 +363,14 @@ if triton is not None:
         tl.store(arg_ptr + row * num_chunks + chunk, arg)
 
     @triton.jit
-    def _combine_kernel(part_ptr, arg_ptr, temp_ptr, top_k_ptr, fstate_ptr, istate_ptr, vocab,
-                        num_chunks, CHUNKS: tl.constexpr):  # fmt: skip
+    def _combine_kernel(part_ptr, arg_ptr, temp_ptr, top_k_ptr, fstate_ptr, istate_ptr,
+                        num_cand_ptr, num_rows, vocab, num_chunks,
+                        CHUNKS: tl.constexpr):  # fmt: skip
         """Grid (N,): the chunks' stats combined into the row's state; the top-k search set
-        going for rows that have one."""
+        going for rows that have one; the row's gather counts [2, N] zeroed."""
         row = tl.program_id(0)
+        tl.store(num_cand_ptr + row, 0)
+        tl.store(num_cand_ptr + num_rows + row, 0)
         s = tl.arange(0, CHUNKS)
         ok = s < num_chunks
         p = part_ptr + (row * num_chunks + s) * 3
@@ -642,23 +645,22 @@ def triton_sample(
     block_v = min(block_v or 1024, chunk_v)
     assert chunk_v % block_v == 0, (chunk_v, block_v)
     num_chunks = triton.cdiv(vocab, chunk_v)
-    dev, f32, i32 = logits.device, torch.float32, torch.int32
-    part = torch.empty(n, num_chunks, 3, dtype=f32, device=dev)
-    tok = torch.empty(n, num_chunks, dtype=i32, device=dev)
-    fstate = torch.empty(n, 8, dtype=f32, device=dev)
-    istate = torch.empty(n, 4, dtype=i32, device=dev)
-    cnt = torch.empty(n, num_chunks, num_pivots, dtype=i32, device=dev)
-    mass = torch.empty(n, num_chunks, num_pivots, dtype=f32, device=dev)
-    cand = torch.empty(n, max_candidates, dtype=f32, device=dev)
-    num_cand = torch.zeros(2, n, dtype=i32, device=dev)  # per search
+    # two workspaces, carved into views: fewer allocations a call
+    f_sizes = (n * num_chunks * 3, n * 8, n * num_chunks * num_pivots, n * max_candidates)
+    i_sizes = (n * num_chunks, n * 4, n * num_chunks * num_pivots, 2 * n)
+    f_work = torch.empty(sum(f_sizes), dtype=torch.float32, device=logits.device)
+    i_work = torch.empty(sum(i_sizes), dtype=torch.int32, device=logits.device)
+    part, fstate, mass, cand = f_work.split(f_sizes)
+    tok, istate, cnt, num_cand = i_work.split(i_sizes)
+    num_cand = num_cand.view(2, n)  # per search; zeroed by _combine_kernel
     rows, grid = (n,), (n, num_chunks)
     chunks = triton.next_power_of_2(num_chunks)
     tiles = {"CHUNK": chunk_v, "BLOCK_V": block_v, "num_warps": 8}
     state = (fstate, istate)
     _stats_kernel[grid](logits, temperature, part, tok, vocab, logits.stride(0), num_chunks,
                         **tiles)  # fmt: skip
-    _combine_kernel[rows](part, tok, temperature, top_k, *state, vocab, num_chunks,
-                          CHUNKS=chunks)  # fmt: skip
+    _combine_kernel[rows](part, tok, temperature, top_k, *state, num_cand, n, vocab,
+                          num_chunks, CHUNKS=chunks)  # fmt: skip
     for search, by_mass in enumerate((False, True)):  # top-k, then top-p within it
         for _ in range(num_rounds):
             _pivot_kernel[grid](logits, temperature, top_p, *state, cnt, mass, vocab,
