@@ -31,15 +31,16 @@ launch returns at once. Per call:
    of, the chunk's logits above NUM_PIVOTS evenly spaced candidate thresholds inside the
    row's bracket) and narrow (rows: sum the chunks', move the bracket to the two pivots
    around the cut), then gather (rows x chunks: the logits inside the bracket, if at most
-   max_candidates, into a per-row buffer) and resolve (rows: sort those and find the exact
-   cut; a bracket too wide to gather is narrowed by one program over the whole row, pass
-   after pass: slow, and rare). A row is done as soon as at most one logit lies inside
-   its bracket (or exactly k above its lower end).
+   max_candidates, into a per-row buffer) and resolve (rows: sort those, in 128 slots
+   where they fit, and find the exact cut; a bracket too wide to gather is narrowed by one
+   program over the whole row, pass after pass: slow, and rare). A row is done as soon as
+   at most one logit lies inside its bracket (or exactly k above its lower end).
 3. the race (rows x chunks: each chunk's best prob / noise over its kept tokens, noise
    loaded only for them) and pick (rows: the best chunk's token, or the greedy one).
 
-So about 2 + 2 * (num_rounds + 1) full reads of the logits and one of the kept tokens'
-noise (num_rounds 2: 8), and 8 + 4 * num_rounds launches. Kept sets equal the sort's where
+So at most 2 + 2 * (num_rounds + 1) reads of the logits (num_rounds 2: 8; at 64 rows of
+151,936, 39 MB, which an H100's L2 nearly holds) and one of the kept tokens' noise, in
+8 + 4 * num_rounds launches. Kept sets equal the sort's where
 there are no ties (tied logits at the cut are all kept; the sort keeps some).
 """
 
@@ -458,10 +459,31 @@ if triton is not None:
                     tl.store(cand_ptr + row * CAP + pos, x, mask=inside)
 
     @triton.jit
+    def _cut_among(cand, m, scale, lo, cnt_lo, cnt_hi, mass_hi, k, target,
+                   BY_MASS: tl.constexpr, SIZE: tl.constexpr):  # fmt: skip
+        """The exact cut among the bracket's cnt_lo - cnt_hi (<= SIZE) logits at cand, sorted:
+        the new lo (keep x > lo) and the count and mass above it."""
+        j = tl.arange(0, SIZE)
+        ok = j < cnt_lo - cnt_hi
+        x = tl.sort(tl.load(cand + j, mask=ok, other=float("-inf")), descending=True)
+        e = tl.where(ok, tl.exp2((x - m) * scale), 0.0)
+        if BY_MASS:
+            holds = (mass_hi + tl.cumsum(e, axis=0)) > target
+        else:
+            holds = (cnt_hi + j + 1) >= k
+        last = tl.min(tl.where(holds & ok, j, cnt_lo - cnt_hi - 1), axis=0)
+        cut = tl.sum(tl.where(j == last, x, 0.0), axis=0)
+        below = tl.max(tl.where(ok & (x < cut), x, float("-inf")), axis=0)
+        lo = tl.where(below > float("-inf"), below, lo)  # keep x > lo: x >= cut
+        kept = ok & (x >= cut)
+        cnt = cnt_hi + tl.sum(kept.to(tl.int32), axis=0)
+        return lo, cnt, mass_hi + tl.sum(tl.where(kept, e, 0.0), axis=0)
+
+    @triton.jit
     def _resolve_kernel(
         logits_ptr, temp_ptr, top_k_ptr, top_p_ptr, fstate_ptr, istate_ptr, cand_ptr,
-        vocab, stride_l, BY_MASS: tl.constexpr, CAP: tl.constexpr, BLOCK_V: tl.constexpr,
-        NUM_PIVOTS: tl.constexpr, MAX_PASSES: tl.constexpr,
+        vocab, stride_l, BY_MASS: tl.constexpr, SMALL_CAP: tl.constexpr, CAP: tl.constexpr,
+        BLOCK_V: tl.constexpr, NUM_PIVOTS: tl.constexpr, MAX_PASSES: tl.constexpr,
     ):  # fmt: skip
         """Grid (N,): a row still narrowing finds its cut exactly: among the gathered logits,
         sorted, or (more than CAP in the bracket) by the one-program search. After the top-k
@@ -473,23 +495,16 @@ if triton is not None:
         scale = _row_scale(temp_ptr, row)
         k = tl.load(top_k_ptr + row).to(tl.int32)
         if go != 0:
-            if cnt_lo - cnt_hi <= CAP:
-                j = tl.arange(0, CAP)
-                ok = j < cnt_lo - cnt_hi
-                x = tl.sort(tl.load(cand_ptr + row * CAP + j, mask=ok, other=float("-inf")),
-                            descending=True)  # fmt: skip
-                e = tl.where(ok, tl.exp2((x - m) * scale), 0.0)
-                if BY_MASS:
-                    holds = (mass_hi + tl.cumsum(e, axis=0)) > target
-                else:
-                    holds = (cnt_hi + j + 1) >= k
-                last = tl.min(tl.where(holds & ok, j, cnt_lo - cnt_hi - 1), axis=0)
-                cut = tl.sum(tl.where(j == last, x, 0.0), axis=0)
-                below = tl.max(tl.where(ok & (x < cut), x, float("-inf")), axis=0)
-                lo = tl.where(below > float("-inf"), below, lo)  # keep x > lo: x >= cut
-                kept = ok & (x >= cut)
-                cnt_lo = cnt_hi + tl.sum(kept.to(tl.int32), axis=0)
-                mass_lo = mass_hi + tl.sum(tl.where(kept, e, 0.0), axis=0)
+            if cnt_lo - cnt_hi <= SMALL_CAP:  # the usual bracket: a short sort
+                lo, cnt_lo, mass_lo = _cut_among(
+                    cand_ptr + row * CAP, m, scale, lo, cnt_lo, cnt_hi, mass_hi, k, target,
+                    BY_MASS, SMALL_CAP,
+                )  # fmt: skip
+            elif cnt_lo - cnt_hi <= CAP:
+                lo, cnt_lo, mass_lo = _cut_among(
+                    cand_ptr + row * CAP, m, scale, lo, cnt_lo, cnt_hi, mass_hi, k, target,
+                    BY_MASS, CAP,
+                )  # fmt: skip
             else:
                 lrow = logits_ptr + row.to(tl.int64) * stride_l
                 lo, cnt_lo, mass_lo = _search(
@@ -672,8 +687,8 @@ def triton_sample(
                              CAP=max_candidates, **tiles)  # fmt: skip
         _resolve_kernel[rows](
             logits, temperature, top_k, top_p, *state, cand, vocab, logits.stride(0),
-            BY_MASS=by_mass, CAP=max_candidates, BLOCK_V=block_v, NUM_PIVOTS=num_pivots,
-            MAX_PASSES=64, num_warps=8,
+            BY_MASS=by_mass, SMALL_CAP=min(128, max(max_candidates // 4, 1)), CAP=max_candidates,
+            BLOCK_V=block_v, NUM_PIVOTS=num_pivots, MAX_PASSES=64, num_warps=8,
         )  # fmt: skip
     _race_kernel[grid](logits, noise, temperature, top_k, min_p, fstate, part, tok, vocab,
                        logits.stride(0), noise.stride(0), num_chunks, **tiles)  # fmt: skip
