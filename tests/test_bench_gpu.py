@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 import os
 import re
 import subprocess
@@ -14,7 +15,7 @@ import pytest
 import torch
 
 from helexa.bench.gpu import NO_CUDA
-from helexa.bench.random_models import PRESETS, param_counts
+from helexa.bench.random_models import PRESETS, kv_bytes_per_token, param_counts, state_bytes
 
 NUMBER = re.compile(r"\d+(\.\d+)?")
 PERCENT = r"\d+(\.\d+)?%"
@@ -97,3 +98,43 @@ def test_presets_have_the_checkpoints_parameter_counts(preset, total, active):
     got_total, got_active = param_counts(PRESETS[preset])
     assert got_total == pytest.approx(total, rel=0.005)
     assert got_active == pytest.approx(active, rel=0.005)
+
+
+@pytest.mark.parametrize(("preset", "active"), [("qwen3.6-27b", None), ("qwen3.6-35b-a3b", 3.45e9)])
+def test_qwen36_presets_build_the_shapes_the_gguf_converter_writes(preset, active):
+    from helexa.bench import gguf_files
+
+    cfg, converted = PRESETS[preset], gguf_files.PRESETS[preset].config
+    assert all(cfg[k] == v for k, v in converted.items() if k in cfg)
+    total, got_active = param_counts(cfg)
+    shapes = gguf_files.tensor_shapes(converted, mtp=False)  # helexa skips the MTP layer
+    assert total == sum(math.prod(s) for s in shapes.values())
+    assert got_active == pytest.approx(active or total, rel=0.005)
+
+
+def test_a_hybrid_token_moves_every_gated_deltanet_layers_state():
+    cfg = PRESETS["qwen3.6-27b"]
+    gdn_layers = 64 - 64 // 4
+    conv = (2 * 16 * 128 + 48 * 128) * (4 - 1) * 2  # bf16, the last kernel-1 inputs
+    ssm = 48 * 128 * 128 * 4  # fp32, a [key, value] matrix per value head
+    assert state_bytes(cfg) == gdn_layers * (conv + ssm)
+    assert kv_bytes_per_token(cfg) == 2 * (64 // 4) * 4 * 256 * 2  # attention layers only
+    assert state_bytes(PRESETS["qwen3-8b"]) == 0
+
+
+def test_quick_hybrid_run_counts_the_state_in_the_bytes_per_token_and_prints_the_ceiling(
+    tmp_path,
+):
+    out = tmp_path / "gpu.json"
+    done = bench_gpu(
+        "--device", "cpu", "--quick", "--models", "tiny-hybrid", "--formats", "q4_k",
+        "--repeats", "1", "--json", str(out),
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    (run,) = json.loads(out.read_text())["runs"]
+    assert run["status"] == "ok"
+    assert run["state_bytes_per_token"] == 2 * state_bytes(PRESETS["tiny-hybrid"])
+    assert run["bytes_per_token"] > run["state_bytes_per_token"] > 0
+    line = next(ln for ln in done.stdout.splitlines() if ln.startswith("tiny-hybrid q4_k"))
+    assert "recurrent state" in line and re.search(r"bandwidth ceiling [\d.]+ tok/s", line)
+    assert table_rows(done.stdout)[0][4] == "n/a"  # no HF side for hybrid shapes

@@ -1,7 +1,7 @@
 """`helexa bench gpu`: batch-1 decode against the memory bandwidth, TTFT at long prompts
 and nano-vllm's throughput protocol, for random weights in the shapes of Qwen3-0.6B,
-Qwen3-8B and Qwen3-30B-A3B, in bf16 and in Q4_K, beside HF transformers on the same
-shapes, device and prompts.
+Qwen3-8B and Qwen3-30B-A3B (and, asked for, the hybrid Qwen3.6-27B and -35B-A3B), in bf16
+and in Q4_K, beside HF transformers on the same shapes, device and prompts (Qwen3 only).
 
 One model at a time: helexa's (each format), then HF's (bf16 only: it has no Q4_K
 kernel), each freed before the next is built. Timings are wall clock between
@@ -32,12 +32,14 @@ import torch
 from helexa.bench.engine import HelexaSide, HFSide, Side, _git_revision, engine_settings
 from helexa.bench.random_models import (
     FORMATS,
+    HYBRID_TYPES,
     PRESETS,
     build_hf_model,
     build_random_model,
     estimate_weight_bytes,
     hf_weight_bytes,
     kv_bytes_per_token,
+    state_bytes,
     weight_bytes,
 )
 
@@ -89,7 +91,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add(
         "--models",
         type=_names(tuple(PRESETS)),
-        help=f"of {', '.join(PRESETS)} (default: the 3 Qwen3)",
+        help=f"of {', '.join(PRESETS)} (default: the 3 Qwen3; the Qwen3.6 two when named)",
     )
     add("--formats", type=_names(FORMATS), default=list(FORMATS), help="bf16,q4_k (default both)")
     add("--device", default="cuda", help="torch device (default cuda; cpu only with --quick)")
@@ -114,7 +116,8 @@ class Run:
     side: str  # "helexa" | "hf"
     figures: dict[str, float] = field(default_factory=dict)  # "decode@1", "ttft@1024", ...
     bytes_held: int = 0
-    bytes_per_token: int = 0
+    bytes_per_token: int = 0  # weights read plus recurrent state read and written
+    state_bytes_per_token: int = 0  # of which recurrent state (hybrid models)
     settings: dict[str, Any] = field(default_factory=dict)
     status: str = "ok"  # "ok" | "skipped" (does not fit) | "failed"
     reason: str | None = None
@@ -277,6 +280,9 @@ def measure_helexa(
     from helexa.engine import SamplingParams
 
     run.bytes_held, run.bytes_per_token = weight_bytes(engine.loaded.model, PRESETS[run.model])
+    # each Gated DeltaNet layer reads its conv and ssm state and writes it back, every token
+    run.state_bytes_per_token = 2 * state_bytes(PRESETS[run.model], engine.dtype)
+    run.bytes_per_token += run.state_bytes_per_token
     run.settings = _settings(engine)
     side = HelexaSide(engine)
     greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
@@ -475,14 +481,27 @@ def format_table(runs: list[Run], plan: Plan, bandwidth: float, hf_note: str) ->
     for model, fmt in dict.fromkeys((r.model, r.fmt) for r in runs if r.side == "helexa"):
         ours, hf = by_key[(model, fmt, "helexa")], by_key.get((model, "bf16", "hf"))
         for key, label in _rows(plan, model):
-            theirs = "n/a" if fmt == "q4_k" else (_cell(hf, key) if hf else hf_note)
+            no_hf = fmt == "q4_k" or PRESETS[model]["model_type"] in HYBRID_TYPES
+            theirs = "n/a" if no_hf else (_cell(hf, key) if hf else hf_note)
             pct = "–"
             if key == "decode@1":
-                pct = f"{_pct(ours, bandwidth)} / " + (
-                    "n/a" if fmt == "q4_k" else _pct(hf, bandwidth)
-                )
+                pct = f"{_pct(ours, bandwidth)} / " + ("n/a" if no_hf else _pct(hf, bandwidth))
             lines.append(f"| {model} | {fmt} | {label} | {_cell(ours, key)} | {theirs} | {pct} |")
     return "\n".join(lines)
+
+
+def _moved(run: Run, bandwidth: float) -> str:
+    """What one decoded token moves, and the tok/s the copy bandwidth allows for it."""
+    moe = " (active experts only)" if "moe" in PRESETS[run.model]["model_type"] else ""
+    weights = run.bytes_per_token - run.state_bytes_per_token
+    text = f"weights {_size(run.bytes_held)} held, {_size(weights)} read per token{moe}"
+    if run.state_bytes_per_token:
+        text += f", + recurrent state {_size(run.state_bytes_per_token)} read and written"
+    if run.bytes_per_token:
+        text += f"; bandwidth ceiling {bandwidth / run.bytes_per_token:.1f} tok/s"
+        if "decode@1" in run.figures:
+            text += f", measured {run.figures['decode@1']:.1f}"
+    return text
 
 
 def _size(nbytes: int) -> str:
@@ -559,7 +578,8 @@ def main(args: argparse.Namespace, cfg: Config) -> int:
         for fmt in args.formats:
             runs.append(Run(name, fmt, "helexa"))
             run_helexa(runs[-1], cfg, plan, prompts, args)
-        if hf_note == "–" and "bf16" in args.formats:
+        no_hf = model_cfg["model_type"] in HYBRID_TYPES  # HF's builds them from text_config
+        if hf_note == "–" and "bf16" in args.formats and not no_hf:
             runs.append(Run(name, "bf16", "hf"))
             run_hf(runs[-1], plan, prompts, args)
 
@@ -607,17 +627,18 @@ def _print_machine(
     print(
         "% of copy bandwidth = weight bytes read per decoded token x decode tok/s / copy "
         "bandwidth; bytes read per token: every weight tensor held, less the input embedding "
-        "table unless the lm_head shares it, and for MoE only the top-k of the experts"
+        "table unless the lm_head shares it, and for MoE only the top-k of the experts, plus "
+        "for hybrid models each Gated DeltaNet layer's conv and ssm state, read and written; "
+        "ceiling = copy bandwidth / bytes per token"
     )
     for r in runs:
         tag = f"{r.model} {r.fmt} {'helexa' if r.side == 'helexa' else 'HF'}"
         if r.status != "ok":
             print(f"{tag}: {r.status}: {r.reason}")
             continue
-        moe = " (active experts only)" if "moe" in PRESETS[r.model]["model_type"] else ""
         print(
-            f"{tag}: weights {_size(r.bytes_held)} held, {_size(r.bytes_per_token)} read per "
-            f"token{moe}; " + ", ".join(f"{k}={v}" for k, v in r.settings.items())
+            f"{tag}: {_moved(r, bandwidth)}; "
+            + ", ".join(f"{k}={v}" for k, v in r.settings.items())
         )
     print(
         f"prompts: random token ids, seed {args.seed}; decode: {plan.decode_prompt}-token prompt, "

@@ -1,6 +1,7 @@
 """Models in the shapes of real checkpoints, with random weights made on the device.
 
-`helexa bench gpu` needs Qwen3-0.6B, Qwen3-8B and Qwen3-30B-A3B without downloading them:
+`helexa bench gpu` needs Qwen3-0.6B, Qwen3-8B, Qwen3-30B-A3B and the hybrid Qwen3.6-27B and
+Qwen3.6-35B-A3B (Gated DeltaNet + gated full attention) without downloading them:
 speed depends on the shapes and on how the weights are held, not on their values. Each
 preset is the few config.json numbers that fix the shapes. The helexa model is built by
 its family from that dict and fed random tensors through `load_weights`, generated on the
@@ -18,6 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from helexa.engine.layers.gated_deltanet import GatedDeltaNet, RMSNormGated
 from helexa.engine.layers.linear import Linear
 from helexa.engine.layers.moe import Experts
 from helexa.engine.layers.norm import RMSNorm
@@ -58,6 +60,37 @@ _TINY = dict(
     num_key_value_heads=2,
     head_dim=64,
 )
+_QWEN36 = dict(  # Qwen3.5's tokenizer; eos is the synthetic tokenizer's last id
+    head_dim=256,
+    rms_norm_eps=1e-6,
+    rope_theta=10_000_000.0,
+    partial_rotary_factor=0.25,
+    max_position_embeddings=262144,
+    vocab_size=248320,
+    bos_token_id=None,
+    eos_token_id=248319,
+    full_attention_interval=4,
+    linear_conv_kernel_dim=4,
+    linear_key_head_dim=128,
+    linear_value_head_dim=128,
+    linear_num_key_heads=16,
+    tie_word_embeddings=False,
+)
+_TINY_HYBRID = dict(  # 3 Gated DeltaNet layers then gated attention, 256 wide for Q4_K
+    _QWEN36,
+    vocab_size=1024,
+    eos_token_id=1023,
+    max_position_embeddings=4096,
+    hidden_size=256,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=64,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    linear_key_head_dim=64,
+    linear_value_head_dim=64,
+)
 # config.json numbers of each checkpoint (Qwen3-0.6B from its config.json; Qwen3-8B and
 # Qwen3-30B-A3B from theirs on the Hub). Tiny presets: the same families, small enough for
 # a CPU in seconds; 256 wide because a Q4_K block spans 256 weights of a row.
@@ -93,6 +126,31 @@ PRESETS: dict[str, dict[str, Any]] = {
         num_experts_per_tok=8,
         tie_word_embeddings=False,
     ),
+    # text_config of Qwen/Qwen3.6-27B and -35B-A3B: the numbers gguf_files.py cites (a test
+    # holds the two copies equal). No fixture has those config.json files.
+    "qwen3.6-27b": dict(
+        _QWEN36,
+        model_type="qwen3_5",
+        hidden_size=5120,
+        intermediate_size=17408,
+        num_hidden_layers=64,
+        num_attention_heads=24,
+        num_key_value_heads=4,
+        linear_num_value_heads=48,
+    ),
+    "qwen3.6-35b-a3b": dict(
+        _QWEN36,
+        model_type="qwen3_5_moe",
+        hidden_size=2048,
+        num_hidden_layers=40,
+        num_attention_heads=16,
+        num_key_value_heads=2,
+        linear_num_value_heads=32,
+        num_experts=256,
+        num_experts_per_tok=8,
+        moe_intermediate_size=512,
+        shared_expert_intermediate_size=512,
+    ),
     "tiny-dense": dict(_TINY, tie_word_embeddings=True),
     "tiny-moe": dict(
         _TINY,
@@ -102,7 +160,17 @@ PRESETS: dict[str, dict[str, Any]] = {
         num_experts_per_tok=2,
         tie_word_embeddings=False,
     ),
+    "tiny-hybrid": dict(_TINY_HYBRID, model_type="qwen3_5", intermediate_size=512),
+    "tiny-hybrid-moe": dict(
+        _TINY_HYBRID,
+        model_type="qwen3_5_moe",
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=256,
+        shared_expert_intermediate_size=256,
+    ),
 }
+HYBRID_TYPES = ("qwen3_5", "qwen3_5_moe")
 
 
 def active_fraction(cfg: dict[str, Any]) -> float:
@@ -124,7 +192,7 @@ def weight_shapes(model: nn.Module) -> dict[str, tuple[int, ...]]:
     tied = model.config.tie_word_embeddings
     shapes: dict[str, tuple[int, ...]] = {}
     for name in model._expected_weights():
-        path, kind = name.rsplit(".", 1)
+        path, kind = _owner(modules, name)
         mod = modules[path]
         if path == "lm_head" and tied:
             continue
@@ -134,11 +202,23 @@ def weight_shapes(model: nn.Module) -> dict[str, tuple[int, ...]]:
             )
         elif isinstance(mod, Embedding):
             shapes[name] = (mod.vocab_size, mod.hidden_size)
-        elif isinstance(mod, RMSNorm):
+        elif isinstance(mod, RMSNorm | RMSNormGated):
             shapes[name] = tuple(mod.weight.shape)
+        elif isinstance(mod, GatedDeltaNet):  # conv1d.weight is HF's [conv_dim, 1, kernel]
+            conv = (mod.conv_dim, 1, mod.conv_kernel)
+            shapes[name] = conv if kind == "conv1d.weight" else (mod.num_v_heads,)
         else:
             raise ValueError(f"no random init for {name!r} ({type(mod).__name__})")
     return shapes
+
+
+def _owner(modules: dict[str, nn.Module], name: str) -> tuple[str, str]:
+    """(module path, tensor name) of a weight; GatedDeltaNet's "conv1d.weight" is one name."""
+    path, kind = name.rsplit(".", 1)
+    if path not in modules:
+        path, sub, kind = name.rsplit(".", 2)
+        kind = f"{sub}.{kind}"
+    return path, kind
 
 
 def param_counts(cfg: dict[str, Any]) -> tuple[int, int]:
@@ -154,19 +234,24 @@ def random_weights(
     model: nn.Module, fmt: str, device: torch.device, seed: int
 ) -> Iterator[tuple[str, torch.Tensor | GGUFTensor]]:
     """(name, weight) for `load_weights`: norms 1, Linear/embedding weights N(0, 0.02) in
-    bf16, or as Q4_K blocks when `fmt` is "q4_k"; made on `device` one at a time."""
+    bf16, or (Linears) as Q4_K blocks when `fmt` is "q4_k"; Gated DeltaNet's A_log and
+    dt_bias 0 (a decay of exp(-softplus(a))); made on `device` one at a time."""
     if fmt == "q4_k":
         from helexa.kernels.quant_matmul import make_gguf_blocks
 
     modules = dict(model.named_modules())
+    offset = getattr(model, "norm_weight_offset", 0.0)  # Qwen3.5 stores its norms as w - 1
     gen = torch.Generator(device=device)
     gen.manual_seed(seed)
     for name, shape in weight_shapes(model).items():
-        if isinstance(modules[name.rsplit(".", 1)[0]], RMSNorm):
+        mod = modules[_owner(modules, name)[0]]
+        if isinstance(mod, RMSNorm):
+            yield name, torch.full(shape, 1.0 - offset, device=device, dtype=torch.bfloat16)
+        elif isinstance(mod, RMSNormGated):
             yield name, torch.ones(shape, device=device, dtype=torch.bfloat16)
-        elif name.endswith(".bias"):
+        elif name.endswith((".bias", ".A_log", ".dt_bias")):
             yield name, torch.zeros(shape, device=device, dtype=torch.bfloat16)
-        elif fmt == "q4_k":
+        elif fmt == "q4_k" and isinstance(mod, Linear):
             raw = make_gguf_blocks("Q4_K", *shape, generator=gen, device=device)
             yield name, GGUFTensor(name, "Q4_K", shape, raw)
         else:
@@ -184,7 +269,7 @@ def estimate_weight_bytes(cfg: dict[str, Any], fmt: str) -> int:
 
     total = 0
     for name, shape in shapes.items():
-        quantized = len(shape) == 2 and "embed_tokens" not in name
+        quantized = len(shape) == 2 and "embed_tokens" not in name and "conv1d" not in name
         total += gguf_nbytes("Q4_K", shape) if quantized else 2 * math.prod(shape)
     if cfg["tie_word_embeddings"]:  # the lm_head's own Q4_K copy
         total += gguf_nbytes("Q4_K", (cfg["vocab_size"], cfg["hidden_size"]))
@@ -192,8 +277,20 @@ def estimate_weight_bytes(cfg: dict[str, Any], fmt: str) -> int:
 
 
 def kv_bytes_per_token(cfg: dict[str, Any]) -> int:
-    """K and V of every layer in bf16."""
-    return 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * cfg["head_dim"] * 2
+    """K and V in bf16 of every attention layer (a hybrid's every interval-th layer)."""
+    layers = cfg["num_hidden_layers"] // cfg.get("full_attention_interval", 1)
+    return 2 * layers * cfg["num_key_value_heads"] * cfg["head_dim"] * 2
+
+
+def state_bytes(cfg: dict[str, Any], dtype: torch.dtype = torch.bfloat16) -> int:
+    """Recurrent state one sequence holds (the runner's conv state in `dtype`, ssm state in
+    fp32); 0 for attention-only models. A decode step reads and writes all of it."""
+    if cfg["model_type"] not in HYBRID_TYPES:
+        return 0
+    from helexa.engine.model_runner import ModelRunner
+
+    with torch.device("meta"):
+        return ModelRunner.state_bytes_per_slot(build_skeleton(cfg), dtype)
 
 
 def build_random_model(
@@ -214,8 +311,8 @@ def build_random_model(
 def weight_bytes(model: nn.Module, cfg: dict[str, Any]) -> tuple[int, int]:
     """(bytes the weights hold on the device, bytes one decoded token reads). The second
     leaves out the input embedding table (a token reads one row of it) unless the
-    lm_head shares it, and counts only top-k of E experts. KV caches and rotary tables
-    are not weights."""
+    lm_head shares it, and counts only top-k of E experts. KV caches, recurrent state
+    (see `state_bytes`) and rotary tables are not weights."""
     from helexa.engine.layers.attention import PagedAttention
     from helexa.engine.layers.rotary import RotaryEmbedding
 
@@ -228,12 +325,18 @@ def weight_bytes(model: nn.Module, cfg: dict[str, Any]) -> tuple[int, int]:
         if isinstance(mod, PagedAttention | RotaryEmbedding):
             continue
         for t in _held_tensors(mod):
+            if isinstance(mod, GatedDeltaNet) and _is_state(mod, t):
+                continue
             key = (t.data_ptr(), t.nbytes)
             held[key] = None
             if id(mod) in embed_mods:
                 continue
             seen[key] = frac if id(mod) in expert_mods else 1.0
     return sum(n for _, n in held), round(sum(n * share for (_, n), share in seen.items()))
+
+
+def _is_state(mod: GatedDeltaNet, t: torch.Tensor) -> bool:
+    return any(t is s for s in (mod.conv_state, mod.ssm_state))
 
 
 def _held_tensors(mod: nn.Module) -> list[torch.Tensor]:
