@@ -383,12 +383,13 @@ def _rows(args: argparse.Namespace) -> list[tuple[str, str, str]]:
 def format_table(
     results: list[SideResult], args: argparse.Namespace, llama: LlamaBench | None = None
 ) -> str:
-    """Markdown: a row per figure, llama.cpp's (llama-bench, this run) where measured; the
-    last column is the CPU the rest of the machine took while each side measured it."""
+    """Markdown: a row per figure, llama.cpp's (llama-bench, this run) where measured with
+    helexa's speed over its; the last column is the CPU the rest of the machine took while
+    each side measured it."""
     figs = [r.figures() for r in results]
     head = ["figure", *(r.name for r in results)]
     if llama is not None:
-        head.append(f"llama.cpp {llama.build}")
+        head += [f"llama.cpp {llama.build}", "helexa / llama.cpp (speed)"]
     head.append("rest of machine (CPUs)")
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for key, label, unit in _rows(args):
@@ -397,9 +398,17 @@ def format_table(
         if llama is not None:
             value = llama.figures.get(key)
             cells.append("–" if value is None else f"{value:.{digits}f}")
+            cells.append(speed_ratio(figs[0].get(key), value, unit))
         busy = " / ".join(f"{_busy(r, key):.2f}" for r in results)
         lines.append(f"| {label} ({unit}) | {' | '.join(cells)} | {busy} |")
     return "\n".join(lines)
+
+
+def speed_ratio(ours: float | None, theirs: float | None, unit: str) -> str:
+    """How many times faster helexa is: tok/s over tok/s, or their seconds over ours."""
+    if not ours or not theirs:
+        return "–"
+    return f"{(theirs / ours if unit == 's' else ours / theirs):.2f}x"
 
 
 def machine_info(threads: int) -> dict[str, Any]:
@@ -466,9 +475,9 @@ def _weight_format(m: torch.nn.Module) -> str:
     return fmt if dense is None else f"{fmt}+{str(dense.dtype).removeprefix('torch.')}"
 
 
-def _llama_bench(args: argparse.Namespace, model: Path) -> LlamaBench | None:
-    """llama.cpp on the same file, threads and lengths, measured now; None (said why) when
-    there is no llama-bench or no GGUF to give it."""
+def _llama_bench(args: argparse.Namespace, model: Path, device: torch.device) -> LlamaBench | None:
+    """llama.cpp on the same file, threads (or the GPU: -ngl 99 -fa 1) and lengths,
+    measured now; None (said why) when there is no llama-bench or no GGUF to give it."""
     exe = llama_cpp.find(args.llama_bench)
     if exe is None:
         print("llama.cpp: no llama-bench on PATH (--llama-bench PATH to compare); no reference")
@@ -476,12 +485,14 @@ def _llama_bench(args: argparse.Namespace, model: Path) -> LlamaBench | None:
     if model.suffix != ".gguf":
         print(f"llama.cpp: {model} is not a .gguf file; no reference")
         return None
-    print(f"llama.cpp: running {exe} on the same file, {args.threads} threads …", flush=True)
+    threads = None if device.type == "cuda" else args.threads
+    where = f"{args.threads} threads" if threads else "the GPU (-ngl 99 -fa 1)"
+    print(f"llama.cpp: running {exe} on the same file, {where} …", flush=True)
     try:
         return llama_cpp.run(
             exe,
             str(model),
-            args.threads,
+            threads,
             args.prompt_lengths,
             args.decode_tokens,
             args.repeats,
@@ -555,7 +566,7 @@ def main(args: argparse.Namespace, cfg: Config) -> int:
     for res in results:
         for note in res.notes:
             print(f"{res.name}: {note}")
-    llama = _llama_bench(args, engine.loaded.path)
+    llama = _llama_bench(args, engine.loaded.path, engine.runner.device)
     if llama is not None and "decode@1/d0" in llama.figures:
         print(
             f"llama.cpp: decode, batch 1 is llama-bench's tg{args.decode_tokens} after "

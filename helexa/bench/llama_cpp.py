@@ -1,7 +1,8 @@
 """llama.cpp as a reference measured in the same run: `llama-bench` on the same GGUF file
 with the same thread count, its prompt-processing and generation rates turned into the
 figures `helexa bench engine` reports (TTFT at N tokens = N / pp rate; batch-1 decode =
-tg rate). The engine's decode runs start after a prompt, so llama-bench's generation is also
+tg rate). On a GPU (threads None) every layer is offloaded with flash attention on
+(`-ngl 99 -fa 1`), as llama.cpp's own CUDA figures are taken. The engine's decode runs start after a prompt, so llama-bench's generation is also
 measured at that depth (`-d`): "decode@1" is tg at the same context, "decode@1/d0" tg from an
 empty one (llama-bench's plain tg128). Nothing measured elsewhere is ever printed as a
 reference here."""
@@ -38,19 +39,23 @@ def find(path: str | None) -> str | None:
     return shutil.which("llama-bench")
 
 
+GPU_FLAGS = ("-ngl", "99", "-fa", "1")  # every layer on the GPU, flash attention
+
+
 def command(
     exe: str,
     gguf: str,
-    threads: int,
+    threads: int | None,
     prompt_lengths: list[int],
     new_tokens: int,
     repeats: int,
     depth: int = 0,
 ) -> list[str]:
+    """llama-bench's command line: `threads` CPU threads, or None for the GPU."""
     return [
         exe,
         "-m", gguf,
-        "-t", str(threads),
+        *(GPU_FLAGS if threads is None else ("-t", str(threads))),
         "-p", ",".join(str(n) for n in prompt_lengths),
         "-n", str(new_tokens),
         *(("-d", f"0,{depth}") if depth else ()),
@@ -83,14 +88,14 @@ def parse(text: str, new_tokens: int, depth: int = 0) -> LlamaBench:
 def run(
     exe: str,
     gguf: str,
-    threads: int,
+    threads: int | None,
     prompt_lengths: list[int],
     new_tokens: int,
     repeats: int,
     depth: int = 0,
 ) -> LlamaBench:
-    """Run llama-bench (generation at `depth` too); its figures, or a ValueError saying why
-    there are none."""
+    """Run llama-bench (generation at `depth` too; on the GPU when `threads` is None); its
+    figures, or a ValueError saying why there are none."""
     cmd = command(exe, gguf, threads, prompt_lengths, new_tokens, repeats, depth)
     try:
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT_S)

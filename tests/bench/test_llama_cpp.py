@@ -65,3 +65,28 @@ def test_a_missing_or_failing_llama_bench_says_why(tmp_path):
         llama_cpp.run(str(failing), "m.gguf", 2, [128], 16, 1)
     with pytest.raises(ValueError, match="printed no tests"):
         llama_cpp.parse("[]", 128)
+
+
+def test_on_the_gpu_every_layer_is_offloaded_with_flash_attention_instead_of_threads():
+    cmd = llama_cpp.command("llama-bench", "m.gguf", None, [512, 8192], 128, 3)
+    assert cmd == ["llama-bench", "-m", "m.gguf", "-ngl", "99", "-fa", "1", "-p", "512,8192",
+                   "-n", "128", "-r", "3", "-o", "json"]  # fmt: skip
+    assert "-t" not in cmd
+
+
+def test_the_engine_table_gives_helexas_speed_over_llama_cpps_for_each_figure():
+    from types import SimpleNamespace
+
+    from helexa.bench.engine import DecodeRun, SideResult, format_table, speed_ratio
+
+    ours = SideResult("helexa", ttft_s={128: [0.5]})
+    ours.decode[1] = DecodeRun(1, 11, 0.1, 1.0, 1.1, 10)  # 10 tok/s
+    llama = llama_cpp.LlamaBench("b1 (x)", {"ttft@128": 0.25, "decode@1": 40.0})
+    args = SimpleNamespace(prompt_lengths=[128], concurrency=[1])
+    lines = format_table([ours], args, llama).splitlines()
+    assert lines[0] == (
+        "| figure | helexa | llama.cpp b1 (x) | helexa / llama.cpp (speed) | rest of machine (CPUs) |"
+    )
+    assert lines[2] == "| TTFT, 128-token prompt (s) | 0.50 | 0.25 | 0.50x | 0.00 |"
+    assert lines[3] == "| decode, batch 1 (tok/s) | 10.0 | 40.0 | 0.25x | 0.00 |"
+    assert speed_ratio(None, 1.0, "tok/s") == "–"
