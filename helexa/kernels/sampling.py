@@ -456,7 +456,7 @@ if triton is not None:
                 if n > 0:
                     first = tl.atomic_add(num_ptr + row, n, sem="relaxed")
                     pos = first + tl.cumsum(inside.to(tl.int32), axis=0) - 1
-                    tl.store(cand_ptr + row * CAP + pos, x, mask=inside)
+                    tl.store(cand_ptr + row * CAP + pos, x, mask=inside & (pos < CAP))
 
     @triton.jit
     def _cut_among(cand, m, scale, lo, cnt_lo, cnt_hi, mass_hi, k, target,
