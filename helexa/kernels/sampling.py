@@ -212,12 +212,12 @@ if triton is not None:
     def _is_greedy(temp_ptr, top_k_ptr, row):
         return (tl.load(temp_ptr + row) == 0) | (tl.load(top_k_ptr + row) == 1)
 
-    # A row's state between launches: fstate [N, 8] fp32 and istate [N, 4] int32 hold
     @triton.jit
     def _load_state(fstate_ptr, istate_ptr, row):
-        """m (max), z (normaliser), base (smallest finite logit), the bracket (lo, hi] with the
-        count and mass above each end, the top-p target; the greedy token and `go` (a search
-        still narrowing)."""
+        """A row's state between launches: fstate [N, 8] fp32 holds m (the max), z (the
+        normaliser), base (the smallest finite logit), lo, hi (the bracket (lo, hi]), the mass
+        above lo and above hi, the top-p target; istate [N, 4] int32 the greedy token, the
+        count above lo and above hi, and go (the search still narrowing)."""
         f = fstate_ptr + row * 8
         i = istate_ptr + row * 4
         return (
