@@ -57,6 +57,7 @@ from helexa.kernels.causal_conv1d import (
     triton_causal_conv1d,
     triton_causal_conv1d_update,
 )
+from helexa.kernels.filtered_sample import naive_sample, triton_sample
 from helexa.kernels.fused_moe import naive_fused_moe, triton_fused_moe
 from helexa.kernels.gated_delta_rule import (
     naive_chunk_gated_delta_rule,
@@ -85,12 +86,7 @@ from helexa.kernels.quant_matmul import (
 from helexa.kernels.quant_moe import naive_quant_fused_moe, triton_quant_fused_moe
 from helexa.kernels.rms_norm import naive_rms_norm, triton_rms_norm
 from helexa.kernels.rotary import naive_rotary, triton_rotary
-from helexa.kernels.sampling import (
-    naive_apply_penalties,
-    naive_sample,
-    triton_apply_penalties,
-    triton_sample,
-)
+from helexa.kernels.sampling import naive_apply_penalties, triton_apply_penalties
 
 MiB = 1 << 20
 # per device: the real layer's shapes on CUDA, reduced ones on CPU. rotate: the bytes the

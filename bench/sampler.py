@@ -20,7 +20,7 @@ from collections.abc import Callable
 
 import torch
 
-from helexa.kernels.sampling import naive_sample, triton_sample
+from helexa.kernels.filtered_sample import naive_sample, triton_sample
 
 # temperature, top_k, top_p, min_p
 MIXES = {

@@ -10,7 +10,8 @@ Shapes are in each function's docstring; the kernels live beside their twins in
 causal_conv1d.py, gdn_gating.py, fused_moe.py, gated_delta_rule.py, paged_attention.py,
 kv_store.py, quant_matmul.py and quant_moe.py (with quant_pack.py, the quantized weights'
 layouts, and quant_dequant.py, a whole weight dequantized for the dense prefill path); the
-decoder's and sampler's small ops in rms_norm.py, rotary.py, activation.py and sampling.py.
+decoder's and sampler's small ops in rms_norm.py, rotary.py, activation.py,
+sampling.py and filtered_sample.py.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from .causal_conv1d import (
     triton_causal_conv1d,
     triton_causal_conv1d_update,
 )
+from .filtered_sample import naive_sample, triton_sample
 from .fused_moe import moe_by_expert, naive_fused_moe, triton_fused_moe
 from .gdn_gating import naive_gdn_gating, triton_gdn_gating
 from .kv_store import naive_store_kv, triton_store_kv
@@ -52,10 +54,8 @@ from .rotary import naive_rotary, triton_rotary
 from .sampling import (
     naive_apply_penalties,
     naive_apply_token_bitmask,
-    naive_sample,
     triton_apply_penalties,
     triton_apply_token_bitmask,
-    triton_sample,
 )
 
 try:

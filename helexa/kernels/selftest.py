@@ -256,9 +256,9 @@ def layer_cases(device: str, dtype: torch.dtype) -> list[Case]:
     32, I=100) and the sampler's kernels over a vocabulary of 1000 (always fp32): the rows
     mix greedy, temperature, top-k, top-p and min-p; the sampled tokens compare one-hot, so
     any difference is a FAIL."""
-    norm, rope, act, smp = (
+    norm, rope, act, smp, race = (
         importlib.import_module(f"{__package__}.{name}")
-        for name in ("rms_norm", "rotary", "activation", "sampling")
+        for name in ("rms_norm", "rotary", "activation", "sampling", "filtered_sample")
     )
     gen = torch.Generator().manual_seed(1)  # its own: the other cases' inputs stay as they were
 
@@ -312,7 +312,7 @@ def layer_cases(device: str, dtype: torch.dtype) -> list[Case]:
     min_p = torch.tensor([0, 0, 0, 0, 0, 0, 0.1, 0.02, 0, 0, 0, 0], device=device)
 
     def sample(triton: bool) -> list[torch.Tensor]:
-        fn = smp.triton_sample if triton else smp.naive_sample
+        fn = race.triton_sample if triton else race.naive_sample
         tokens = fn(logits, noise, temperature, top_k, top_p, min_p)
         return [torch.nn.functional.one_hot(tokens, V).float()]
 

@@ -12,13 +12,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helexa.kernels import sampling
-from helexa.kernels.sampling import (
-    naive_apply_penalties,
-    naive_filter,
-    naive_sample,
-    triton_apply_penalties,
-)
+from helexa.kernels import filtered_sample
+from helexa.kernels.filtered_sample import naive_filter, naive_sample
+from helexa.kernels.sampling import naive_apply_penalties, triton_apply_penalties
 
 from . import DEVICE, needs_triton
 
@@ -26,10 +22,10 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 
 
 def triton_sample(*args, **kwargs) -> torch.Tensor:
-    """sampling.triton_sample, gathering at most 64 candidates on the CPU unless told."""
+    """filtered_sample.triton_sample, gathering at most 64 candidates on the CPU unless told."""
     if DEVICE == "cpu":
         kwargs.setdefault("max_candidates", 64)
-    return sampling.triton_sample(*args, **kwargs)
+    return filtered_sample.triton_sample(*args, **kwargs)
 
 
 # -- penalties -------------------------------------------------------------------------------
