@@ -66,6 +66,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--seed", type=int, default=0, help="seed of the random prompts")
     add("--json", metavar="FILE", help="write the raw figures here")
     add(
+        "--sides",
+        action="store_true",
+        help="only batch-1 decode of the engine's step loop, LLM.generate and a node over "
+        "HTTP, side by side (helexa/bench/sides.py)",
+    )
+    add(
         "--llama-bench",
         metavar="PATH",
         help="llama.cpp's llama-bench, run on the same GGUF in the same run as a reference "
@@ -528,6 +534,10 @@ def main(args: argparse.Namespace, cfg: Config) -> int:
         max_num_seqs=max(cfg.engine.max_num_seqs, *args.concurrency),
         autotune_dir=str(cfg.node.state_dir / "autotune"),
     )
+    if args.sides:
+        from helexa.bench import sides
+
+        return sides.main(args, cfg, eargs)
     machine = machine_info(args.threads)
     t0 = time.perf_counter()
     engine = LLMEngine(eargs)
