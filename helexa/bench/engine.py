@@ -18,7 +18,6 @@ import random
 import statistics
 import subprocess
 import time
-from collections import Counter
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -28,6 +27,7 @@ import torch
 
 from helexa.bench import llama_cpp
 from helexa.bench.llama_cpp import LlamaBench
+from helexa.bench.settings import engine_settings
 
 if TYPE_CHECKING:
     from helexa.config import Config
@@ -451,34 +451,6 @@ def _git_revision() -> str | None:
     head = git("rev-parse", "--short", "HEAD")
     dirty = git("status", "--porcelain", "--untracked-files=no")
     return head + ("+dirty" if dirty else "") if head else None
-
-
-def engine_settings(engine: LLMEngine) -> dict[str, Any]:
-    from helexa.engine.layers.linear import Linear
-
-    a = engine.args
-    # How the Linear weights are held (packed int4, float, ...) decides much of the speed.
-    modules = engine.loaded.model.modules()
-    formats = Counter(_weight_format(m) for m in modules if isinstance(m, Linear))
-    return {
-        "model": str(engine.loaded.path),
-        "dtype": str(engine.dtype).removeprefix("torch."),
-        "linear_weights": " ".join(f"{k}×{n}" for k, n in sorted(formats.items())),
-        "kv_cache_mb": a.kv_cache_memory_mb,
-        "kv_cache_dtype": str(engine.runner.kv_dtype).removeprefix("torch."),
-        "num_kv_blocks": engine.runner.num_blocks,
-        "block_size": a.block_size,
-        "max_num_seqs": a.max_num_seqs,
-        "max_num_batched_tokens": a.max_num_batched_tokens,
-        "max_prefill_chunk": a.max_prefill_chunk or a.max_num_batched_tokens,
-        "enable_prefix_caching": a.enable_prefix_caching,
-    }
-
-
-def _weight_format(m: torch.nn.Module) -> str:
-    fmt = getattr(m, "format", "float")
-    dense = getattr(m, "dense", None)  # a float copy used for wide batches, if kept
-    return fmt if dense is None else f"{fmt}+{str(dense.dtype).removeprefix('torch.')}"
 
 
 def _llama_bench(args: argparse.Namespace, model: Path, device: torch.device) -> LlamaBench | None:

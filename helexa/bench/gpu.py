@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from helexa.bench.engine import HelexaSide, HFSide, Side, _git_revision, engine_settings
+from helexa.bench.engine import HelexaSide, HFSide, Side, _git_revision
 from helexa.bench.random_models import (
     FORMATS,
     HYBRID_TYPES,
@@ -42,6 +42,7 @@ from helexa.bench.random_models import (
     state_bytes,
     weight_bytes,
 )
+from helexa.bench.settings import engine_settings
 
 if TYPE_CHECKING:
     from helexa.config import Config

@@ -32,8 +32,8 @@ from typing import TYPE_CHECKING
 
 import httpx
 
-from helexa.bench.engine import engine_settings
 from helexa.bench.node import filler_messages, http_request, wait_ready, write_node_config
+from helexa.bench.settings import engine_settings
 
 if TYPE_CHECKING:
     from helexa.config import Config
