@@ -17,30 +17,12 @@ from typing import Any
 
 from helexa.bench.gguf_mix import loader_order
 from helexa.bench.random_models import PRESETS as QWEN3_PRESETS
+from helexa.bench.random_models import QWEN36_TEXT
 
-# The text_config of Qwen/Qwen3.6-27B's and Qwen/Qwen3.6-35B-A3B's config.json: hybrid,
-# three Gated DeltaNet layers then one gated full-attention layer, and one MTP layer. No
-# copy of either config.json is among the fixtures; the numbers are those public code
-# quotes from them, found with a code search: a test suite asserting its Qwen3.6-27B and
-# -35B-A3B presets against the released config.json files, a Qwen3_5Config written out for
-# the 27B, and THUDM/slime's scripts/models/qwen3.5-27B.sh (Qwen3.5-27B: the same shapes).
-# The tokenizer is Qwen3.5's (vocab 248320).
-_QWEN36 = dict(
-    head_dim=256,
-    rms_norm_eps=1e-6,
-    rope_theta=10_000_000.0,
-    partial_rotary_factor=0.25,
-    mrope_section=[11, 11, 10],
-    max_position_embeddings=262144,
-    vocab_size=248320,
-    full_attention_interval=4,
-    linear_conv_kernel_dim=4,
-    linear_key_head_dim=128,
-    linear_value_head_dim=128,
-    linear_num_key_heads=16,
-    mtp_num_hidden_layers=1,
-    tie_word_embeddings=False,
-)
+# Qwen3.6's numbers are random_models' presets (their text_config; the sources are cited
+# there), with what only the file needs: the M-RoPE sections and the one MTP layer.
+_GGUF_ONLY = dict(mrope_section=[11, 11, 10], mtp_num_hidden_layers=1)
+_QWEN36 = dict(QWEN36_TEXT, **_GGUF_ONLY)
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,17 +40,11 @@ PRESETS = {
     "qwen3-0.6b": Preset("qwen3", QWEN3_PRESETS["qwen3-0.6b"], "Qwen3 0.6B", "0.6B", "Qwen/Qwen3-0.6B"),
     "qwen3-8b": Preset("qwen3", QWEN3_PRESETS["qwen3-8b"], "Qwen3 8B", "8B", "Qwen/Qwen3-8B"),
     "qwen3.6-27b": Preset(
-        "qwen35",
-        dict(_QWEN36, hidden_size=5120, intermediate_size=17408, num_hidden_layers=64,
-             num_attention_heads=24, num_key_value_heads=4, linear_num_value_heads=48),
+        "qwen35", dict(QWEN3_PRESETS["qwen3.6-27b"], **_GGUF_ONLY),
         "Qwen3.6 27B", "27B", "Qwen/Qwen3.6-27B",
     ),
     "qwen3.6-35b-a3b": Preset(
-        "qwen35moe",
-        dict(_QWEN36, hidden_size=2048, num_hidden_layers=40, num_attention_heads=16,
-             num_key_value_heads=2, linear_num_value_heads=32, num_experts=256,
-             num_experts_per_tok=8, moe_intermediate_size=512,
-             shared_expert_intermediate_size=512),
+        "qwen35moe", dict(QWEN3_PRESETS["qwen3.6-35b-a3b"], **_GGUF_ONLY),
         "Qwen3.6 35B A3B", "35B-A3B", "Qwen/Qwen3.6-35B-A3B",
     ),
 }  # fmt: skip

@@ -60,15 +60,20 @@ _TINY = dict(
     num_key_value_heads=2,
     head_dim=64,
 )
-_QWEN36 = dict(  # Qwen3.5's tokenizer; eos is the synthetic tokenizer's last id
+# The text_config of Qwen/Qwen3.6-27B's and Qwen/Qwen3.6-35B-A3B's config.json: hybrid,
+# three Gated DeltaNet layers then one gated full-attention layer. No copy of either
+# config.json is among the fixtures; the numbers are those public code quotes from them,
+# found with a code search: a test suite asserting its Qwen3.6-27B and -35B-A3B presets
+# against the released config.json files, a Qwen3_5Config written out for the 27B, and
+# THUDM/slime's scripts/models/qwen3.5-27B.sh (Qwen3.5-27B: the same shapes). The
+# tokenizer is Qwen3.5's (vocab 248320). gguf_files.py writes files of these presets.
+QWEN36_TEXT = dict(
     head_dim=256,
     rms_norm_eps=1e-6,
     rope_theta=10_000_000.0,
     partial_rotary_factor=0.25,
     max_position_embeddings=262144,
     vocab_size=248320,
-    bos_token_id=None,
-    eos_token_id=248319,
     full_attention_interval=4,
     linear_conv_kernel_dim=4,
     linear_key_head_dim=128,
@@ -76,6 +81,8 @@ _QWEN36 = dict(  # Qwen3.5's tokenizer; eos is the synthetic tokenizer's last id
     linear_num_key_heads=16,
     tie_word_embeddings=False,
 )
+# Qwen3.5's tokenizer; eos is the synthetic tokenizer's last id
+_QWEN36 = dict(QWEN36_TEXT, bos_token_id=None, eos_token_id=248319)
 _TINY_HYBRID = dict(  # 3 Gated DeltaNet layers then gated attention, 256 wide for Q4_K
     _QWEN36,
     vocab_size=1024,
@@ -126,8 +133,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         num_experts_per_tok=8,
         tie_word_embeddings=False,
     ),
-    # text_config of Qwen/Qwen3.6-27B and -35B-A3B: the numbers gguf_files.py cites (a test
-    # holds the two copies equal). No fixture has those config.json files.
+    # text_config of Qwen/Qwen3.6-27B and -35B-A3B (QWEN36_TEXT's sources)
     "qwen3.6-27b": dict(
         _QWEN36,
         model_type="qwen3_5",
