@@ -50,6 +50,11 @@ class VisionProfile(msgspec.Struct, frozen=True):
         """Language-model tokens of an image of this (original) size."""
         return image_tokens(height, width, self.factor, self.min_pixels, self.max_pixels)
 
+    def bounded(self, min_pixels: int, max_pixels: int) -> VisionProfile:
+        """This profile with the node's pixel bounds, clamped as `from_configs` does."""
+        low, top = _clamped(self.patch_size, self.factor, self.max_patches, min_pixels, max_pixels)
+        return msgspec.structs.replace(self, min_pixels=low, max_pixels=top)
+
     @classmethod
     def from_configs(
         cls,
@@ -66,10 +71,7 @@ class VisionProfile(msgspec.Struct, frozen=True):
         patch = int(pre.get("patch_size", vision.get("patch_size", 16)))
         merge = int(pre.get("merge_size", vision.get("spatial_merge_size", 2)))
         max_patches = int(vision.get("num_position_embeddings", 2304))
-        factor = patch * merge
-        cap = max_patches * patch * patch  # pixels of the tower's whole position grid
-        top = max(factor * factor, min(max_pixels, cap))
-        low = max(factor * factor, min(min_pixels, top))
+        low, top = _clamped(patch, patch * merge, max_patches, min_pixels, max_pixels)
         return cls(
             patch_size=patch,
             merge_size=merge,
@@ -90,6 +92,16 @@ class VisionProfile(msgspec.Struct, frozen=True):
             vision_start_token_id=int(config.get("vision_start_token_id", 248053)),
             vision_end_token_id=int(config.get("vision_end_token_id", 248054)),
         )
+
+
+def _clamped(
+    patch: int, factor: int, max_patches: int, min_pixels: int, max_pixels: int
+) -> tuple[int, int]:
+    """(min, max) pixels: at least one token, at most the tower's position grid (smart_resize
+    floors under max_pixels, so no resized image exceeds `max_patches` patches)."""
+    cap = max_patches * patch * patch
+    top = max(factor * factor, min(max_pixels, cap))
+    return max(factor * factor, min(min_pixels, top)), top
 
 
 class ImageInput(msgspec.Struct, frozen=True, array_like=True):
