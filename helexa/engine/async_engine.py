@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from helexa.engine.llm_engine import LLMEngine
 from helexa.engine.sampling_params import SamplingParams
 from helexa.engine.sequence import RequestOutput, Sequence
+from helexa.engine.vision.inputs import ImageInput
 
 log = logging.getLogger(__name__)
 
@@ -88,6 +89,7 @@ class AsyncLLM:
         prompt: str | list[int],
         params: SamplingParams,
         request_id: str | None = None,
+        images: list[ImageInput] | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Deltas of one request: new token ids and text, the last one `finished`.
 
@@ -98,9 +100,11 @@ class AsyncLLM:
             raise EngineDeadError("engine is shut down")
         request_id = request_id or uuid.uuid4().hex
         if isinstance(prompt, str):  # tokenizing a long prompt is worth a worker thread
-            seq = await asyncio.to_thread(self.engine.make_sequence, prompt, params, request_id)
+            seq = await asyncio.to_thread(
+                self.engine.make_sequence, prompt, params, request_id, images=images
+            )
         else:  # token ids: sizing is cheap, and a thread hop waits on the engine for the GIL
-            seq = self.engine.make_sequence(prompt, params, request_id)
+            seq = self.engine.make_sequence(prompt, params, request_id, images=images)
         loop = asyncio.get_running_loop()
         stream = _Stream(loop, asyncio.Queue())
         self._send(("add", seq, stream))

@@ -87,7 +87,7 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return 0
         bs = self.block_size
-        tokens = seq.token_ids
+        tokens = seq.cache_ids  # the token ids, an image's run keyed by its pixels
         num_full = (len(tokens) - 1) // bs
         prev_hash: int | None = None
         for i in range(num_full):
@@ -140,7 +140,7 @@ class BlockManager:
         end = seq.num_computed_tokens // bs
         if end <= start:
             return
-        tokens = seq.token_ids
+        tokens = seq.cache_ids
         prev_hash = self.blocks[seq.block_table[start - 1]].block_hash if start else None
         for i in range(start, end):
             block = self.blocks[seq.block_table[i]]

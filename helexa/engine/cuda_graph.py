@@ -128,7 +128,7 @@ class DecodeGraphs:
         for seq in batch.seqs:
             p = seq.num_computed_tokens
             ids.append(seq.token_ids[p])
-            positions.append(p)
+            positions.append(p + seq.position_offset)  # past a prompt's images: M-RoPE
             slots.extend(runner.slots(seq, p, p + 1))
             lengths.append(p + 1)
             states.append(seq.state_slot)

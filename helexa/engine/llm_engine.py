@@ -41,6 +41,8 @@ from helexa.engine.sampling_params import SamplingParams
 from helexa.engine.scheduler import Scheduler, SchedulerConfig
 from helexa.engine.sequence import RequestOutput, Sequence
 from helexa.engine.state_manager import StateManager
+from helexa.engine.vision.inputs import ImageInput
+from helexa.engine.vision.prompt import MultiModalPrompt
 from helexa.engine.warmup import warm_up
 from helexa.protocol.wire import DEFAULT_MAX_OUTPUT_TOKENS
 
@@ -293,8 +295,11 @@ class LLMEngine:
         prompt: str | list[int],
         params: SamplingParams,
         request_id: str | None = None,
+        images: list[ImageInput] | None = None,
     ) -> Sequence:
-        """Tokenize and size a request; raises ContextLengthExceededError before any work."""
+        """Tokenize and size a request; raises ContextLengthExceededError before any work.
+        `images`: the prompt's, in order, each with its run of image pad tokens in the
+        prompt (ValueError when they do not match, or the model takes no images)."""
         ids = (
             self.tokenizer.encode(prompt, add_special_tokens=True)
             if isinstance(prompt, str)
@@ -309,8 +314,19 @@ class LLMEngine:
         matcher = None
         if params.grammar is not None:  # GrammarError (a ValueError) before any work
             matcher = self.grammars.matcher(params.grammar)
+        mm = None
+        if images:
+            if self.loaded.vision is None:
+                raise ValueError("this model takes no images")
+            mm = MultiModalPrompt.build(ids, images, self.loaded.vision)
         return Sequence(
-            ids, params, self.tokenizer, request_id, max_tokens=min(cap, room), matcher=matcher
+            ids,
+            params,
+            self.tokenizer,
+            request_id,
+            max_tokens=min(cap, room),
+            matcher=matcher,
+            mm=mm,
         )
 
     def add_request(

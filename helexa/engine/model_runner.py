@@ -9,6 +9,7 @@ eagerly) then `sample` (the logits, and step_sampler.StepSampler's tokens).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -167,12 +168,21 @@ class ModelRunner:
         sample_seqs: list[int] = []
         prefill_seqs: list[Sequence] = []
         decode_seqs: list[Sequence] = []
+        images = any(seq.mm is not None for seq in batch.seqs)
+        mrope: list[list[int]] = [[], [], []]
+        splice_rows: list[int] = []
+        splice: list[torch.Tensor] = []
         row = 0
         for i, seq in enumerate(batch.seqs):
             n = batch.num_new_tokens[i]
             start = seq.num_computed_tokens
             ids.extend(seq.token_ids[start : start + n])
-            positions.extend(range(start, start + n))
+            if images:
+                self._image_rows(seq, start, n, row, mrope, splice_rows, splice)
+                positions.extend(mrope[0][row : row + n])
+            else:
+                off = seq.position_offset
+                positions.extend(range(start + off, start + n + off))
             slots.extend(self.slots(seq, start, start + n))
             if n == 1 and start > 0:
                 decode_rows.append(row)
@@ -197,16 +207,64 @@ class ModelRunner:
             has_prompt=any(s.num_computed_tokens < s.num_prompt_tokens for s in batch.seqs),
         )
         plan.output_rows = self.selects_output_rows and len(sample_rows) < len(ids)
+        if images:
+            plan.mrope = mrope
+            if splice_rows:
+                plan.splice_rows = splice_rows
+                plan.splice = torch.cat(splice)
         if decode_seqs and self.recurrent_layers:
             plan.decode_state_slots = [s.state_slot for s in decode_seqs]
         self.attention.plan(plan, batch, prefill_seqs, decode_seqs)
         return plan
 
+    @staticmethod
+    def _image_rows(
+        seq: Sequence,
+        start: int,
+        n: int,
+        row: int,
+        mrope: list[list[int]],
+        splice_rows: list[int],
+        splice: list[torch.Tensor],
+    ) -> None:
+        """A chunk's M-RoPE positions (rows `row`.. of the flat batch) and, where it crosses
+        images' pad runs, the rows and slices of the tower's output spliced there."""
+        mm = seq.mm
+        end = start + n
+        prompt_end = min(end, seq.num_prompt_tokens)
+        off = seq.position_offset
+        for axis in range(3):
+            if mm is None:
+                mrope[axis].extend(range(start + off, end + off))
+                continue
+            mrope[axis].extend(mm.positions[axis][start:prompt_end])
+            mrope[axis].extend(range(max(start, prompt_end) + off, end + off))
+        if mm is None:
+            return
+        for p in mm.overlapping(start, end):
+            lo, hi = max(start, p.run.offset), min(end, p.run.end)
+            assert p.embeds is not None, "an image's run reached before the tower encoded it"
+            splice_rows.extend(range(row + lo - start, row + hi - start))
+            splice.append(p.embeds[lo - p.run.offset : hi - p.run.offset])
+
+    def encode_images(self, batch: ScheduledBatch) -> None:
+        """The vision tower over the images the scheduler picked for this step, at once; each
+        image's output is held on it until its run is computed."""
+        if not batch.encodes:
+            return
+        model = self.model
+        outs = model.visual.encode([p.image for p in batch.encodes], model.vision_profile)
+        for p, out in zip(batch.encodes, outs, strict=True):
+            p.embeds = out
+
     def build(self, plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor, AttentionContext]:
         """The step's device inputs from its plan: token ids, positions, attention context."""
         input_ids = self.tensor(plan.ids)
         pos = self.tensor(plan.positions)
-        cos, sin = self.rotary_tables(pos)
+        if plan.mrope is not None:
+            cos, sin = self.model.rotary.lookup_mrope(self.tensor(plan.mrope), self.dtype)
+        else:
+            cos, sin = self.rotary_tables(pos)
         prefills = [
             PrefillSegment(start, end, None, state_slot=state_slot, cached=cached)
             for start, end, state_slot, cached in plan.prefills
@@ -214,6 +272,9 @@ class ModelRunner:
         ctx = AttentionContext(self.tensor(plan.slots), cos, sin, prefills)
         if plan.output_rows:
             ctx.output_rows = self.tensor(plan.sample_rows)
+        if plan.splice is not None:
+            ctx.splice_rows = self.tensor(plan.splice_rows)
+            ctx.splice = plan.splice.to(self.device)
         if plan.decode_rows:
             ctx.decode_rows = self.tensor(plan.decode_rows)
             ctx.all_decode = not prefills
@@ -259,6 +320,7 @@ class ModelRunner:
         A decode step on CUDA reads nothing back from the device but its sampled tokens
         (with each row's finiteness, in the same copy)."""
         self.copy_states(batch.restores)
+        self.encode_images(batch)
         step = self.forward_step(batch)
         self.copy_states(batch.snapshots)
         return self.sample(batch, step)
@@ -271,7 +333,7 @@ class ModelRunner:
             return StepHidden(hidden, None, list(range(len(batch.seqs))), has_prompt=False)
         plan = self.plan(batch)
         if self.broadcast is not None:  # tensor parallel: the followers run it too
-            self.broadcast(plan)
+            self.broadcast(_travelling(plan))
         hidden = self.forward(plan)
         # where output_rows is set, the model returned the sampled rows alone, in order
         rows = None if plan.output_rows else plan.sample_rows
@@ -302,6 +364,14 @@ class ModelRunner:
             if logprobs is not None:
                 logprobs[i] = sampled.logprobs[j]
         return out, logprobs, errors
+
+
+def _travelling(plan: StepPlan) -> StepPlan:
+    """The plan as it goes to the other ranks: its one tensor (the spliced image
+    embeddings) on the CPU."""
+    if plan.splice is None or plan.splice.device.type == "cpu":
+        return plan
+    return dataclasses.replace(plan, splice=plan.splice.cpu())
 
 
 def model_memory_mb(model: torch.nn.Module) -> int:

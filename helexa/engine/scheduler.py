@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from helexa.engine.block_manager import BlockManager
 from helexa.engine.sequence import Sequence, SequenceStatus, TokenLogprob
 from helexa.engine.state_manager import Snapshot, StateCopy, StateManager
+from helexa.engine.vision.prompt import PromptImage
 
 
 @dataclass(slots=True)
@@ -34,6 +35,9 @@ class ScheduledBatch:
     restores: list[StateCopy] = field(default_factory=list)
     snapshots: list[StateCopy] = field(default_factory=list)
     pending: dict[int, Snapshot] = field(default_factory=dict)
+    # images the vision tower encodes before the forward: their runs start in this step's
+    # chunks and their output is not held yet
+    encodes: list[PromptImage] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -58,6 +62,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self._encoder_budget = 0  # of the step being scheduled (see _images)
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -68,6 +73,8 @@ class Scheduler:
     def schedule(self) -> ScheduledBatch | None:
         budget = self.config.max_num_batched_tokens
         chunk = self.config.max_prefill_chunk or budget
+        # the vision tower's share: an image's tokens each step, besides the decoder's
+        self._encoder_budget = self.config.max_num_batched_tokens
         bm, sm = self.block_manager, self.state_manager
         batch = ScheduledBatch([], [])
         seqs, counts = batch.seqs, batch.num_new_tokens
@@ -77,6 +84,10 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             n = self._chunk(seq, min(seq.num_tokens - seq.num_computed_tokens, chunk, budget))
+            n = self._images(batch, seq, n, dry=True)
+            if n == 0:  # its next image waits for the tower's budget: the next step
+                i += 1
+                continue
             while not bm.can_allocate(seq, seq.num_computed_tokens + n):
                 if sm is not None and sm.evict_one():
                     continue
@@ -88,6 +99,7 @@ class Scheduler:
                 bm.allocate(seq, seq.num_computed_tokens + n)
                 seqs.append(seq)
                 counts.append(n)
+                self._images(batch, seq, n)
                 self._maybe_snapshot(batch, seq, n)
                 budget -= n
                 i += 1
@@ -106,7 +118,8 @@ class Scheduler:
                 seq.snapshot_at = sm.snapshot_point(seq, cached)
             seq.num_computed_tokens = cached
             n = self._chunk(seq, min(seq.num_tokens - cached, chunk, budget))
-            if not bm.can_allocate(seq, cached + n):
+            n = self._images(batch, seq, n, dry=True)
+            if n == 0 or not bm.can_allocate(seq, cached + n):
                 bm.free(seq)  # waiting sequences never hold blocks, or they could deadlock
                 seq.num_computed_tokens = 0
                 break
@@ -123,9 +136,34 @@ class Scheduler:
                 if snap is not None:
                     batch.restores.append(sm.restore(seq, snap))
                 self._maybe_snapshot(batch, seq, n)
+            self._images(batch, seq, n)
             budget -= n
 
         return batch if seqs else None
+
+    def _images(self, batch: ScheduledBatch, seq: Sequence, n: int, dry: bool = False) -> int:
+        """`n` new tokens for `seq`, cut before the first image its chunk reaches that the
+        tower has no budget left for this step (one image a step always fits: progress).
+        Unless `dry`, the images to encode join `batch.encodes` and take their budget."""
+        mm = seq.mm
+        start = seq.num_computed_tokens
+        if mm is None or start >= seq.num_prompt_tokens:
+            return n
+        budget = self._encoder_budget
+        todo = []
+        for p in mm.overlapping(start, start + n):
+            if p.embeds is not None or p in batch.encodes:
+                continue
+            cost = p.run.length
+            if cost > budget and (batch.encodes or todo):
+                n = max(0, p.run.offset - start)
+                break
+            budget -= cost
+            todo.append(p)
+        if not dry:
+            batch.encodes.extend(todo)
+            self._encoder_budget = budget
+        return n
 
     def _chunk(self, seq: Sequence, n: int) -> int:
         """`n` new tokens for `seq`, cut so a chunk ends at its snapshot boundary."""
@@ -154,6 +192,8 @@ class Scheduler:
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self._free(seq)
+        if seq.mm is not None:  # encoded again when its runs come round again
+            seq.mm.drop_embeds()
         seq.num_computed_tokens = 0
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
@@ -178,6 +218,8 @@ class Scheduler:
                 try:
                     seq.num_computed_tokens += batch.num_new_tokens[i]
                     self.block_manager.register_computed(seq)
+                    if seq.mm is not None:
+                        seq.mm.release(seq.num_computed_tokens)
                     token = sampled[i]
                     if token is not None:
                         seq.append_token(token, logprobs[i] if logprobs else None)

@@ -13,6 +13,7 @@ from helexa.engine.detokenizer import IncrementalDetokenizer, StopMatcher
 from helexa.engine.grammar import Matcher
 from helexa.engine.sampling_params import SamplingParams
 from helexa.engine.tokenizer import Tokenizer
+from helexa.engine.vision.prompt import MultiModalPrompt
 
 _ids = itertools.count()
 
@@ -66,6 +67,7 @@ class Sequence:
         request_id: str | None = None,
         max_tokens: int = 16,
         matcher: Matcher | None = None,
+        mm: MultiModalPrompt | None = None,
     ) -> None:
         self.seq_id = next(_ids)
         self.request_id = request_id or f"seq-{self.seq_id}"
@@ -107,6 +109,12 @@ class Sequence:
             self._stop_ids |= tokenizer.eos_token_ids
         # structured output: where the output stands in its grammar (None: unconstrained)
         self.matcher = matcher
+        # images in the prompt (None: text only). The prefix cache knows the tokens by
+        # `cache_ids`: the token ids, but each image's pad run keyed by its pixels; and the
+        # tokens after the prompt sit at their index plus `position_offset` (M-RoPE's delta)
+        self.mm = mm
+        self.cache_ids = self.token_ids if mm is None else [*mm.cache_keys]
+        self.position_offset = 0 if mm is None else mm.delta
 
     # -- sizes ---------------------------------------------------------------------
     @property
@@ -139,6 +147,8 @@ class Sequence:
                 f"token {token_id} does not continue request {self.request_id}'s grammar"
             )
         self.token_ids.append(token_id)
+        if self.cache_ids is not self.token_ids:
+            self.cache_ids.append(token_id)
         if self.logprobs is not None and logprob is not None:
             self.logprobs.append(logprob)
         n_out = self.num_output_tokens

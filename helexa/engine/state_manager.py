@@ -28,7 +28,7 @@ from helexa.engine.sequence import Sequence
 class Snapshot:
     """The recurrent state after `tokens`, and the KV of their last partial block."""
 
-    tokens: list[int]
+    tokens: list[int]  # as the prefix cache knows them (Sequence.cache_ids)
     slot: int  # its row of the state pools
     tail_block: int | None  # a block holding positions [len // bs * bs, len), or None
 
@@ -86,14 +86,14 @@ class StateManager:
         at = next(
             (i + 1 for i in range(len(prompt) - 1, 0, -1) if prompt[i] in self.special_ids), 0
         )
-        return at if at > cached and not self.has(prompt[:at]) else None
+        return at if at > cached and not self.has(seq.cache_ids[:at]) else None
 
     def match(self, seq: Sequence, num_full_blocks: int) -> Snapshot | None:
         """The longest snapshot `seq` can resume from: its tokens start `seq`'s, at least one
         token is left to compute, and its full KV blocks are among the `num_full_blocks`
         the prefix index found."""
         bs = self.block_manager.block_size
-        tokens = seq.token_ids
+        tokens = seq.cache_ids  # an image's run keyed by its pixels
         best: Snapshot | None = None
         for snap in self._snapshots.values():
             n = snap.length
@@ -128,7 +128,7 @@ class StateManager:
             tail = self.block_manager.take_block()
             if tail is None:
                 return None
-        snap = Snapshot(tokens=seq.token_ids[:length], slot=self._free.pop(), tail_block=tail)
+        snap = Snapshot(tokens=seq.cache_ids[:length], slot=self._free.pop(), tail_block=tail)
         self._pending[id(snap)] = snap
         copy = StateCopy(
             src_slot=seq.state_slot,

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from helexa.engine.state_manager import StateCopy
 
 
@@ -28,6 +30,12 @@ class StepPlan:
     # the model returns the sample rows' hidden states only (AttentionContext.output_rows):
     # a prompt step's last layer then runs its MLP on those rows alone
     output_rows: bool = False
+    # images: M-RoPE's [t, h, w] positions of every row (None: `positions` on all three),
+    # and the rows whose embeddings are the vision tower's output `splice` (the one tensor
+    # of a plan: on rank 0's device, on the CPU as it travels to the other ranks)
+    mrope: list[list[int]] | None = None
+    splice_rows: list[int] | None = None
+    splice: torch.Tensor | None = None
     # the attention backend's own (helexa/engine/attention), which only it fills and reads.
     # SDPA and native: each prefill's whole context by slot where it has a cached prefix
     # (else None), the decode rows' context lengths and padded block tables

@@ -52,6 +52,7 @@ from helexa.engine.model_runner import model_memory_mb
 from helexa.engine.rank_worker import RankLostError
 from helexa.engine.sampling_params import SamplingParams
 from helexa.engine.sequence import Sequence, TokenLogprob
+from helexa.engine.vision.inputs import ImageInput, VisionProfile
 
 log = logging.getLogger("helexa.worker")
 HEADER = struct.Struct("!I")
@@ -63,6 +64,7 @@ class Add(msgspec.Struct, tag="add", array_like=True):
     request_id: str
     prompt: list[int]
     params: SamplingParams
+    images: list[ImageInput] | None = None  # decoded and resized by the node, in order
 
 
 class Abort(msgspec.Struct, tag="abort", array_like=True):
@@ -94,6 +96,7 @@ class ModelFacts(msgspec.Struct):
     autotune: TuneReport | None = None  # the CPU plans at load; `Tuned` tells of a change
     checkpoint_quant: str | None = None  # a pre-quantized checkpoint's: fp8 | awq | gptq
     linear_weights: str = ""  # how the Linears hold their weights: "int4×14 float×1"
+    vision: VisionProfile | None = None  # how the model takes images; None: text only
 
 
 class Ready(msgspec.Struct, tag="ready", array_like=True):
@@ -221,6 +224,7 @@ def model_facts(engine: LLMEngine) -> ModelFacts:
         autotune=engine.autotune_report(),
         checkpoint_quant=engine.loaded.checkpoint_quant,
         linear_weights=linear_weights(engine.runner.model),
+        vision=engine.loaded.vision,
     )
 
 
@@ -371,7 +375,9 @@ class Worker:
 
     def _add(self, cmd: Add) -> None:
         try:
-            seq = self.engine.make_sequence(cmd.prompt, cmd.params, cmd.request_id)
+            seq = self.engine.make_sequence(
+                cmd.prompt, cmd.params, cmd.request_id, images=cmd.images
+            )
             self.engine.add_request(seq)
         except Exception as e:
             self._live.discard(cmd.request_id)

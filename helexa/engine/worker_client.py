@@ -35,6 +35,7 @@ from helexa.engine.llm_engine import EngineArgs, EngineStats
 from helexa.engine.sampling_params import SamplingParams
 from helexa.engine.sequence import RequestOutput
 from helexa.engine.tokenizer import Tokenizer
+from helexa.engine.vision.inputs import ImageInput
 from helexa.engine.worker import (
     HEADER,
     Abort,
@@ -187,7 +188,11 @@ class WorkerClient:
 
     # -- requests --------------------------------------------------------------------
     async def generate(
-        self, prompt: list[int], params: SamplingParams, request_id: str | None = None
+        self,
+        prompt: list[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+        images: list[ImageInput] | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Deltas of one request, the last one `finished`. Closing the iterator early (client
         gone) aborts the request in the worker, and drops what was on its way; `abort` ends
@@ -204,7 +209,7 @@ class WorkerClient:
             self._last_heard = time.monotonic()
         self._streams[request_id] = stream
         prompt_ids = list(prompt)
-        self._send(Add(request_id, prompt_ids, params))
+        self._send(Add(request_id, prompt_ids, params, images))
         finished = False
         try:
             while True:

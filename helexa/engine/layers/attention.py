@@ -49,6 +49,10 @@ class AttentionContext:
     # [num_outputs] the rows whose hidden states are read after the last layer (the sampled
     # ones), where the model returns only those (`selects_output_rows`); None: every row
     output_rows: torch.Tensor | None = None
+    # images: [num_spliced] rows of the flat batch whose embeddings the vision tower's output
+    # [num_spliced, hidden] replaces (their token ids are image pads)
+    splice_rows: torch.Tensor | None = None
+    splice: torch.Tensor | None = None
     # SDPA and native: [num_decode, max_blocks] block tables padded with block 0 (whole
     # blocks are gathered: a few long contiguous copies rather than one short copy per
     # token), [num_decode] int32 tokens each row attends to, and whether some row ends short

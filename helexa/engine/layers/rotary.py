@@ -85,6 +85,7 @@ class RotaryEmbedding:
         sin = emb.sin() * mscale
         half = head_dim // 2
         self.sin = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)
+        self.mrope_axis: torch.Tensor | None = None  # set by with_mrope
 
     def lookup(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
         # -> cos, sin: [num_tokens, 1, head_dim], broadcast over heads
@@ -94,3 +95,30 @@ class RotaryEmbedding:
         return self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(
             dtype
         )
+
+    def with_mrope(self, section: list[int]) -> RotaryEmbedding:
+        """Take M-RoPE positions too (`lookup_mrope`): `section` frequencies each for the
+        temporal, height and width axes, interleaved as Qwen3-VL / Qwen3.5 lay them out
+        (frequency j follows height when j % 3 == 1 and j < 3 * section[1], width when
+        j % 3 == 2 and j < 3 * section[2], time otherwise)."""
+        half = self.cos.shape[1] // 2
+        if sum(section) != half:
+            raise ValueError(f"mrope_section {section} does not cover {half} frequencies")
+        axis = [0] * half
+        for j in range(half):
+            if j % 3 == 1 and j < 3 * section[1]:
+                axis[j] = 1
+            elif j % 3 == 2 and j < 3 * section[2]:
+                axis[j] = 2
+        self.mrope_axis = torch.tensor(axis + axis, dtype=torch.long)
+        return self
+
+    def lookup_mrope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+        # positions: [3, num_tokens] (t, h, w) -> cos, sin: [num_tokens, 1, head_dim]; each
+        # frequency's angle from its own axis's position (text rows: all three the same)
+        cos, sin = self.lookup(positions.reshape(-1), torch.float32)
+        n, d = positions.shape[1], cos.shape[-1]
+        axis = self.mrope_axis.to(positions.device).expand(1, n, d)
+        cos = cos.view(3, n, d).gather(0, axis)[0]
+        sin = sin.view(3, n, d).gather(0, axis)[0]
+        return cos.unsqueeze(1).to(dtype), sin.unsqueeze(1).to(dtype)

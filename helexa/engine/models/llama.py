@@ -336,6 +336,8 @@ class LlamaForCausalLM(nn.Module):
         # input_ids, positions: [num_tokens] -> hidden: [num_tokens, hidden], or
         # [len(ctx.output_rows), hidden] where the runner set output_rows
         x = self.embed_tokens(input_ids)
+        if ctx.splice is not None:  # an image's pad rows take the vision tower's output
+            x = x.index_copy(0, ctx.splice_rows, ctx.splice.to(x.dtype))
         residual = None
         stack = self._native_stack() if _native_decode_step(ctx) else None
         if (
