@@ -27,7 +27,7 @@ def resize_image(image: Image.Image, profile: VisionProfile) -> ImageInput:
     Raises ImageSizeError for an image no resize fits (more elongated than 200:1).
 
     PIL resizes the uint8 RGB image, as the reference's PIL backend does (it hands PIL its
-    uint8 array and rescales only after), so the resized pixels are bytes, bit for bit the reference's."""
+    uint8 array and rescales only after): the resized bytes are the reference's, bit for bit."""
     rgb = to_rgb(image)
     height, width = profile.resized(rgb.height, rgb.width)
     if (height, width) != (rgb.height, rgb.width):
