@@ -33,12 +33,17 @@ def test_logits_and_greedy_tokens_match_transformers_for_a_mixed_batch(kind, tmp
     assert_matches_transformers(llm, hf, _prompts(512), kind)
 
 
-def test_the_vision_tower_is_skipped_and_the_models_serve_text(tmp_path):
+def test_the_vision_tower_loads_with_the_decoder_and_text_only_layouts_take_no_images(tmp_path):
     model_dir, _ = make_tiny_new_family("qwen3_5", tmp_path)
     llm = LLM(str(model_dir), kv_cache_memory_mb=8)
     model = llm.engine.runner.model
-    assert not any("visual" in name for name, _ in model.named_modules())
+    assert model.visual is not None and llm.engine.loaded.vision is not None
     assert len(model.recurrent_layers) == 2 and len(model.attention_layers) == 2
+    text_dir, _ = make_tiny_new_family("qwen3_5_text", tmp_path)
+    text = LLM(str(text_dir), kv_cache_memory_mb=8)
+    assert text.engine.loaded.vision is None
+    with pytest.raises(ValueError, match="takes no images"):
+        text.engine.make_sequence([1, 2], SamplingParams(), images=[object()])
 
 
 def test_float_experts_are_stacked_and_run_through_the_fused_moe_kernel(tmp_path, monkeypatch):

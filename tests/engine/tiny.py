@@ -177,3 +177,48 @@ def make_tiny_new_family(
     for f in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copyfile(FIXTURE_MODELS / tokenizer / f, out / f)
     return out, model
+
+
+# The Qwen3-0.6B tokenizer's vision tokens: the tiny vision models below use its ids
+VISION_TOKENS = dict(
+    image_token_id=151655, vision_start_token_id=151652, vision_end_token_id=151653
+)
+VISION_VOCAB = 151936  # Qwen3's embedding rows: every id the tokenizer knows has a row
+
+
+def make_tiny_vision_model(kind: str, root: Path, *, seed: int = 0):
+    """`kind` (qwen3_5, qwen3_5_moe) in the ConditionalGeneration layout with a small vision
+    tower, the Qwen3 tokenizer (vocab rows for all its ids) and the real Qwen3.5 template as
+    chat_template.jinja; return (dir, hf_model)."""
+    from transformers.models.qwen3_5 import Qwen3_5Config, Qwen3_5ForConditionalGeneration
+    from transformers.models.qwen3_5_moe import (
+        Qwen3_5MoeConfig,
+        Qwen3_5MoeForConditionalGeneration,
+    )
+
+    text = dict(HYBRID_TEXT, vocab_size=VISION_VOCAB, tie_word_embeddings=False)
+    vision = dict(VISION, depth=2)
+    torch.manual_seed(seed)
+    if kind == "qwen3_5":
+        config = Qwen3_5Config(
+            text_config=dict(text, intermediate_size=96), vision_config=vision, **VISION_TOKENS
+        )
+        model = Qwen3_5ForConditionalGeneration(config)
+    elif kind == "qwen3_5_moe":
+        moe = dict(text, **MOE, shared_expert_intermediate_size=48)
+        config = Qwen3_5MoeConfig(text_config=moe, vision_config=vision, **VISION_TOKENS)
+        model = Qwen3_5MoeForConditionalGeneration(config)
+    else:
+        raise ValueError(kind)
+    model = model.float()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name or name.endswith(("bias", "A_log", "dt_bias")):
+                p.add_(torch.randn_like(p) * 0.1)
+    model.eval()
+    out = root / f"{kind}_vision"
+    model.save_pretrained(out, safe_serialization=True)
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copyfile(FIXTURE_MODELS / "Qwen3-0.6B" / f, out / f)
+    shutil.copyfile(FIXTURE_MODELS / "Qwen3.5-4B" / "Qwen3.5-4B.jinja", out / "chat_template.jinja")
+    return out, model

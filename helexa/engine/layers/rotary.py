@@ -101,9 +101,7 @@ class RotaryEmbedding:
         temporal, height and width axes, interleaved as Qwen3-VL / Qwen3.5 lay them out
         (frequency j follows height when j % 3 == 1 and j < 3 * section[1], width when
         j % 3 == 2 and j < 3 * section[2], time otherwise)."""
-        half = self.cos.shape[1] // 2
-        if sum(section) != half:
-            raise ValueError(f"mrope_section {section} does not cover {half} frequencies")
+        half = self.cos.shape[1] // 2  # the reference applies the rule whatever the sum
         axis = [0] * half
         for j in range(half):
             if j % 3 == 1 and j < 3 * section[1]:

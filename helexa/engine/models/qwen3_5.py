@@ -10,13 +10,16 @@ and gated full attention, as HF ships them.
   three axes, so M-RoPE reduces to plain rotary here.
 - RMSNorms are `(1 + w)`: the stored weights are offsets from one (`norm_weight_offset`).
 - The conditional-generation checkpoint keeps the decoder under `model.language_model.*` and a
-  vision tower under `model.visual.*`, which is skipped: these models serve text only.
-  The text-only layouts (`qwen3_5_text`, `qwen3_5_moe_text`) keep it under `model.*`.
+  vision tower under `model.visual.*` (helexa/engine/vision/tower.py), loaded when its
+  config has a `vision_config` and its weights are there: the model then takes images, and
+  positions them with M-RoPE (vision/mrope.py; text alone reduces it to plain rotary). The
+  text-only layouts (`qwen3_5_text`, `qwen3_5_moe_text`) keep the decoder under `model.*`.
 - `qwen3_5_moe`: every layer's MLP is sparse, top-k renormalised, plus a gated shared expert.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -30,11 +33,15 @@ from helexa.engine.layers.rotary import RotaryEmbedding
 from helexa.engine.models.config import ModelConfig
 from helexa.engine.models.llama import MLP, Attention, LlamaForCausalLM, output_rows
 from helexa.engine.models.qwen3_moe import moe_block
+from helexa.engine.vision.inputs import VisionProfile
+from helexa.engine.vision.tower import VisionTower
 
 if TYPE_CHECKING:
     from helexa.engine.tokenizer import Tokenizer
 
 LAYER_TYPES = ("linear_attention", "full_attention")
+VISUAL_PREFIX = "model.visual."
+MROPE_SECTION = (11, 11, 10)  # the reference's default: t, h, w frequencies of 32
 
 
 def rotary_dim(cfg: ModelConfig) -> int:
@@ -132,13 +139,51 @@ class Qwen3_5ForCausalLM(LlamaForCausalLM):
                 "full_attention" if (i + 1) % interval == 0 else "linear_attention"
                 for i in range(num_layers)
             ]
-        return cls(ModelConfig.from_hf(text), max_position=max_position)
+        model = cls(ModelConfig.from_hf(text), max_position=max_position)
+        if hf_config.get("vision_config") is not None:
+            model.visual = VisionTower(hf_config["vision_config"])
+            rope = text.get("rope_parameters") or text.get("rope_scaling") or {}
+            model.rotary.with_mrope(list(rope.get("mrope_section") or MROPE_SECTION))
+        return model
 
     def __init__(self, cfg: ModelConfig, max_position: int | None = None) -> None:
         super().__init__(cfg, max_position)
         self.rotary = RotaryEmbedding(
             rotary_dim(cfg), self.max_position, cfg.rope_theta, cfg.rope_scaling
         )
+        self.visual: VisionTower | None = None  # build(): with the checkpoint's vision_config
+        self.vision_profile: VisionProfile | None = None  # set by the loader with the tower
+
+    def load_weights(
+        self, weights: Iterable[tuple[str, Any]], *, dtype: torch.dtype, **kwargs: Any
+    ) -> None:
+        """The decoder's weights as every model's; `model.visual.*` into the tower, kept in
+        `dtype` unquantized (a few hundred MB beside a decoder of billions). A checkpoint
+        without them serves text only."""
+        if self.visual is None:
+            super().load_weights(weights, dtype=dtype, **kwargs)
+            return
+        tower: list[tuple[str, torch.Tensor]] = []
+
+        def decoder() -> Iterable[tuple[str, Any]]:
+            for name, src in weights:
+                if name.startswith(VISUAL_PREFIX):
+                    tower.append((name[len(VISUAL_PREFIX) :], src))
+                else:
+                    yield name, src
+
+        super().load_weights(decoder(), dtype=dtype, **kwargs)
+        if not tower:
+            self.visual = None
+            return
+        self.visual.to(dtype)
+        missing = sorted(
+            {n for n, _ in self.visual.named_parameters()} - self.visual.load_weights(tower)
+        )
+        if missing:
+            raise ValueError(
+                f"checkpoint is missing {len(missing)} vision tower weights, e.g. {missing[:3]}"
+            )
 
     @property
     def attention_layers(self) -> list[PagedAttention]:
