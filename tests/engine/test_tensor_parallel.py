@@ -16,7 +16,9 @@ import torch
 from helexa.engine import LLM, RankLostError, SamplingParams
 from helexa.engine.parallel import PlacementError, tp
 from tests.engine.test_parity import _prompts, assert_matches_transformers
-from tests.engine.tiny import make_tiny_model, make_tiny_new_family
+from helexa.engine.vision.preprocess import resize_image
+from tests.engine.test_vision_engine import _image, _prompt, _run
+from tests.engine.tiny import make_tiny_model, make_tiny_new_family, make_tiny_vision_model
 from tests.shared_fixtures import needs_shared
 
 pytestmark = needs_shared
@@ -154,3 +156,15 @@ def test_two_gpus_give_one_gpus_greedy_tokens(tmp_path):
         assert two.engine.devices == ["cuda:0", "cuda:1"]
         assert two.engine.runner.graphs_off_reason == "tensor parallel"
         assert [o.token_ids for o in two.generate(prompts, GREEDY)] == expected
+
+
+def test_two_ranks_take_images_as_one_rank_does(tmp_path):
+    """Rank 0 runs the vision tower; the plan carries the spliced embeddings to rank 1."""
+    model_dir, _ = make_tiny_vision_model("qwen3_5", tmp_path)
+    runs = []
+    for world in (1, 2):
+        with LLM(str(model_dir), tensor_parallel=world, **ENGINE) as llm:
+            image = resize_image(_image(100, 200, 0), llm.engine.loaded.vision)
+            (seq,) = _run(llm, [(_prompt([image], llm, [3838, 374]), [image])])
+            runs.append(seq.output_token_ids)
+    assert runs[0] == runs[1] and len(runs[0]) == 8
