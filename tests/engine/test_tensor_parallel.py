@@ -15,8 +15,8 @@ import torch
 
 from helexa.engine import LLM, RankLostError, SamplingParams
 from helexa.engine.parallel import PlacementError, tp
-from tests.engine.test_parity import _prompts, assert_matches_transformers
 from helexa.engine.vision.preprocess import resize_image
+from tests.engine.test_parity import _prompts, assert_matches_transformers
 from tests.engine.test_vision_engine import _image, _prompt, _run
 from tests.engine.tiny import make_tiny_model, make_tiny_new_family, make_tiny_vision_model
 from tests.shared_fixtures import needs_shared
