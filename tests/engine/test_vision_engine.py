@@ -156,3 +156,30 @@ def test_images_that_do_not_match_their_placeholders_are_refused(vision_model):
         llm.engine.make_sequence(
             [t for i, t in enumerate(prompt) if i != 5], params, images=[image]
         )
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("kind", ["qwen3_5", "qwen3_5_moe"])
+def test_images_on_cuda_match_transformers(kind, tmp_path):
+    """The same parity on a GPU: the tower, the splice and M-RoPE through the Triton path
+    (float32, CUDA graphs on for the decode steps)."""
+    model_dir, hf = make_tiny_vision_model(kind, tmp_path)
+    llm = LLM(str(model_dir), device="cuda", **EXACT)
+    profile = llm.engine.loaded.vision
+    images = [
+        resize_image(_image(100, 200, 0), profile),
+        resize_image(_image(300, 120, 1), profile),
+    ]
+    prompt = _prompt(images, llm, [3838, 374, 279])
+    seen = _record_logits(llm)
+    (seq,) = _run(llm, [(prompt, images)])
+    ref_tokens, ref_logits = _reference(hf, prompt, images, profile)
+    assert_same_greedy_run(
+        seq.output_token_ids,
+        torch.stack(seen[seq.request_id]),
+        ref_tokens,
+        ref_logits,
+        f"{kind} on CUDA",
+        atol=1e-3,
+    )
