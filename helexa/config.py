@@ -66,6 +66,13 @@ PowerOfTwo = Annotated[int, Check("a power of two", lambda v: v > 0 and v & (v -
 HostPort = Annotated[str, Check('"host:port"', _is_host_port)]
 Url = Annotated[str, Check("an http(s) URL", _is_url)]
 NonEmpty = Annotated[str, Check("a non-empty string", lambda v: v.strip() != "")]
+HostName = Annotated[
+    str,
+    Check(
+        "a host name or IP address, IPv6 in brackets (no scheme, port or path)",
+        lambda v: re.fullmatch(r"[A-Za-z0-9.-]+|\[[0-9A-Fa-f:.]+\]", v) is not None,
+    ),
+]
 DatabaseUrl = Annotated[str, Check("a SQLAlchemy URL", lambda v: v == "" or "://" in v)]
 RetentionDays = Annotated[int, Check("days from 0 (forever) to 36500", lambda v: 0 <= v <= 36_500)]
 Device = Annotated[
@@ -118,6 +125,26 @@ class _Listens:
 
 
 @dataclass(slots=True)
+class ImageLimits:
+    """[node.images]: what images one request may carry into a vision model, and where the
+    node may fetch them from; everything past these bounds is a 400 before any decode."""
+
+    max_images_per_request: PositiveInt = 16
+    max_image_bytes: PositiveInt = 20 << 20  # one image as sent (encoded), not its pixels
+    # Decoded pixels, read from the image's header: a larger one (a decompression bomb: a
+    # few KiB on the wire, gigabytes decoded) is refused before it is decoded.
+    max_image_pixels: PositiveInt = 50_000_000
+    # What each image is resized to lie between; the model's vision tower caps max_pixels
+    # further (Qwen3.5/3.6: 2304 patches of 16², 576 tokens an image).
+    min_pixels: PositiveInt = 256 * 256
+    max_pixels: PositiveInt = 1024 * 1024
+    # Hosts whose http(s) image URLs the node fetches; empty: remote URLs are refused and
+    # only inline `data:` URLs are taken (the node makes no request on a client's behalf).
+    allowed_url_hosts: list[HostName] = field(default_factory=list)
+    url_fetch_timeout_s: PositiveFloat = 10.0
+
+
+@dataclass(slots=True)
 class NodeConfig(_Listens):
     """[node]: the inference node (`helexa serve --role node`)."""
 
@@ -146,6 +173,7 @@ class NodeConfig(_Listens):
     # Memory (weights + KV pools, MiB) all loaded models may hold together; a load past it
     # is refused with 503 insufficient_vram so a gateway can evict and retry. None: no cap.
     max_model_memory_mb: PositiveInt | None = None
+    images: ImageLimits = field(default_factory=ImageLimits)  # the [node.images] table
     debug_poison: str | None = field(default=None, metadata=DERIVED)  # HELEXA_DEBUG_POISON
     debug_fault: str | None = field(default=None, metadata=DERIVED)  # HELEXA_DEBUG_FAULT
 
@@ -402,17 +430,35 @@ def _apply_env(raw: dict[str, Any], env: Mapping[str, str], problems: list[str])
         if section not in sections:
             continue
         cls, keys = sections[section], _keys(sections[section])
+        parent, name = raw, section
+        nested = _nested_key(cls, key)  # HELEXA_NODE_IMAGES_MAX_PIXELS: [node.images]
+        if nested is not None:
+            parent = raw.setdefault(section, {})
+            if not isinstance(parent, dict):
+                continue
+            section, key = nested
+            name = f"{name}.{section}"
+            cls = _hints(cls)[section]
+            keys = _keys(cls)
         if key not in keys:
             hint = _did_you_mean(key, keys)
             problems.append(
-                f"{var}: [{section}] has no key {key!r}{hint}; valid keys: {', '.join(keys)}"
+                f"{var}: [{name}] has no key {key!r}{hint}; valid keys: {', '.join(keys)}"
             )
             continue
         value = _from_env_text(_hints(cls)[key], env[var])
-        if _convert(_hints(cls)[key], value, f"{var} ([{section}] {key})", problems) is not _BAD:
-            table = raw.setdefault(section, {})
+        if _convert(_hints(cls)[key], value, f"{var} ([{name}] {key})", problems) is not _BAD:
+            table = parent.setdefault(section, {})
             if isinstance(table, dict):
                 table[key] = value
+
+
+def _nested_key(cls: type, key: str) -> tuple[str, str] | None:
+    """(table, key) when `key` is `<table>_<key>` of a nested table of section `cls`."""
+    for name, tp in _hints(cls).items():
+        if is_dataclass(tp) and key.startswith(name + "_"):
+            return name, key.removeprefix(name + "_")
+    return None
 
 
 def _resolve(cfg: Config, env: Mapping[str, str], path: Path | None) -> None:
@@ -460,6 +506,11 @@ def _check(cfg: Config, problems: list[str], bad: set[str]) -> None:
         problems.append(
             f"[engine] max_num_seqs: {e.max_num_seqs} exceeds max_num_batched_tokens "
             f"{e.max_num_batched_tokens} (every running sequence needs a token per step)"
+        )
+    images = cfg.node.images
+    if "node" not in bad and images.min_pixels > images.max_pixels:
+        problems.append(
+            f"[node] images.min_pixels: {images.min_pixels} exceeds max_pixels {images.max_pixels}"
         )
     if "gateway" not in bad and g.port == g.metrics_port:
         problems.append(

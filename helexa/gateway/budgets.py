@@ -16,6 +16,8 @@ any gateway books its reservations as spent at their reserved amount: never unde
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import json
 import logging
 import math
 import os
@@ -37,6 +39,7 @@ from helexa.gateway.ledger import (
     Ledger,
     book_row,
 )
+from helexa.protocol.images import ImageEstimate, estimate_images
 from helexa.protocol.wire import CHARS_PER_TOKEN, cost_usd, output_room
 
 log = logging.getLogger(__name__)
@@ -50,8 +53,15 @@ INSTANCE_FORGOTTEN_AFTER = timedelta(days=1)
 
 
 def estimate_prompt_tokens(body: bytes) -> int:
-    """An upper-bound-leaning estimate of a request's prompt tokens, from its JSON size."""
-    return math.ceil(len(body) / CHARS_PER_TOKEN) + TEMPLATE_MARGIN_TOKENS
+    """An upper-bound-leaning estimate of a request's prompt tokens, from its JSON size;
+    images count as their tokens, not as their base64 (a 1 MB screenshot is some hundreds
+    of tokens, not 350k)."""
+    images = ImageEstimate()
+    if b"image" in body:  # only then is the body worth parsing for its image parts
+        with contextlib.suppress(ValueError):  # not JSON: the node will say so
+            images = estimate_images(json.loads(body))
+    num_chars = max(0, len(body) - images.num_chars)
+    return math.ceil(num_chars / CHARS_PER_TOKEN) + images.num_tokens + TEMPLATE_MARGIN_TOKENS
 
 
 @dataclass(slots=True)

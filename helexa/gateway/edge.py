@@ -8,6 +8,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from helexa.errors import HelexaError, context_length_exceeded
+from helexa.protocol.images import MIN_IMAGE_TOKENS, estimate_images
 from helexa.protocol.wire import CHARS_PER_TOKEN
 
 # User-Agent fragment (lower case) -> how that client is told the context size.
@@ -19,8 +20,12 @@ _ADVICE = {
 }
 
 
+_PROMPT_KEYS = ("messages", "prompt", "input", "instructions")
+
+
 def message_chars(body: Mapping[str, Any]) -> int:
-    """Characters of prompt text in a chat, completions or responses body."""
+    """Characters of prompt text in a chat, completions or responses body; image parts'
+    data is not text (their URLs and base64 sit under keys this never reads)."""
 
     def text(value: Any) -> int:
         if isinstance(value, str):
@@ -31,13 +36,16 @@ def message_chars(body: Mapping[str, Any]) -> int:
             return sum(text(value.get(k)) for k in ("content", "text", "input", "output"))
         return 0
 
-    return sum(text(body.get(k)) for k in ("messages", "prompt", "input", "instructions"))
+    return sum(text(body.get(k)) for k in _PROMPT_KEYS)
 
 
 def estimate_tokens(body: Mapping[str, Any]) -> int:
-    """~4 characters a token over the message text: under-counts on purpose, so only gross
-    overages are caught here and the node stays the exact wall."""
-    return math.ceil(message_chars(body) / CHARS_PER_TOKEN)
+    """~4 characters a token over the message text, plus each image's tokens as a node
+    sizes it by default (the fewest an image can be when its size is unreadable): under-
+    counts on purpose, so only gross overages are caught here and the node stays the exact
+    wall (and gives its own, better 400 for an image it cannot take)."""
+    images = estimate_images([body.get(k) for k in _PROMPT_KEYS], MIN_IMAGE_TOKENS)
+    return math.ceil(message_chars(body) / CHARS_PER_TOKEN) + images.num_tokens
 
 
 def check_context(body: Mapping[str, Any], context: int | None) -> None:

@@ -19,6 +19,7 @@ from helexa.engine.async_engine import EngineDeadError
 from helexa.engine.chat_template import TemplateRenderError, render_chat
 from helexa.engine.grammar import OutputGrammar
 from helexa.engine.sequence import RequestOutput, TokenLogprob
+from helexa.engine.vision.inputs import ImageInput
 from helexa.engine.worker_client import AbortedOutput, WorkerFaultError
 from helexa.errors import (
     HelexaError,
@@ -29,6 +30,7 @@ from helexa.errors import (
     vision_unsupported,
 )
 from helexa.node.exchanges import NOTHING_RAN, Usage
+from helexa.node.images import expand_image_pads, load_images
 from helexa.node.metrics import NodeMetrics
 from helexa.node.registry import RECOVERY_RETRY_AFTER_S, ModelRegistry
 from helexa.node.sampling import choice_params
@@ -57,6 +59,8 @@ class Prompt:
     opens_reasoning: bool = False  # the template left a reasoning block open
     # structured output: what the answer must match (helexa.node.structured), None: free
     grammar: OutputGrammar | None = None
+    # decoded and resized, in prompt order; `ids` holds each one's run of pad tokens
+    images: tuple[ImageInput, ...] = ()
 
 
 def prepare_prompt(served: ServedModel, req: ChatCompletionRequest | CompletionRequest) -> Prompt:
@@ -71,12 +75,18 @@ def prepare_prompt(served: ServedModel, req: ChatCompletionRequest | CompletionR
 
 
 def render_prompt(served: ServedModel, req: ChatCompletionRequest | CompletionRequest) -> Prompt:
-    """Prompt token ids: the chat template rendered, or the raw prompt encoded."""
+    """Prompt token ids: the chat template rendered, or the raw prompt encoded; a vision
+    model's images decoded and each one's placeholder widened to its run of pad tokens,
+    so the context check and `prompt_tokens` count them."""
     tok = served.tokenizer
     opens = False
+    images: list[ImageInput] = []
+    profile = served.vision
     if isinstance(req, ChatCompletionRequest):
         if has_image_parts(req):
-            raise vision_unsupported(served.id)
+            if profile is None:
+                raise vision_unsupported(served.id)
+            images = load_images(req, profile, served.image_limits)
         tools = template_tools(req)
         try:
             text = render_chat(
@@ -93,6 +103,9 @@ def render_prompt(served: ServedModel, req: ChatCompletionRequest | CompletionRe
         ids = tok.encode(_utf8(req.prompt, "prompt"), add_special_tokens=True)
     else:
         ids = list(req.prompt)
+    if profile is not None:  # each image's placeholder widened to its run of pads
+        param = "messages" if isinstance(req, ChatCompletionRequest) else "prompt"
+        ids = expand_image_pads(ids, images, profile, param)
     # The embedding table is the bound: a tokenizer may know more ids than the model has.
     vocab = served.vocab_size
     bad = next((t for t in ids if t >= vocab), None)
@@ -118,7 +131,8 @@ def render_prompt(served: ServedModel, req: ChatCompletionRequest | CompletionRe
                 f"(size {vocab})",
                 param=param,
             )
-    return Prompt(ids, opens, output_grammar(served, req, opens_reasoning=opens))
+    grammar = output_grammar(served, req, opens_reasoning=opens)
+    return Prompt(ids, opens, grammar, tuple(images))
 
 
 def _utf8(text: str, param: str) -> str:
@@ -164,6 +178,7 @@ class Generation:
         self.served = served
         self.req = req
         self.prompt_ids = prompt.ids
+        self.images = list(prompt.images) or None
         self.metrics = metrics
         self.is_chat = isinstance(req, ChatCompletionRequest)
         self.id = ("chatcmpl-" if self.is_chat else "cmpl-") + uuid.uuid4().hex
@@ -286,7 +301,7 @@ class Generation:
         c = self.choices[i]
         try:
             async for out in self.served.llm.generate(
-                self.prompt_ids, self._params[i], self._request_id(i)
+                self.prompt_ids, self._params[i], self._request_id(i), images=self.images
             ):
                 c.num_tokens += len(out.token_ids)
                 self.num_cached_tokens = max(self.num_cached_tokens, out.num_cached_tokens)

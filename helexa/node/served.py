@@ -9,8 +9,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from helexa.config import ImageLimits
 from helexa.engine.llm_engine import EngineStats
 from helexa.engine.tokenizer import Tokenizer
+from helexa.engine.vision.inputs import VisionProfile
 from helexa.engine.worker_client import WorkerClient
 from helexa.node.admission import Admission
 from helexa.node.loading import GGUF_QUANTS, LoadOptions
@@ -32,6 +34,8 @@ class ServedModel:
     status: str = "loaded"  # loaded | poisoned (a device fault) | recovering (reloading)
     loaded_at: float = field(default_factory=time.time)
     load_seconds: float = 0.0
+    # [node.images]: what images a request may carry, and the pixels they are resized to
+    image_limits: ImageLimits = field(default_factory=ImageLimits)
     memory_mb: int = field(init=False)  # fixed once loaded: weights and KV pool
     # marker pairs found in the vocabulary (never guessed from the model's name)
     reasoning_markers: ReasoningMarkers | None = field(init=False)
@@ -87,8 +91,17 @@ class ServedModel:
         }
 
     @property
+    def vision(self) -> VisionProfile | None:
+        """How this model takes images, with the node's pixel bounds (clamped under the
+        tower's cap); None for a text-only model."""
+        profile = self.llm.facts.vision
+        if profile is None:
+            return None
+        return profile.bounded(self.image_limits.min_pixels, self.image_limits.max_pixels)
+
+    @property
     def capabilities(self) -> list[str]:
-        return ["text"]
+        return ["text", "image"] if self.llm.facts.vision is not None else ["text"]
 
     def describe(self) -> dict[str, Any]:
         """One `/models` entry."""
