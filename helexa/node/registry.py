@@ -122,7 +122,13 @@ class ModelRegistry:
             raise LoadError("load_failed", model_id, f"{type(e).__name__}: {e}") from e
         finally:
             self._loading.pop(model_id, None)
-        served = ServedModel(model_id, options, llm, Admission(self._admission_limits(llm)))
+        served = ServedModel(
+            model_id,
+            options,
+            llm,
+            Admission(self._admission_limits(llm)),
+            image_limits=self.cfg.node.images,
+        )
         served.load_seconds = time.monotonic() - t0
         cap = self.cfg.node.max_model_memory_mb
         held = sum(m.memory_mb for m in self.models.values())
