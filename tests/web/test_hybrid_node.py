@@ -200,23 +200,27 @@ def test_the_text_only_layout_serves_and_hits_the_cache_too(cached_node, hybrid_
 # -- what the model accepts ---------------------------------------------------------------
 
 
-def test_the_model_is_listed_as_text_only(cached_node, hybrid_dirs):
+def test_the_vision_layout_takes_images_and_the_text_layout_does_not(cached_node, hybrid_dirs):
     cards = {m["id"]: m for m in cached_node.get("/v1/models").json()["data"]}
     models = {m["id"]: m for m in cached_node.get("/models").json()}
-    for model in hybrid_dirs.values():
-        # the checkpoint carries a vision tower, but the node serves text only
-        assert cards[model]["capabilities"] == ["text"]
+    for kind, caps in (("qwen3_5", ["text", "image"]), ("qwen3_5_text", ["text"])):
+        model = hybrid_dirs[kind]
+        assert cards[model]["capabilities"] == caps
         assert models[model]["status"] == "loaded"
-        assert models[model]["capabilities"] == ["text"]
+        assert models[model]["capabilities"] == caps
 
 
 @pytest.mark.parametrize("stream", [False, True])
-def test_an_image_part_is_refused_as_vision_unsupported(cached_node, model_id, stream):
+def test_an_image_part_is_refused_by_the_text_only_layout(cached_node, hybrid_dirs, stream):
     image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}
     content = [{"type": "text", "text": "What is this?"}, image]
-    body = _body(model_id, [{"role": "user", "content": content}], stream=stream)
+    body = _body(hybrid_dirs["qwen3_5_text"], [{"role": "user", "content": content}], stream=stream)
     r = cached_node.post("/v1/chat/completions", body)
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["code"] == "vision_unsupported"
+    # the vision layout reads the image: this one is a PNG signature and nothing more
+    body["model"] = hybrid_dirs["qwen3_5"]
+    r = cached_node.post("/v1/chat/completions", body)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_image", r.text
     assert err["type"] == "invalid_request_error" and err["message"]
