@@ -224,6 +224,14 @@ class EngineConfig:
     # A model's worker that answers nothing for this long while it has work (a hung step, a
     # hung collective across tensor-parallel ranks) is killed and its model reloaded.
     step_timeout_s: PositiveFloat = 120.0
+    # Speculative decoding (vLLM's names; docs/engine.md § Speculative decoding): "ngram"
+    # drafts the continuation of the longest recent n-gram match (prompt_lookup_max down to
+    # prompt_lookup_min tokens) of the prompt and output, up to num_speculative_tokens, and
+    # one step checks them all; None: off, until measured on the machine.
+    speculative_method: Literal["ngram"] | None = None
+    num_speculative_tokens: PositiveInt = 4
+    prompt_lookup_min: PositiveInt = 2
+    prompt_lookup_max: PositiveInt = 5
 
 
 @dataclass(slots=True)

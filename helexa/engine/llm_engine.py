@@ -138,6 +138,17 @@ class LLMEngine:
             available = min([available, *self.ranks.wait_loaded()])
             if device.type == "cpu":
                 available //= self.ranks.world_size
+        if args.speculative_method is not None and ModelRunner.state_bytes_per_slot(model, dtype):
+            raise ValueError(
+                "speculative decoding does not run hybrid (Gated DeltaNet) models yet: their "
+                "recurrent state would have to roll back past rejected drafts; load this "
+                "model with speculative_method unset"
+            )
+        if args.prompt_lookup_min > args.prompt_lookup_max:
+            raise ValueError(
+                f"prompt_lookup_min ({args.prompt_lookup_min}) is above prompt_lookup_max "
+                f"({args.prompt_lookup_max})"
+            )
         self.kv_dtype = kv_dtype(args.kv_cache_dtype, device, dtype)
         size, num_snapshots = self._size_pool(model, dtype, device, available)
         num_blocks, max_num_seqs = size.num_blocks, size.max_num_seqs
@@ -159,6 +170,10 @@ class LLMEngine:
                 max_num_seqs=max_num_seqs,
                 max_num_batched_tokens=args.max_num_batched_tokens,
                 max_prefill_chunk=args.max_prefill_chunk,
+                speculative_method=args.speculative_method,
+                num_speculative_tokens=args.num_speculative_tokens,
+                prompt_lookup_min=args.prompt_lookup_min,
+                prompt_lookup_max=args.prompt_lookup_max,
             ),
             self.block_manager,
             self.state_manager,

@@ -23,6 +23,7 @@ from helexa.engine.layers.attention import AttentionContext, PrefillSegment
 from helexa.engine.layers.linear import PREFILL_STEP
 from helexa.engine.scheduler import ScheduledBatch
 from helexa.engine.sequence import Sequence, TokenLogprob
+from helexa.engine.spec.verify import accepted
 from helexa.engine.state_manager import StateCopy
 from helexa.engine.step_plan import StepPlan
 from helexa.engine.step_sampler import (  # noqa: F401 (re-exported: the engine, the worker)
@@ -177,6 +178,8 @@ class ModelRunner:
             n = batch.num_new_tokens[i]
             start = seq.num_computed_tokens
             ids.extend(seq.token_ids[start : start + n])
+            if seq.draft:  # speculative decoding: its last token, then the draft to check
+                ids.extend(seq.draft)
             if images:
                 self._image_rows(seq, start, n, row, mrope, splice_rows, splice)
                 positions.extend(mrope[0][row : row + n])
@@ -191,9 +194,10 @@ class ModelRunner:
                 prefills.append((row, row + n, seq.state_slot, start))
                 prefill_seqs.append(seq)
             row += n
-            if batch.samples(i):
-                sample_rows.append(row - 1)
-                sample_seqs.append(i)
+            if batch.samples(i):  # a draft's row: the target's logits at each of its tokens
+                width = 1 + len(seq.draft)
+                sample_rows.extend(range(row - width, row))
+                sample_seqs.extend([i] * width)
         plan = StepPlan(
             ids,
             positions,
@@ -342,7 +346,8 @@ class ModelRunner:
     def sample(
         self, batch: ScheduledBatch, step: StepHidden
     ) -> tuple[list[int | None], list[TokenLogprob | None] | None, dict[int, Exception]]:
-        """The step's logits and tokens, by batch index (see `run`)."""
+        """The step's logits and tokens, by batch index (see `run`); a speculating row's
+        entry is the list of tokens it keeps (spec/verify.py)."""
         out: list[int | None] = [None] * len(batch.seqs)
         errors: dict[int, Exception] = {}
         if not step.seqs:
@@ -356,13 +361,20 @@ class ModelRunner:
             logits = self.model.compute_logits(hidden, seqs)
         sampled = self.step_sampler.sample(logits, seqs)
         logprobs = None if sampled.logprobs is None else [None] * len(batch.seqs)
+        checked: dict[int, list[int]] = {}  # speculating rows: the target's token at each
         for j, i in enumerate(step.seqs):
             if sampled.errors[j] is not None:
                 errors[i] = sampled.errors[j]
                 continue
+            if batch.seqs[i].draft:
+                checked.setdefault(i, []).append(sampled.tokens[j])
+                continue
             out[i] = sampled.tokens[j]
             if logprobs is not None:
                 logprobs[i] = sampled.logprobs[j]
+        for i, targets in checked.items():
+            if i not in errors:  # what the row keeps of its draft (a list: see postprocess)
+                out[i] = accepted(batch.seqs[i].draft, targets)
         return out, logprobs, errors
 
 

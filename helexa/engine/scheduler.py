@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 
 from helexa.engine.block_manager import BlockManager
 from helexa.engine.sequence import Sequence, SequenceStatus, TokenLogprob
+from helexa.engine.spec import verify
+from helexa.engine.spec.ngram import NgramIndex
 from helexa.engine.state_manager import Snapshot, StateCopy, StateManager
 from helexa.engine.vision.prompt import PromptImage
 
@@ -22,6 +24,11 @@ class SchedulerConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     max_prefill_chunk: int | None = None  # None: up to the whole step budget
+    # speculative decoding (helexa/engine/spec): "ngram" or None, and its draft's bounds
+    speculative_method: str | None = None
+    num_speculative_tokens: int = 4
+    prompt_lookup_min: int = 2
+    prompt_lookup_max: int = 5
 
 
 @dataclass(slots=True)
@@ -44,9 +51,10 @@ class ScheduledBatch:
         return sum(self.num_new_tokens)
 
     def samples(self, i: int) -> bool:
-        """Whether sequence i reaches its last token this step (and so samples one)."""
+        """Whether sequence i reaches its last token this step (and so samples one; a row
+        with a draft samples at each of its tokens)."""
         seq = self.seqs[i]
-        return seq.num_computed_tokens + self.num_new_tokens[i] == seq.num_tokens
+        return seq.num_computed_tokens + self.num_new_tokens[i] == seq.num_tokens + len(seq.draft)
 
 
 class Scheduler:
@@ -62,6 +70,9 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        # speculative decoding: tokens drafted and, of those, accepted, since the start
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
         self._encoder_budget = 0  # of the step being scheduled (see _images)
 
     def add(self, seq: Sequence) -> None:
@@ -85,10 +96,16 @@ class Scheduler:
             seq = self.running[i]
             n = self._chunk(seq, min(seq.num_tokens - seq.num_computed_tokens, chunk, budget))
             n = self._images(batch, seq, n, dry=True)
+            if n == 1 and seq.num_computed_tokens == seq.num_tokens - 1:  # decoding
+                n += self._draft(seq, budget - 1)
             if n == 0:  # its next image waits for the tower's budget: the next step
                 i += 1
                 continue
             while not bm.can_allocate(seq, seq.num_computed_tokens + n):
+                if seq.draft:  # a draft never preempts anyone: the row decodes one token
+                    n -= len(seq.draft)
+                    seq.draft = []
+                    continue
                 if sm is not None and sm.evict_one():
                     continue
                 victim = self.running[-1]
@@ -140,6 +157,23 @@ class Scheduler:
             budget -= n
 
         return batch if seqs else None
+
+    def _draft(self, seq: Sequence, room: int) -> int:
+        """Draft the decoding `seq`'s next tokens (seq.draft) when it speculates: at most
+        num_speculative_tokens, `room` in the step's budget, and one fewer than its
+        max_tokens leaves (the target adds one of its own). Returns the draft's length."""
+        cfg = self.config
+        seq.draft = []
+        if cfg.speculative_method is None or not verify.speculates(seq):
+            return 0
+        k = min(cfg.num_speculative_tokens, room, seq.max_tokens - seq.num_output_tokens - 1)
+        if k < 1:
+            return 0
+        index = seq.drafter_state
+        if index is None:
+            index = seq.drafter_state = NgramIndex(cfg.prompt_lookup_min, cfg.prompt_lookup_max)
+        seq.draft = index.propose(seq.token_ids, k)
+        return len(seq.draft)
 
     def _images(self, batch: ScheduledBatch, seq: Sequence, n: int, dry: bool = False) -> int:
         """`n` new tokens for `seq`, cut before the first image its chunk reaches that the
@@ -216,15 +250,20 @@ class Scheduler:
             error = errors.get(i) if errors else None
             if error is None:
                 try:
-                    seq.num_computed_tokens += batch.num_new_tokens[i]
-                    self.block_manager.register_computed(seq)
-                    if seq.mm is not None:
-                        seq.mm.release(seq.num_computed_tokens)
                     token = sampled[i]
-                    if token is not None:
-                        seq.append_token(token, logprobs[i] if logprobs else None)
+                    if isinstance(token, list):  # a draft checked: what it kept, and the next
+                        self._keep(seq, token)
+                    else:
+                        seq.num_computed_tokens += batch.num_new_tokens[i]
+                        self.block_manager.register_computed(seq)
+                        if seq.mm is not None:
+                            seq.mm.release(seq.num_computed_tokens)
+                        if token is not None:
+                            seq.append_token(token, logprobs[i] if logprobs else None)
                 except Exception as e:
                     error = e
+                finally:
+                    seq.draft = []
             snap = batch.pending.pop(seq.seq_id, None)
             if snap is not None:
                 if error is None:
@@ -237,6 +276,21 @@ class Scheduler:
                 self._remove(seq)
                 finished.append(seq)
         return finished
+
+    def _keep(self, seq: Sequence, tokens: list[int]) -> None:
+        """A speculating row's step: `tokens` (the accepted drafts, then the target's own)
+        appended until one finishes the sequence. The KV computed stands for the last token
+        before the step and each kept draft; a rejected draft's slots are written over."""
+        self.num_draft_tokens += len(seq.draft)
+        self.num_accepted_tokens += len(tokens) - 1
+        kept = 0
+        for token in tokens:
+            seq.append_token(token)
+            kept += 1
+            if seq.is_finished:
+                break
+        seq.num_computed_tokens += kept
+        self.block_manager.register_computed(seq)
 
     def abort(self, request_id: str) -> Sequence | None:
         for seq in [*self.running, *self.waiting]:

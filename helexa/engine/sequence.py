@@ -115,6 +115,10 @@ class Sequence:
         self.mm = mm
         self.cache_ids = self.token_ids if mm is None else [*mm.cache_keys]
         self.position_offset = 0 if mm is None else mm.delta
+        # speculative decoding: the tokens drafted for this step (checked by it), and the
+        # drafter's own state for this sequence (helexa/engine/spec)
+        self.draft: list[int] = []
+        self.drafter_state: object | None = None
 
     # -- sizes ---------------------------------------------------------------------
     @property

@@ -1,0 +1,9 @@
+"""Speculative decoding: a drafter proposes the next few tokens of a decoding sequence, one
+step of the target model checks them all, and the sequence keeps the longest prefix the
+target agrees with plus the target's own next token. Greedy output is token for token what
+it is without speculation.
+
+- `ngram`: prompt lookup, the continuation of the longest recent n-gram match in the
+  prompt and output so far (agents' edits re-emit runs of code already in the prompt).
+- `verify`: which rows speculate, and what a row keeps of its draft.
+"""

@@ -1,0 +1,142 @@
+"""Speculative decoding with prompt lookup (issue 38, the n-gram drafter): greedy output is
+token for token the same with speculation on and off, in mixed batches where some rows do
+not speculate, under preemption, with stop strings and max_tokens cutting a draft; the
+incremental n-gram index proposes what the plain scan does."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from helexa.engine import LLM, SamplingParams
+from helexa.engine.spec.ngram import NgramIndex, propose
+from helexa.engine.spec.verify import accepted
+from tests.engine.tiny import make_tiny_model, make_tiny_new_family
+from tests.shared_fixtures import needs_shared
+
+SPEC = dict(speculative_method="ngram", num_speculative_tokens=4, prompt_lookup_min=1)
+EXACT = dict(dtype="float32", kv_cache_dtype="float32", block_size=16, max_prefill_chunk=24)
+
+
+def test_the_index_proposes_what_the_scan_does_as_tokens_grow():
+    rng = random.Random(0)
+    for _ in range(20):
+        tokens = [rng.randrange(6) for _ in range(rng.randrange(1, 80))]
+        index = NgramIndex(2, 4)
+        for size in range(1, len(tokens) + 1):
+            assert index.propose(tokens[:size], 3) == propose(tokens[:size], 3, 2, 4)
+
+
+def test_the_longest_latest_match_is_proposed():
+    tokens = [1, 2, 3, 9, 1, 2, 3, 7, 8, 5, 2, 3]
+    assert propose(tokens, 3, 2, 3) == [7, 8, 5]  # "2 3" last seen before "7 8 5"
+    assert propose([5, 1, 2, 3, 4, 1, 2, 3], 2, 1, 3) == [4, 1]  # "1 2 3" beats "3"
+    assert propose([1, 2, 3], 2, 1, 2) == []
+
+
+def test_a_row_keeps_the_agreeing_drafts_then_the_targets_choice():
+    assert accepted([5, 6, 7], [5, 6, 7, 8]) == [5, 6, 7, 8]
+    assert accepted([5, 6, 7], [5, 9, 7, 8]) == [5, 9]
+    assert accepted([5], [4, 4]) == [4]
+    assert accepted([], [3]) == [3]
+
+
+def _repetitive(vocab: int, seed: int) -> list[int]:
+    """A prompt that repeats itself: its continuation often reappears in it."""
+    rng = random.Random(seed)
+    unit = [rng.randrange(3, vocab) for _ in range(rng.randrange(5, 12))]
+    return (unit * 6)[: rng.randrange(30, 70)]
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("spec")
+    return {
+        "llama": make_tiny_model("smollm2", root)[0],
+        "qwen3": make_tiny_model("qwen3", root)[0],
+        "qwen3_moe": make_tiny_new_family("qwen3_moe", root)[0],
+    }
+
+
+@needs_shared
+@pytest.mark.parametrize("family", ["llama", "qwen3", "qwen3_moe"])
+def test_greedy_tokens_are_the_same_with_and_without_speculation(models, family):
+    prompts = [_repetitive(512, s) for s in range(6)]
+    params = [
+        SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
+        SamplingParams(temperature=0, max_tokens=7, ignore_eos=True),  # max_tokens mid-draft
+        SamplingParams(temperature=0.8, seed=3, max_tokens=16, ignore_eos=True),  # no draft
+        SamplingParams(temperature=0, logprobs=2, max_tokens=12, ignore_eos=True),  # no draft
+        SamplingParams(temperature=0, repetition_penalty=1.3, max_tokens=12, ignore_eos=True),
+        SamplingParams(temperature=0, max_tokens=30, ignore_eos=True),
+    ]
+    with LLM(str(models[family]), **EXACT) as plain:
+        expected = plain.generate(prompts, params)
+    # a pool of 12 blocks: the batch preempts and recomputes as it grows
+    for extra in ({}, {"num_kv_blocks": 12}):
+        with LLM(str(models[family]), **EXACT, **SPEC, **extra) as spec:
+            got = spec.generate(prompts, params)
+            assert [o.token_ids for o in got] == [o.token_ids for o in expected], extra
+            assert [o.finish_reason for o in got] == [o.finish_reason for o in expected]
+            # the row asking for logprobs decoded one token a step; its batch-mates' shapes
+            # differ, so its logprobs may differ in float rounding
+            for a, b in zip(got[3].logprobs, expected[3].logprobs, strict=True):
+                assert a.token_id == b.token_id and a.logprob == pytest.approx(b.logprob, abs=1e-4)
+            assert spec.engine.scheduler.num_draft_tokens > 0
+            if extra:
+                assert spec.engine.scheduler.num_preemptions > 0
+
+
+@needs_shared
+def test_a_stop_string_inside_an_accepted_draft_ends_the_text_where_it_would(models):
+    prompt = _repetitive(512, 1)
+    with LLM(str(models["llama"]), **EXACT) as plain:
+        free = plain.generate([prompt], SamplingParams(temperature=0, max_tokens=40))[0]
+    stop = free.text[len(free.text) // 2 :][:3]
+    params = SamplingParams(temperature=0, max_tokens=40, stop=[stop])
+    with LLM(str(models["llama"]), **EXACT) as plain:
+        expected = plain.generate([prompt], params)[0]
+    with LLM(str(models["llama"]), **EXACT, **SPEC) as spec:
+        got = spec.generate([prompt], params)[0]
+    assert (got.text, got.finish_reason, got.stop_reason) == (
+        expected.text,
+        expected.finish_reason,
+        expected.stop_reason,
+    )
+
+
+def test_the_bundled_model_accepts_drafts_on_a_code_edit_and_answers_the_same():
+    """SmolLM2 re-emitting a function it was given: most drafts are accepted."""
+    code = "def area(w, h):\n    total = w * h\n    if total < 0:\n        total = 0\n    return total\n"
+    msgs = [{"role": "user", "content": f"Rename `total` to `size` in:\n\n{code}"}]
+    params = SamplingParams(temperature=0, max_tokens=48)
+    try:
+        with LLM(None, **EXACT) as plain:
+            expected = plain.chat(msgs, params)[0]
+    except FileNotFoundError:
+        pytest.skip("the bundled SmolLM2 is not installed")
+    with LLM(None, **EXACT, **SPEC) as spec:
+        got = spec.chat(msgs, params)[0]
+        sched = spec.engine.scheduler
+        assert sched.num_accepted_tokens > sched.num_draft_tokens // 3 > 0
+    assert got.token_ids == expected.token_ids
+
+
+@needs_shared
+def test_hybrid_models_refuse_speculation_at_load(tmp_path):
+    model_dir, _ = make_tiny_new_family("qwen3_5_text", tmp_path)
+    with pytest.raises(ValueError, match="does not run hybrid"):
+        LLM(str(model_dir), kv_cache_memory_mb=8, **SPEC)
+
+
+@needs_shared
+def test_two_tensor_parallel_ranks_check_drafts_as_one_does(models):
+    prompts = [_repetitive(512, s) for s in range(3)]
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    cpu = dict(EXACT, device="cpu", num_kv_blocks=64)
+    with LLM(str(models["qwen3"]), **cpu) as plain:
+        expected = [o.token_ids for o in plain.generate(prompts, params)]
+    with LLM(str(models["qwen3"]), tensor_parallel=2, **cpu, **SPEC) as two:
+        assert [o.token_ids for o in two.generate(prompts, params)] == expected
+        assert two.engine.scheduler.num_draft_tokens > 0
