@@ -62,6 +62,10 @@ class EngineStats:
     prefix_cache_queries: int  # prompt tokens looked up in the prefix cache
     prefix_cache_hits: int  # of those, tokens whose KV was reused
     num_generated_tokens: int = 0  # tokens sampled into sequences since the engine started
+    # speculative decoding: drafts checked, their tokens, and of those the ones accepted
+    spec_drafts: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
 
 
 class ContextLengthExceededError(ValueError):
@@ -390,6 +394,9 @@ class LLMEngine:
             prefix_cache_queries=bm.num_prefix_queries,
             prefix_cache_hits=bm.num_prefix_hits,
             num_generated_tokens=self.num_generated_tokens,
+            spec_drafts=sched.num_drafts,
+            spec_draft_tokens=sched.num_draft_tokens,
+            spec_accepted_tokens=sched.num_accepted_tokens,
         )
 
     def has_unfinished(self) -> bool:

@@ -70,7 +70,8 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
-        # speculative decoding: tokens drafted and, of those, accepted, since the start
+        # speculative decoding: drafts checked, their tokens and, of those, the ones accepted
+        self.num_drafts = 0
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
         self._encoder_budget = 0  # of the step being scheduled (see _images)
@@ -281,6 +282,7 @@ class Scheduler:
         """A speculating row's step: `tokens` (the accepted drafts, then the target's own)
         appended until one finishes the sequence. The KV computed stands for the last token
         before the step and each kept draft; a rejected draft's slots are written over."""
+        self.num_drafts += 1
         self.num_draft_tokens += len(seq.draft)
         self.num_accepted_tokens += len(tokens) - 1
         kept = 0

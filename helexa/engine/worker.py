@@ -97,6 +97,7 @@ class ModelFacts(msgspec.Struct):
     checkpoint_quant: str | None = None  # a pre-quantized checkpoint's: fp8 | awq | gptq
     linear_weights: str = ""  # how the Linears hold their weights: "int4×14 float×1"
     vision: VisionProfile | None = None  # how the model takes images; None: text only
+    speculative_method: str | None = None  # [engine] speculative_method; None: off
 
 
 class Ready(msgspec.Struct, tag="ready", array_like=True):
@@ -225,6 +226,7 @@ def model_facts(engine: LLMEngine) -> ModelFacts:
         checkpoint_quant=engine.loaded.checkpoint_quant,
         linear_weights=linear_weights(engine.runner.model),
         vision=engine.loaded.vision,
+        speculative_method=engine.args.speculative_method,
     )
 
 

@@ -96,6 +96,25 @@ _ENGINE_METRICS: tuple[tuple[str, type, str, Callable[[ServedModel, EngineStats]
         "Sequences preempted for lack of KV blocks",
         lambda m, s: s.num_preemptions,
     ),
+    # speculative decoding, as vLLM names them (0 while it is off)
+    (
+        "helexa_spec_decode_num_drafts",
+        CounterMetricFamily,
+        "Drafts checked by speculative decoding (one per speculating row and step)",
+        lambda m, s: s.spec_drafts,
+    ),
+    (
+        "helexa_spec_decode_num_draft_tokens",
+        CounterMetricFamily,
+        "Tokens drafted by speculative decoding",
+        lambda m, s: s.spec_draft_tokens,
+    ),
+    (
+        "helexa_spec_decode_num_accepted_tokens",
+        CounterMetricFamily,
+        "Drafted tokens the model accepted",
+        lambda m, s: s.spec_accepted_tokens,
+    ),
 )
 
 

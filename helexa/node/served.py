@@ -131,6 +131,26 @@ class ServedModel:
             "load_seconds": round(self.load_seconds, 2),
             # the CPU plans: fresh | cached | provisional (this run's only) | off
             "autotune": facts.autotune.as_dict() if facts.autotune else {"state": "off"},
+            "speculative": self.speculative,
+        }
+
+    @property
+    def speculative(self) -> dict[str, Any] | None:
+        """Speculative decoding's method and how it has fared: the share of drafted tokens
+        accepted, and the tokens a speculating row gains a step (1 + accepted per draft)."""
+        method = self.llm.facts.speculative_method
+        if method is None:
+            return None
+        s = self.stats
+        return {
+            "method": method,
+            "drafts": s.spec_drafts,
+            "acceptance_rate": round(s.spec_accepted_tokens / s.spec_draft_tokens, 4)
+            if s.spec_draft_tokens
+            else None,
+            "tokens_per_step": round(1 + s.spec_accepted_tokens / s.spec_drafts, 3)
+            if s.spec_drafts
+            else None,
         }
 
 
