@@ -288,6 +288,8 @@ def cmd_admin(args: argparse.Namespace, cfg: Config) -> int:
 BENCH_SUITES = [
     ("engine", "TTFT and decode throughput of the in-process engine",
      "helexa.bench.engine", "add_arguments", "main"),
+    ("speculative", "decode with speculative decoding off and on: a code edit, a batch",
+     "helexa.bench.speculative", "add_arguments", "main"),
     ("gpu", "decode vs memory bandwidth, TTFT and throughput on random Qwen3 weights",
      "helexa.bench.gpu", "add_arguments", "main"),
     ("node", "what the node's HTTP layer costs", "helexa.bench.node", "add_arguments", "main"),

