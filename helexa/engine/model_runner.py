@@ -23,7 +23,7 @@ from helexa.engine.layers.attention import AttentionContext, PrefillSegment
 from helexa.engine.layers.linear import PREFILL_STEP
 from helexa.engine.scheduler import ScheduledBatch
 from helexa.engine.sequence import Sequence, TokenLogprob
-from helexa.engine.spec.verify import accepted
+from helexa.engine.spec.verify import accepted, accepted_sampled
 from helexa.engine.state_manager import StateCopy
 from helexa.engine.step_plan import StepPlan
 from helexa.engine.step_sampler import (  # noqa: F401 (re-exported: the engine, the worker)
@@ -359,10 +359,32 @@ class ModelRunner:
         # "L" within 0.08 of each other there, which the decode kernels' rounding swapped
         with _prompt_step(step.has_prompt):
             logits = self.model.compute_logits(hidden, seqs)
+        # a sampled row's draft is checked on its logits (spec/verify.py), not sampled
+        rows_of: dict[int, list[int]] = {}
+        for j, i in enumerate(step.seqs):
+            if batch.seqs[i].draft and not batch.seqs[i].params.is_greedy:
+                rows_of.setdefault(i, []).append(j)
+        for i, rows in rows_of.items():
+            seq = batch.seqs[i]
+            try:
+                row_logits = logits[rows]
+                if not bool(torch.isfinite(row_logits).all()):
+                    raise NonFiniteRowError(f"non-finite logits for request {seq.request_id}")
+                out[i] = accepted_sampled(row_logits, seq.draft, seq)
+            except Exception as e:
+                errors[i] = e
+        if rows_of:
+            keep = [j for j, i in enumerate(step.seqs) if i not in rows_of]
+            if not keep:
+                return out, None, errors
+            logits, seqs = logits[keep], [seqs[j] for j in keep]
+            step_seqs = [step.seqs[j] for j in keep]
+        else:
+            step_seqs = step.seqs
         sampled = self.step_sampler.sample(logits, seqs)
         logprobs = None if sampled.logprobs is None else [None] * len(batch.seqs)
-        checked: dict[int, list[int]] = {}  # speculating rows: the target's token at each
-        for j, i in enumerate(step.seqs):
+        checked: dict[int, list[int]] = {}  # greedy speculating rows: the target's choices
+        for j, i in enumerate(step_seqs):
             if sampled.errors[j] is not None:
                 errors[i] = sampled.errors[j]
                 continue

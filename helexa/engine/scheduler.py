@@ -95,10 +95,11 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
+            seq.draft = []  # a failed step's (discard) never carries over
             n = self._chunk(seq, min(seq.num_tokens - seq.num_computed_tokens, chunk, budget))
             n = self._images(batch, seq, n, dry=True)
-            if n == 1 and seq.num_computed_tokens == seq.num_tokens - 1:  # decoding
-                n += self._draft(seq, budget - 1)
+            if n == 1 and seq.num_output_tokens and seq.num_computed_tokens == seq.num_tokens - 1:
+                n += self._draft(seq, budget - 1)  # decoding (the prompt's last token is not)
             if n == 0:  # its next image waits for the tower's budget: the next step
                 i += 1
                 continue

@@ -1,7 +1,9 @@
 """Speculative decoding with prompt lookup (issue 38, the n-gram drafter): greedy output is
 token for token the same with speculation on and off, in mixed batches where some rows do
-not speculate, under preemption, with stop strings and max_tokens cutting a draft; the
-incremental n-gram index proposes what the plain scan does."""
+not speculate, under preemption, with stop strings and max_tokens cutting a draft; sampled
+output has the target's distribution (a chi-square test against the exact probabilities)
+and a seed gives the same tokens every run; the incremental n-gram index proposes what the
+plain scan does."""
 
 from __future__ import annotations
 
@@ -66,7 +68,7 @@ def test_greedy_tokens_are_the_same_with_and_without_speculation(models, family)
     params = [
         SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
         SamplingParams(temperature=0, max_tokens=7, ignore_eos=True),  # max_tokens mid-draft
-        SamplingParams(temperature=0.8, seed=3, max_tokens=16, ignore_eos=True),  # no draft
+        SamplingParams(temperature=0, max_tokens=16, min_tokens=20, ignore_eos=True),  # none
         SamplingParams(temperature=0, logprobs=2, max_tokens=12, ignore_eos=True),  # no draft
         SamplingParams(temperature=0, repetition_penalty=1.3, max_tokens=12, ignore_eos=True),
         SamplingParams(temperature=0, max_tokens=30, ignore_eos=True),
@@ -140,3 +142,55 @@ def test_two_tensor_parallel_ranks_check_drafts_as_one_does(models):
     with LLM(str(models["qwen3"]), tensor_parallel=2, **cpu, **SPEC) as two:
         assert [o.token_ids for o in two.generate(prompts, params)] == expected
         assert two.engine.scheduler.num_draft_tokens > 0
+
+
+@needs_shared
+def test_sampled_tokens_have_the_targets_distribution(models):
+    """500 seeded runs of 3 tokens (temperature 1, top-k 3: 27 outcomes) with drafts checked
+    by the accept/reject rule, against the exact probabilities the model gives each path."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    # the prompt, its greedy continuation, the prompt again: after it, the model often says
+    # what it said the first time, which is what prompt lookup drafts (and sometimes not)
+    base = _repetitive(512, 4)
+    with LLM(str(models["qwen3"]), **EXACT) as plain:
+        greedy = plain.generate([base], SamplingParams(temperature=0, max_tokens=3))[0]
+    prompt = [*base, *greedy.token_ids, *base]
+    runs = 500
+    params = [
+        SamplingParams(temperature=1.0, top_k=3, seed=s, max_tokens=3, ignore_eos=True)
+        for s in range(runs)
+    ]
+    with LLM(str(models["qwen3"]), **EXACT, **SPEC, max_num_seqs=128) as spec:
+        outs = spec.generate([prompt] * runs, params)
+        sched = spec.engine.scheduler
+        assert sched.num_draft_tokens > sched.num_accepted_tokens > 0  # both rules ran
+        again = spec.generate([prompt] * 8, params[:8])
+    assert [o.token_ids for o in again] == [o.token_ids for o in outs[:8]]  # seeds repeat
+    counts: dict[tuple[int, ...], int] = {}
+    for o in outs:
+        counts[tuple(o.token_ids)] = counts.get(tuple(o.token_ids), 0) + 1
+
+    hf = AutoModelForCausalLM.from_pretrained(str(models["qwen3"]), dtype=torch.float32).eval()
+
+    def top3(prefix: list[int]) -> dict[int, float]:
+        with torch.no_grad():
+            logits = hf(torch.tensor([prompt + prefix])).logits[0, -1]
+        vals, ids = logits.topk(3)
+        return dict(zip(ids.tolist(), vals.softmax(-1).tolist(), strict=True))
+
+    exact: dict[tuple[int, ...], float] = {}
+    for a, pa in top3([]).items():
+        for b, pb in top3([a]).items():
+            for c, pc in top3([a, b]).items():
+                exact[(a, b, c)] = pa * pb * pc
+    assert set(counts) <= set(exact)
+    # chi-square, outcomes expected fewer than 5 times pooled into one cell
+    small = [k for k, p in exact.items() if p * runs < 5]
+    cells = [(counts.get(k, 0), p * runs) for k, p in exact.items() if k not in small]
+    if small:
+        cells.append((sum(counts.get(k, 0) for k in small), sum(exact[k] for k in small) * runs))
+    chi2 = sum((o - e) ** 2 / e for o, e in cells)
+    # at most 26 degrees of freedom: 60 is past the 0.9999 quantile
+    assert chi2 < 60, (chi2, len(cells))
