@@ -57,9 +57,15 @@ class LoadOptions:
     devices: tuple[int, ...] | None = None
     tensor_parallel: int = 1
     revision: str | None = None
+    # speculative decoding for this model: "ngram", "off", or None for the [engine] setting
+    speculative_method: str | None = None
     # what to load when it differs from model_id: a path's real location, or a hub id
     # with its source scheme (see node/security.loadable_ref)
     ref: str | None = None
+
+
+# `speculative_method` a load may ask for ("off": none, whatever [engine] says)
+SPECULATIVE_METHODS = ("ngram", "off")
 
 
 def parse_load_options(body: Any) -> LoadOptions:
@@ -84,6 +90,12 @@ def parse_load_options(body: Any) -> LoadOptions:
     tp = opt("tensor_parallel", int, "an integer")
     if tp is not None and tp < 1:
         raise invalid_request("tensor_parallel: must be >= 1", "tensor_parallel")
+    spec = opt("speculative_method", str, "a string")
+    if spec is not None and spec not in SPECULATIVE_METHODS:
+        raise invalid_request(
+            f"speculative_method: expected one of {list(SPECULATIVE_METHODS)}, got {spec!r}",
+            "speculative_method",
+        )
     return LoadOptions(
         model_id=model_id,
         quant=opt("quant", str, "a string"),
@@ -91,6 +103,7 @@ def parse_load_options(body: Any) -> LoadOptions:
         devices=tuple(devices) if devices else None,
         tensor_parallel=tp or 1,
         revision=opt("revision", str, "a string"),
+        speculative_method=spec,
     )
 
 
@@ -124,6 +137,10 @@ def engine_args(cfg: Config, options: LoadOptions) -> EngineArgs:
                 _nearest(options.dtype, list(DTYPES)),
             )
         kw["dtype"] = options.dtype
+    if options.speculative_method is not None:  # this model's, over [engine]'s
+        kw["speculative_method"] = (
+            None if options.speculative_method == "off" else options.speculative_method
+        )
     kw |= _placement(cfg, options)
     ref = options.ref or model_id
     _check_heads(model_id, ref, options.tensor_parallel)

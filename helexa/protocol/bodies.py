@@ -392,6 +392,7 @@ class LoadBody(TypedDict, total=False):
     devices: list[int]
     tensor_parallel: int
     revision: str
+    speculative_method: str  # "ngram" | "off"; absent: the node's [engine] setting
 
 
 class UnloadBody(TypedDict):

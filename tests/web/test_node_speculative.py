@@ -46,3 +46,14 @@ def test_the_answer_is_unchanged_and_the_drafts_are_counted(spec_node):
     assert drafted > 0
     entry = next(m for m in node.get("/models").json() if m["id"] == model)
     assert entry["speculative"]["method"] == "ngram" and entry["speculative"]["drafts"] > 0
+
+
+def test_a_load_chooses_speculation_for_its_model(spec_node, tmp_path):
+    node, _ = spec_node
+    other = str(tiny_model(tmp_path, "qwen3"))
+    r = node.post("/models/load", {"model_id": other, "speculative_method": "sometimes"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "speculative_method", r.text
+    r = node.post("/models/load", {"model_id": other, "speculative_method": "off"})
+    assert r.status_code == 200, r.text
+    entry = next(m for m in node.get("/models").json() if m["id"] == other)
+    assert entry["speculative"] is None  # off for this model, on for the node's others
