@@ -97,7 +97,7 @@ class Scheduler:
             seq = self.running[i]
             seq.draft = []  # a failed step's (discard) never carries over
             n = self._chunk(seq, min(seq.num_tokens - seq.num_computed_tokens, chunk, budget))
-            n = self._images(batch, seq, n, dry=True)
+            n, images = self._images(batch, seq, n)
             if n == 1 and seq.num_output_tokens and seq.num_computed_tokens == seq.num_tokens - 1:
                 n += self._draft(seq, budget - 1)  # decoding (the prompt's last token is not)
             if n == 0:  # its next image waits for the tower's budget: the next step
@@ -118,7 +118,7 @@ class Scheduler:
                 bm.allocate(seq, seq.num_computed_tokens + n)
                 seqs.append(seq)
                 counts.append(n)
-                self._images(batch, seq, n)
+                self._encode(batch, images)
                 self._maybe_snapshot(batch, seq, n)
                 budget -= n
                 i += 1
@@ -137,7 +137,7 @@ class Scheduler:
                 seq.snapshot_at = sm.snapshot_point(seq, cached)
             seq.num_computed_tokens = cached
             n = self._chunk(seq, min(seq.num_tokens - cached, chunk, budget))
-            n = self._images(batch, seq, n, dry=True)
+            n, images = self._images(batch, seq, n)
             if n == 0 or not bm.can_allocate(seq, cached + n):
                 bm.free(seq)  # waiting sequences never hold blocks, or they could deadlock
                 seq.num_computed_tokens = 0
@@ -155,7 +155,7 @@ class Scheduler:
                 if snap is not None:
                     batch.restores.append(sm.restore(seq, snap))
                 self._maybe_snapshot(batch, seq, n)
-            self._images(batch, seq, n)
+            self._encode(batch, images)
             budget -= n
 
         return batch if seqs else None
@@ -177,16 +177,18 @@ class Scheduler:
         seq.draft = index.propose(seq.token_ids, k)
         return len(seq.draft)
 
-    def _images(self, batch: ScheduledBatch, seq: Sequence, n: int, dry: bool = False) -> int:
+    def _images(
+        self, batch: ScheduledBatch, seq: Sequence, n: int
+    ) -> tuple[int, list[PromptImage]]:
         """`n` new tokens for `seq`, cut before the first image its chunk reaches that the
-        tower has no budget left for this step (one image a step always fits: progress).
-        Unless `dry`, the images to encode join `batch.encodes` and take their budget."""
+        tower has no budget left for this step (one image a step always fits: progress),
+        and the images its chunk has the tower encode (`_encode` once it is scheduled)."""
         mm = seq.mm
         start = seq.num_computed_tokens
+        todo: list[PromptImage] = []
         if mm is None or start >= seq.num_prompt_tokens:
-            return n
+            return n, todo
         budget = self._encoder_budget
-        todo = []
         for p in mm.overlapping(start, start + n):
             if p.embeds is not None or p in batch.encodes:
                 continue
@@ -196,10 +198,12 @@ class Scheduler:
                 break
             budget -= cost
             todo.append(p)
-        if not dry:
-            batch.encodes.extend(todo)
-            self._encoder_budget = budget
-        return n
+        return n, todo
+
+    def _encode(self, batch: ScheduledBatch, images: list[PromptImage]) -> None:
+        """A scheduled chunk's images join the step's encodes and take their budget."""
+        batch.encodes.extend(images)
+        self._encoder_budget -= sum(p.run.length for p in images)
 
     def _chunk(self, seq: Sequence, n: int) -> int:
         """`n` new tokens for `seq`, cut so a chunk ends at its snapshot boundary."""
