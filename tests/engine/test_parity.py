@@ -32,8 +32,9 @@ def _prompts(vocab: int) -> list[list[int]]:
 
 
 def _hf_greedy(
-    model, prompt: list[int], num_tokens: int = NUM_TOKENS
+    model, prompt: list[int], num_tokens: int = NUM_TOKENS, **inputs
 ) -> tuple[list[int], torch.Tensor]:
+    """transformers' greedy tokens and logits; `inputs` go to `generate` too (images)."""
     out = model.generate(
         torch.tensor([prompt]),
         attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
@@ -44,6 +45,7 @@ def _hf_greedy(
         return_dict_in_generate=True,
         pad_token_id=0,
         eos_token_id=None,
+        **inputs,
     )
     tokens = out.sequences[0, len(prompt) :].tolist()
     return tokens, torch.cat(out.logits)  # [num_tokens, vocab]

@@ -12,7 +12,13 @@ from PIL import Image
 from helexa.engine import LLM, SamplingParams
 from helexa.engine.vision.inputs import ImageInput
 from helexa.engine.vision.preprocess import patches, resize_image
-from tests.engine.test_parity import EXACT, _record_logits, assert_same_greedy_run
+from tests.engine.test_parity import (
+    EXACT,
+    LOGITS_ATOL,
+    _hf_greedy,
+    _record_logits,
+    assert_same_greedy_run,
+)
 from tests.engine.tiny import VISION_TOKENS, make_tiny_vision_model
 from tests.shared_fixtures import needs_shared
 
@@ -49,19 +55,26 @@ def _reference(hf, prompt: list[int], images: list[ImageInput], profile):
             image_grid_thw=torch.tensor([i.grid(profile) for i in images]),
             mm_token_type_ids=(ids == PAD).int(),
         )
-    out = hf.generate(
-        ids,
-        attention_mask=torch.ones_like(ids),
-        max_new_tokens=NUM_TOKENS,
-        min_new_tokens=NUM_TOKENS,
-        do_sample=False,
-        output_logits=True,
-        return_dict_in_generate=True,
-        pad_token_id=0,
-        eos_token_id=None,
-        **extra,
-    )
-    return out.sequences[0, len(prompt) :].tolist(), torch.cat(out.logits)
+    return _hf_greedy(hf, prompt, NUM_TOKENS, **extra)
+
+
+def _assert_matches_transformers(llm, hf, cases, label: str, atol: float = LOGITS_ATOL):
+    """`cases` ((prompt, images) each) batched through `llm`, against transformers: the
+    same greedy tokens, logits within `atol` at every step. Returns the sequences."""
+    profile = llm.engine.loaded.vision
+    seen = _record_logits(llm)
+    seqs = _run(llm, cases)
+    for (prompt, images), seq in zip(cases, seqs, strict=True):
+        ref_tokens, ref_logits = _reference(hf, prompt, images, profile)
+        assert_same_greedy_run(
+            seq.output_token_ids,
+            torch.stack(seen[seq.request_id]),
+            ref_tokens,
+            ref_logits,
+            f"{label} with {len(images)} images",
+            atol=atol,
+        )
+    return seqs
 
 
 @pytest.fixture(scope="module", params=["qwen3_5", "qwen3_5_moe"])
@@ -94,17 +107,7 @@ def test_images_batched_with_text_match_transformers(vision_model):
         (_prompt([tall, wide], llm, [3838, 374, 279]), [tall, wide]),
         ([IM_START, 872, NL, *range(1000, 1040), IM_END, NL, IM_START, 77091, NL], []),
     ]
-    seen = _record_logits(llm)
-    seqs = _run(llm, cases)
-    for (prompt, images), seq in zip(cases, seqs, strict=True):
-        ref_tokens, ref_logits = _reference(hf, prompt, images, profile)
-        assert_same_greedy_run(
-            seq.output_token_ids,
-            torch.stack(seen[seq.request_id]),
-            ref_tokens,
-            ref_logits,
-            f"{kind} with {len(images)} images",
-        )
+    seqs = _assert_matches_transformers(llm, hf, cases, kind)
     # M-RoPE moved the text after the images: an image takes max(rows, cols) positions
     assert seqs[0].position_offset == 12 - 72 and seqs[2].position_offset == 0
 
@@ -172,14 +175,4 @@ def test_images_on_cuda_match_transformers(kind, tmp_path):
         resize_image(_image(300, 120, 1), profile),
     ]
     prompt = _prompt(images, llm, [3838, 374, 279])
-    seen = _record_logits(llm)
-    (seq,) = _run(llm, [(prompt, images)])
-    ref_tokens, ref_logits = _reference(hf, prompt, images, profile)
-    assert_same_greedy_run(
-        seq.output_token_ids,
-        torch.stack(seen[seq.request_id]),
-        ref_tokens,
-        ref_logits,
-        f"{kind} on CUDA",
-        atol=1e-3,
-    )
+    _assert_matches_transformers(llm, hf, [(prompt, images)], f"{kind} on CUDA", atol=1e-3)
