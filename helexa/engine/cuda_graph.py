@@ -6,7 +6,9 @@ slots, context lengths, block tables, recurrent-state rows) that a step fills wi
 non-blocking copy each, padded up to the bucket: padding rows write their K/V to a scratch
 block and their recurrent state to a scratch row that no sequence owns, and attend to
 nothing (context length 0). Only the model's forward is captured; logits and sampling run
-after it, on the rows that are real.
+after it, on the rows that are real. A speculative step's check rows are decode rows too
+(each attends over its sequence's context up to itself), so it replays the graph of its
+row count like any decode step.
 
 Graphs need an attention backend that `captures_graphs`: Triton's, whose decode kernel reads
 lengths and block tables from the device (SDPA's shapes change with the context).
@@ -106,34 +108,54 @@ class DecodeGraphs:
             self.graphs[bs] = graph
         torch.cuda.synchronize(runner.device)
 
-    def fits(self, batch: ScheduledBatch) -> bool:
-        """Whether the step is decode only (one new token per sequence, each sampling)."""
+    def fits(self, batch: ScheduledBatch, checks: bool = True) -> bool:
+        """Whether the step is decode only: one new token per sequence, or a speculating
+        sequence's last token and draft (`checks`: the runner checks drafts as decode rows),
+        every sequence sampling, in all no more rows than the largest graph."""
         n = len(batch.seqs)
         return (
-            n <= self.max_batch
-            and all(k == 1 for k in batch.num_new_tokens)
+            batch.num_tokens <= self.max_batch
+            and all(
+                k == 1 + len(s.draft) and (checks or not s.draft)
+                for s, k in zip(batch.seqs, batch.num_new_tokens, strict=True)
+            )
             and all(s.num_computed_tokens > 0 for s in batch.seqs)
             and all(batch.samples(i) for i in range(n))
         )
 
-    def run(self, runner: ModelRunner, batch: ScheduledBatch) -> torch.Tensor | None:
-        """Replay the bucket's graph for a decode step: hidden [n, hidden_size], or None
-        when the step is not one a graph covers (the runner then runs it eagerly)."""
-        if not self.fits(batch):
-            return None
-        n = len(batch.seqs)
-        bs = next(b for b in self.buckets if b >= n)
-        pad = bs - n
-        ids, positions, slots, lengths, states = [], [], [], [], []
+    @staticmethod
+    def host_rows(runner: ModelRunner, batch: ScheduledBatch) -> tuple[list[list[int]], list]:
+        """A decode step's rows as host lists: ids, positions, slots, context lengths and
+        state rows, one entry a row, and the rows' sequences (a speculating sequence's
+        check rows after one another, each a token longer: they replay as decode rows
+        of one graph, so a check step has a fixed shape too)."""
+        ids, positions, slots, lengths, states, seqs = [], [], [], [], [], []
         for seq in batch.seqs:
             p = seq.num_computed_tokens
-            ids.append(seq.token_ids[p])
-            positions.append(p + seq.position_offset)  # past a prompt's images: M-RoPE
-            slots.extend(runner.slots(seq, p, p + 1))
-            lengths.append(p + 1)
-            states.append(seq.state_slot)
+            tokens = [seq.token_ids[p], *seq.draft]
+            ids.extend(tokens)
+            off = seq.position_offset  # past a prompt's images: M-RoPE
+            positions.extend(range(p + off, p + len(tokens) + off))
+            slots.extend(runner.slots(seq, p, p + len(tokens)))
+            lengths.extend(range(p + 1, p + len(tokens) + 1))
+            states.extend([seq.state_slot] * len(tokens))
+            seqs.extend([seq] * len(tokens))
+        return [ids, positions, slots, lengths, states], seqs
+
+    def run(
+        self, runner: ModelRunner, batch: ScheduledBatch, checks: bool = True
+    ) -> torch.Tensor | None:
+        """Replay the bucket's graph for a decode step: hidden [rows, hidden_size], a row per
+        sequence and check row in order, or None when the step is not one a graph covers
+        (the runner then runs it eagerly)."""
+        if not self.fits(batch, checks):
+            return None
+        (ids, positions, slots, lengths, states), seqs = self.host_rows(runner, batch)
+        n = len(ids)
+        bs = next(b for b in self.buckets if b >= n)
+        pad = bs - n
         cols = -(-max(lengths) // runner.block_size)
-        tables = runner.block_tables(batch.seqs, cols)
+        tables = runner.block_tables(seqs, cols)
         host = torch.tensor(
             [
                 ids + [0] * pad,

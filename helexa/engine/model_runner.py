@@ -165,6 +165,7 @@ class ModelRunner:
         slots: list[int] = []
         prefills: list[tuple[int, int, int, int]] = []
         decode_rows: list[int] = []
+        decode_lens: list[int] = []  # each decode row's context length after the step
         sample_rows: list[int] = []
         sample_seqs: list[int] = []
         prefill_seqs: list[Sequence] = []
@@ -187,9 +188,12 @@ class ModelRunner:
                 off = seq.position_offset
                 positions.extend(range(start + off, start + n + off))
             slots.extend(self.slots(seq, start, start + n))
-            if n == 1 and start > 0:
-                decode_rows.append(row)
-                decode_seqs.append(seq)
+            if (n == 1 and start > 0) or self.checks_as_decode(seq):
+                # a draft's check rows too: row j sees the context up to itself, as the
+                # decode step it stands for would (the same kernels, the same floats)
+                decode_rows.extend(range(row, row + n))
+                decode_seqs.extend([seq] * n)
+                decode_lens.extend(range(start + 1, start + n + 1))
             else:
                 prefills.append((row, row + n, seq.state_slot, start))
                 prefill_seqs.append(seq)
@@ -218,8 +222,17 @@ class ModelRunner:
                 plan.splice = torch.cat(splice)
         if decode_seqs and self.recurrent_layers:
             plan.decode_state_slots = [s.state_slot for s in decode_seqs]
-        self.attention.plan(plan, batch, prefill_seqs, decode_seqs)
+        self.attention.plan(plan, batch, prefill_seqs, decode_seqs, decode_lens)
         return plan
+
+    def checks_as_decode(self, seq: Sequence) -> bool:
+        """Whether `seq`'s draft is checked as decode rows, one per token (each attending
+        over the context up to itself), rather than as a prompt-like chunk: so that each
+        check row computes what a one-token decode step at its position computes, through
+        the same kernels, and greedy output does not change with speculation. A model with
+        recurrent layers checks a draft as a chunk (the delta rule's state runs through it:
+        spec/rollback.py)."""
+        return bool(seq.draft) and not self.recurrent_layers
 
     @staticmethod
     def _image_rows(
@@ -332,9 +345,11 @@ class ModelRunner:
     def forward_step(self, batch: ScheduledBatch) -> StepHidden:
         """The batch's forward: a captured decode graph replayed where one covers the step,
         else the model run eagerly (by every rank, under tensor parallel)."""
-        hidden = self.graphs.run(self, batch) if self.graphs is not None else None
-        if hidden is not None:  # every sequence decodes and samples, in order
-            return StepHidden(hidden, None, list(range(len(batch.seqs))), has_prompt=False)
+        graphs = self.graphs
+        hidden = None if graphs is None else graphs.run(self, batch, not self.recurrent_layers)
+        if hidden is not None:  # every sequence decodes and samples, in order, check rows too
+            rows = [i for i, seq in enumerate(batch.seqs) for _ in range(1 + len(seq.draft))]
+            return StepHidden(hidden, None, rows, has_prompt=False)
         plan = self.plan(batch)
         if self.broadcast is not None:  # tensor parallel: the followers run it too
             self.broadcast(_travelling(plan))

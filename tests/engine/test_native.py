@@ -294,6 +294,34 @@ def test_paged_decode_attention_is_softmax_over_each_rows_blocks(heads, kv_heads
         torch.set_num_threads(threads)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])  # the cache's
+def test_a_decode_rows_floats_do_not_depend_on_the_rows_beside_it(dtype):
+    """Bit for bit: a row alone, in a batch of others, and as one of a sequence's check rows
+    (several rows on one table, each a token longer: speculative decoding) gives the same
+    output; its span split comes from its own length alone."""
+    g = torch.Generator().manual_seed(5)
+    block_size, num_blocks, heads, kvh, d = 16, 96, 9, 3, 64
+    k_cache = torch.randn(num_blocks, block_size, kvh, d, generator=g).to(dtype)
+    v_cache = torch.randn(num_blocks, block_size, kvh, d, generator=g).to(dtype)
+    table = torch.randperm(num_blocks, generator=g)[:40]
+    lens = [300, 301, 302, 303, 304, 20, 611, 1]  # five check rows, then other sequences
+    tables = torch.stack([table] * 5 + [torch.randperm(num_blocks, generator=g)[:40]] * 3)
+    q = torch.randn(len(lens), heads, d, generator=g)
+    lens_t = torch.tensor(lens, dtype=torch.int32)
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            batched = native.paged_decode(q, k_cache, v_cache, tables, lens_t, d**-0.5)
+            for i in range(len(lens)):
+                alone = native.paged_decode(
+                    q[i : i + 1], k_cache, v_cache, tables[i : i + 1], lens_t[i : i + 1], d**-0.5
+                )
+                assert torch.equal(batched[i], alone[0]), (n, i)
+    finally:
+        torch.set_num_threads(threads)
+
+
 @pytest.mark.parametrize("rows", [1, 5, 300])  # 300: rows split over threads
 @pytest.mark.parametrize(("heads", "kv_heads", "d", "r"), [(9, 3, 64, 64), (4, 2, 32, 16)])
 @pytest.mark.parametrize("qk_norm", [False, True])

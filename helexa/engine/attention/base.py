@@ -41,9 +41,12 @@ class AttentionBackend:
         batch: ScheduledBatch,
         prefill_seqs: list[Sequence],
         decode_seqs: list[Sequence],
+        decode_lens: list[int],
     ) -> None:
         """Fill the plan's host metadata for this backend (prefill_seqs: one per
-        plan.prefills entry; decode_seqs: one per plan.decode_rows entry)."""
+        plan.prefills entry; decode_seqs and decode_lens, each row's sequence and context
+        length after the step: one per plan.decode_rows entry. A speculating sequence has a
+        decode row per token it checks, each one longer than the last.)"""
 
     def build(self, plan: StepPlan, ctx: AttentionContext, tensor: ToDevice) -> None:
         """Fill the context's device metadata for this backend from the plan."""

@@ -39,6 +39,7 @@ class SdpaAttention(AttentionBackend):
         batch: ScheduledBatch,
         prefill_seqs: list[Sequence],
         decode_seqs: list[Sequence],
+        decode_lens: list[int],
     ) -> None:
         # a later chunk's whole context (cached prefix + chunk), by slot
         plan.prefill_contexts = [
@@ -46,9 +47,9 @@ class SdpaAttention(AttentionBackend):
             for seq, (start, end, _, cached) in zip(prefill_seqs, plan.prefills, strict=True)
         ]
         if decode_seqs:  # the decode rows' whole blocks and lengths
-            lengths = [s.num_computed_tokens + 1 for s in decode_seqs]
-            plan.decode_lens = lengths
-            plan.decode_tables = block_tables(decode_seqs, -(-max(lengths) // self.block_size))
+            plan.decode_lens = decode_lens
+            width = -(-max(decode_lens) // self.block_size)
+            plan.decode_tables = block_tables(decode_seqs, width)
 
     def build(self, plan: StepPlan, ctx: AttentionContext, tensor: ToDevice) -> None:
         split = split_prefix_attention(self.device)

@@ -1,8 +1,9 @@
 """Attention through the Triton kernels (CUDA, or `kernels = "triton"` anywhere).
 
 The context is read through block tables, never gathered. A step's metadata is every
-sequence's block table and length after the step, in batch order, and on a step with
-prompt tokens the new tokens' offsets (`cu_seqlens_q`). New K/V go to the cache in one
+decode row's block table and length after the step (a speculating sequence's check rows each
+one longer than the last), or on a step with prompt tokens every sequence's, in batch order,
+and the new tokens' offsets (`cu_seqlens_q`). New K/V go to the cache in one
 `kernels.store_kv` launch for both, in the model's dtype (the cache's on this path). A
 decode-only step is then one decode kernel call (CUDA-graph safe); any other step is one
 varlen prefill call over every sequence, decode rows included as one-token chunks.
@@ -36,15 +37,20 @@ class TritonAttention(AttentionBackend):
         batch: ScheduledBatch,
         prefill_seqs: list[Sequence],
         decode_seqs: list[Sequence],
+        decode_lens: list[int],
     ) -> None:
+        if not prefill_seqs:  # a row per token: a draft's check rows are decode rows too
+            plan.context_lens = decode_lens
+            width = -(-max(decode_lens) // self.block_size)
+            plan.block_tables = block_tables(decode_seqs, width)
+            return
         news = batch.num_new_tokens
         lengths = [s.num_computed_tokens + n for s, n in zip(batch.seqs, news, strict=True)]
         plan.context_lens = lengths
         width = max(-(-n // self.block_size) for n in lengths)
         plan.block_tables = block_tables(batch.seqs, width)
-        if prefill_seqs:
-            plan.cu_seqlens_q = list(accumulate(news, initial=0))
-            plan.max_seqlen_q = max(news)
+        plan.cu_seqlens_q = list(accumulate(news, initial=0))
+        plan.max_seqlen_q = max(news)
 
     def build(self, plan: StepPlan, ctx: AttentionContext, tensor: ToDevice) -> None:
         ctx.context_lens = tensor(plan.context_lens, torch.int32)

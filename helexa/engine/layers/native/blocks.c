@@ -924,7 +924,7 @@ static inline __attribute__((always_inline)) void decode_span(
  * [num_blocks, block_size, KVH, D], float32 or (kv_f16) half; tables [n, max_blocks] int64
  * block ids; lens [n] the tokens each row attends to (its own included); out [n, H, D].
  *
- * Split-K ("flash decoding"): each row's context is cut into S spans, and a task is one
+ * Split-K ("flash decoding"): each row's context is cut into spans, and a task is one
  * (row, span) over every head. It prefetches the span's K as the cache lays it out (a
  * token's [KVH, D] rows after one another, a block's tokens after one another), scores it
  * a kv head's query heads together (span_scores), then weighs V into each head's output
@@ -933,26 +933,48 @@ static inline __attribute__((always_inline)) void decode_span(
  * layer against ~70-110 now (SmolLM2's 9 heads, 3 kv heads, 30 layers, the cache out of
  * the L3 as the streaming weights leave it in a decode step), and one row's 9 tasks left
  * a thread of 2 idle a ninth of the time. A task leaves, per head, its span's max score,
- * sum of e^(score - max) and unnormalised output; a second pass merges the spans. S gives
- * the threads ~8 tasks each, none under 16 tokens. Returns 0, or -1 on a bad argument or
- * a failed allocation. */
+ * sum of e^(score - max) and unnormalised output; a second pass merges the spans.
+ *
+ * A row's span count comes from its own length and the thread count alone (8 spans a
+ * thread, none under 16 tokens), never from the other rows: a row's floats then do not
+ * depend on what it is batched with, so that a speculating sequence's check rows (several
+ * rows of one sequence, each a token longer) compute exactly what its one-row decode steps
+ * would, and greedy output stays the same with speculation on. When the count came from
+ * the batch (8 tasks a thread over all rows), one row took 16 spans and five took 4, and
+ * SmolLM2's code edit parted at its 34th token. Returns 0, or -1 on a bad argument or a
+ * failed allocation. */
+static int64_t decode_spans(int64_t len, int num_threads) {
+    int64_t S = 8 * (int64_t)num_threads, most = (len + 15) / 16;
+    return S > most ? (most > 0 ? most : 1) : S;
+}
+
 int hx_paged_decode(const float *q, int64_t n, int64_t H, int64_t KVH, int64_t D,
                     const void *k_cache, const void *v_cache, int kv_f16, int64_t block_size,
                     const int64_t *tables, int64_t max_blocks, const int32_t *lens, float scale,
                     float *out, int num_threads) {
     if (n < 1 || KVH < 1 || H % KVH || D < 1 || block_size < 1 || num_threads < 1) return -1;
     if (block_size & (block_size - 1)) return -1; /* a power of two */
-    int64_t max_len = 0;
-    for (int64_t i = 0; i < n; i++) {
+    for (int64_t i = 0; i < n; i++)
         if (lens[i] < 1 || lens[i] > max_blocks * block_size) return -1;
-        if (lens[i] > max_len) max_len = lens[i];
+    /* first[i]: row i's first task (its spans' partials lie from part + first[i] H stride) */
+    int64_t *first = malloc((size_t)(n + 1) * sizeof(int64_t));
+    if (!first) return -1;
+    int64_t span_max = 1;
+    first[0] = 0;
+    for (int64_t i = 0; i < n; i++) {
+        int64_t S = decode_spans(lens[i], num_threads), per = (lens[i] + S - 1) / S;
+        first[i + 1] = first[i] + S;
+        if (per > span_max) span_max = per;
     }
-    int64_t S = (8 * (int64_t)num_threads + n - 1) / n;
-    if (S > (max_len + 15) / 16) S = (max_len + 15) / 16;
-    if (S < 1) S = 1;
-    const int64_t span_max = (max_len + S - 1) / S, stride = D + 2; /* o[D], max, sum */
-    float *part = malloc((size_t)(n * H * S * stride) * sizeof(float));
-    if (!part) return -1;
+    const int64_t tasks = first[n], stride = D + 2; /* o[D], max, sum */
+    float *part = malloc((size_t)(tasks * H * stride) * sizeof(float));
+    int64_t *row_of = malloc((size_t)tasks * sizeof(int64_t));
+    if (!part || !row_of) {
+        free(part), free(row_of), free(first);
+        return -1;
+    }
+    for (int64_t i = 0; i < n; i++)
+        for (int64_t t = first[i]; t < first[i + 1]; t++) row_of[t] = i;
     int failed = 0;
 #pragma omp parallel num_threads(num_threads)
     {
@@ -962,12 +984,13 @@ int hx_paged_decode(const float *q, int64_t n, int64_t H, int64_t KVH, int64_t D
             failed = 1;
         }
 #pragma omp for schedule(static)
-        for (int64_t task = 0; task < n * S; task++) {
+        for (int64_t task = 0; task < tasks; task++) {
             if (!s) continue;
-            int64_t i = task / S, sp = task % S, len = lens[i], per = (len + S - 1) / S;
+            int64_t i = row_of[task], S = first[i + 1] - first[i], sp = task - first[i];
+            int64_t len = lens[i], per = (len + S - 1) / S;
             int64_t t0 = sp * per, t1 = t0 + per < len ? t0 + per : len;
             const int64_t *table = tables + i * max_blocks;
-            float *pi = part + i * H * S * stride;
+            float *pi = part + first[i] * H * stride;
             if (kv_f16)
                 decode_span(q + i * H * D, k_cache, v_cache, 1, table, block_size, H, KVH, D,
                             t0, t1, scale, s, span_max, pi, S, sp, stride);
@@ -979,7 +1002,8 @@ int hx_paged_decode(const float *q, int64_t n, int64_t H, int64_t KVH, int64_t D
         if (!failed) { /* every thread sees the same value: set before the barrier above */
 #pragma omp for schedule(static)
             for (int64_t task = 0; task < n * H; task++) {
-                const float *pp = part + task * S * stride;
+                int64_t i = task / H, h = task % H, S = first[i + 1] - first[i];
+                const float *pp = part + (first[i] * H + h * S) * stride;
                 float m = -INFINITY, total = 0.f, *o = out + task * D;
                 for (int64_t sp = 0; sp < S; sp++)
                     m = pp[sp * stride + D] > m ? pp[sp * stride + D] : m;
@@ -996,7 +1020,7 @@ int hx_paged_decode(const float *q, int64_t n, int64_t H, int64_t KVH, int64_t D
             }
         }
     }
-    free(part);
+    free(part), free(row_of), free(first);
     return failed ? -1 : 0;
 }
 
