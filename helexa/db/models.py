@@ -183,6 +183,10 @@ class CatalogueModel(Base):
     pinned_on: Mapped[list[str]] = mapped_column(JSON, default=list)
     cost_input: Mapped[float] = mapped_column(Float, default=0.0)  # USD per 1M tokens
     cost_output: Mapped[float] = mapped_column(Float, default=0.0)
+    # the node's `POST /models/load` speculative options; NULL: the node's [engine] setting
+    speculative_method: Mapped[str | None] = mapped_column(String(20))
+    speculative_model: Mapped[str | None] = mapped_column(String(500))
+    num_speculative_tokens: Mapped[int | None] = mapped_column(Integer)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
     updated_at: Mapped[datetime] = mapped_column(
         DateTime(timezone=True), default=utcnow, onupdate=utcnow

@@ -49,6 +49,9 @@ def row_of(m: ModelEntry) -> CatalogueModel:
         pinned_on=list(m.pinned_on),
         cost_input=m.cost.input,
         cost_output=m.cost.output,
+        speculative_method=m.speculative_method,
+        speculative_model=m.speculative_model,
+        num_speculative_tokens=m.num_speculative_tokens,
     )
 
 
@@ -63,4 +66,7 @@ def entry_of(row: CatalogueModel) -> ModelEntry:
         min_device_vram_mb=row.min_device_vram_mb,
         pinned_on=list(row.pinned_on or []),
         cost=Cost(input=row.cost_input, output=row.cost_output),
+        speculative_method=row.speculative_method,  # type: ignore[arg-type]  # as dtype
+        speculative_model=row.speculative_model,
+        num_speculative_tokens=row.num_speculative_tokens,
     )

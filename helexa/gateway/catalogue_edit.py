@@ -14,6 +14,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from helexa.config import DTYPES, ModelEntry
 from helexa.db.models import Alias, CatalogueModel, utcnow
 from helexa.db.seed import load_catalogue, row_of
+from helexa.protocol.wire import MAX_SPECULATIVE_TOKENS, SPECULATIVE_METHODS
 
 MAX_ID_CHARS = 500
 
@@ -44,6 +45,13 @@ def _price(params: Mapping[str, str], name: str) -> float:
     return value
 
 
+def _model_id(params: Mapping[str, str], name: str) -> str | None:
+    text = (params.get(name) or "").strip()
+    if len(text) > MAX_ID_CHARS:
+        raise ValueError(f"{name}: at most {MAX_ID_CHARS} characters, got {len(text)}")
+    return text or None
+
+
 def entry_from_form(
     params: Mapping[str, str], pinned_on: Sequence[str], nodes: Sequence[str]
 ) -> ModelEntry:
@@ -63,6 +71,15 @@ def entry_from_form(
     min_devices = _int(params, "min_devices")
     if min_devices is not None and min_devices < tp:
         raise ValueError(f"min_devices: {min_devices} is below tensor_parallel {tp}")
+    method = (params.get("speculative_method") or "").strip() or None
+    if method is not None and method not in SPECULATIVE_METHODS:
+        choices = ", ".join(SPECULATIVE_METHODS)
+        raise ValueError(f"speculative_method: expected one of {choices}, got {method!r}")
+    num_spec = _int(params, "num_speculative_tokens")
+    if num_spec is not None and num_spec > MAX_SPECULATIVE_TOKENS:
+        raise ValueError(
+            f"num_speculative_tokens: at most {MAX_SPECULATIVE_TOKENS}, got {num_spec}"
+        )
     entry = ModelEntry(
         id=model_id,
         source=(params.get("source") or "").strip() or None,
@@ -72,7 +89,12 @@ def entry_from_form(
         min_devices=min_devices,
         min_device_vram_mb=_int(params, "min_device_vram_mb"),
         pinned_on=sorted(set(pinned_on)),
+        speculative_method=method,  # type: ignore[arg-type]  # checked above
+        speculative_model=_model_id(params, "speculative_model"),
+        num_speculative_tokens=num_spec,
     )
+    if (problem := entry.speculative_problem()) is not None:
+        raise ValueError(problem)
     entry.cost.input = _price(params, "cost_input")
     entry.cost.output = _price(params, "cost_output")
     return entry

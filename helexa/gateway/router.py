@@ -164,6 +164,10 @@ class Router:
                 "quant": entry.quant,
                 "dtype": entry.dtype,
                 "tensor_parallel": entry.tensor_parallel,
+                # unset: the node's [engine] setting
+                "speculative_method": entry.speculative_method,
+                "speculative_model": entry.speculative_model,
+                "num_speculative_tokens": entry.num_speculative_tokens,
             }
             body |= {k: v for k, v in options.items() if v is not None}
         return body

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import difflib
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
@@ -16,6 +16,7 @@ from helexa.engine import EngineArgs
 from helexa.engine.parallel import PlacementError
 from helexa.engine.rank_worker import placement
 from helexa.errors import HelexaError, invalid_request
+from helexa.protocol.wire import MAX_SPECULATIVE_TOKENS, SPECULATIVE_METHODS
 
 GGUF_QUANTS = (
     "F32", "F16", "BF16", "Q8_0", "Q6_K", "Q5_K_M", "Q5_K_S", "Q5_K", "Q5_0", "Q5_1",
@@ -36,12 +37,14 @@ class LoadError(HelexaError):
         *,
         status: int = 422,
         retry_after: float | None = None,
+        param: str | None = None,
     ) -> None:
         super().__init__(
             status,
             "invalid_request_error" if status == 422 else "service_unavailable",
             message,
             code=kind,
+            param=param,
             retry_after=retry_after,
             extra={"kind": kind, "model_id": model_id, "suggestion": suggestion},
         )
@@ -57,15 +60,16 @@ class LoadOptions:
     devices: tuple[int, ...] | None = None
     tensor_parallel: int = 1
     revision: str | None = None
-    # speculative decoding for this model: "ngram", "off", or None for the [engine] setting
+    # speculative decoding for this model, each None for the [engine] setting: the method
+    # (wire.SPECULATIVE_METHODS), the draft model ("draft_model" only), the draft's length
     speculative_method: str | None = None
+    speculative_model: str | None = None
+    num_speculative_tokens: int | None = None
     # what to load when it differs from model_id: a path's real location, or a hub id
-    # with its source scheme (see node/security.loadable_ref)
+    # with its source scheme (see node/security.loadable_ref); `draft_ref` is the same
+    # for speculative_model
     ref: str | None = None
-
-
-# `speculative_method` a load may ask for ("off": none, whatever [engine] says)
-SPECULATIVE_METHODS = ("ngram", "off")
+    draft_ref: str | None = None
 
 
 def parse_load_options(body: Any) -> LoadOptions:
@@ -90,12 +94,6 @@ def parse_load_options(body: Any) -> LoadOptions:
     tp = opt("tensor_parallel", int, "an integer")
     if tp is not None and tp < 1:
         raise invalid_request("tensor_parallel: must be >= 1", "tensor_parallel")
-    spec = opt("speculative_method", str, "a string")
-    if spec is not None and spec not in SPECULATIVE_METHODS:
-        raise invalid_request(
-            f"speculative_method: expected one of {list(SPECULATIVE_METHODS)}, got {spec!r}",
-            "speculative_method",
-        )
     return LoadOptions(
         model_id=model_id,
         quant=opt("quant", str, "a string"),
@@ -103,7 +101,9 @@ def parse_load_options(body: Any) -> LoadOptions:
         devices=tuple(devices) if devices else None,
         tensor_parallel=tp or 1,
         revision=opt("revision", str, "a string"),
-        speculative_method=spec,
+        speculative_method=opt("speculative_method", str, "a string"),
+        speculative_model=opt("speculative_model", str, "a string"),
+        num_speculative_tokens=opt("num_speculative_tokens", int, "an integer"),
     )
 
 
@@ -137,10 +137,7 @@ def engine_args(cfg: Config, options: LoadOptions) -> EngineArgs:
                 _nearest(options.dtype, list(DTYPES)),
             )
         kw["dtype"] = options.dtype
-    if options.speculative_method is not None:  # this model's, over [engine]'s
-        kw["speculative_method"] = (
-            None if options.speculative_method == "off" else options.speculative_method
-        )
+    kw |= _speculative(options)
     kw |= _placement(cfg, options)
     ref = options.ref or model_id
     _check_heads(model_id, ref, options.tensor_parallel)
@@ -155,6 +152,60 @@ def engine_args(cfg: Config, options: LoadOptions) -> EngineArgs:
     except PlacementError as e:
         raise LoadError("invalid_placement", model_id, str(e), e.suggestion) from e
     return args
+
+
+def _speculative(options: LoadOptions) -> dict[str, Any]:
+    """EngineArgs for this model's speculative decoding, over [engine]'s (each option left
+    out keeps the node's), or the 422 `invalid_speculative` naming the field (`param`)."""
+    model_id, method = options.model_id, options.speculative_method
+    draft, num = options.speculative_model, options.num_speculative_tokens
+
+    def refuse(param: str, message: str, suggestion: str | None) -> LoadError:
+        return LoadError("invalid_speculative", model_id, message, suggestion, param=param)
+
+    if method is not None and method not in SPECULATIVE_METHODS:
+        raise refuse(
+            "speculative_method",
+            f"unknown speculative_method {method!r}; supported: {list(SPECULATIVE_METHODS)}",
+            _nearest(method, list(SPECULATIVE_METHODS)),
+        )
+    if num is not None and not 1 <= num <= MAX_SPECULATIVE_TOKENS:
+        raise refuse(
+            "num_speculative_tokens",
+            f"num_speculative_tokens {num} is outside 1..{MAX_SPECULATIVE_TOKENS}",
+            "draft 2 to 5 tokens; a longer draft is rarely accepted whole",
+        )
+    if method != "draft_model" and draft is not None:
+        raise refuse(
+            "speculative_model",
+            f"speculative_model is only for speculative_method 'draft_model', not {method!r}",
+            "set speculative_method to 'draft_model', or leave speculative_model out",
+        )
+    if method == "draft_model" and not draft:
+        raise refuse(
+            "speculative_model",
+            "speculative_method 'draft_model' needs speculative_model: the draft model's id",
+            "name a small model that shares this model's tokenizer",
+        )
+    # a draft model is loaded by the engine beside its target; an engine without the
+    # argument cannot, and must say so rather than speculate some other way
+    takes_draft = "speculative_model" in {f.name for f in fields(EngineArgs)}
+    if method == "draft_model" and not takes_draft:
+        raise refuse(
+            "speculative_method",
+            "this node's engine has no draft-model speculative decoding yet",
+            "use 'ngram', or 'off'",
+        )
+    kw: dict[str, Any] = {}
+    if method is not None:
+        kw["speculative_method"] = None if method == "off" else method
+    if method == "draft_model":
+        kw["speculative_model"] = options.draft_ref or draft
+    elif method is not None and takes_draft:
+        kw["speculative_model"] = None  # [engine]'s draft model is not this load's
+    if num is not None:
+        kw["num_speculative_tokens"] = num
+    return kw
 
 
 def _placement(cfg: Config, options: LoadOptions) -> dict[str, Any]:

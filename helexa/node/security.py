@@ -85,32 +85,35 @@ def budget_of(headers: Mapping[str, str], trusted: bool) -> SpendBudget | None:
         raise invalid_request(f"{BUDGET_HEADER}: {e}", BUDGET_HEADER) from None
 
 
-def model_path_not_allowed(model_id: str) -> HelexaError:
+def model_path_not_allowed(model_id: str, param: str = "model_id") -> HelexaError:
     # One message whether or not the path exists: a refusal must not reveal the filesystem.
     return HelexaError(
         403,
         "permission_error",
-        f"model_id {model_id!r} is neither a hub id (org/name) nor a path under this node's "
+        f"{param} {model_id!r} is neither a hub id (org/name) nor a path under this node's "
         "model directories ([node] model_dirs)",
         code="model_path_not_allowed",
-        param="model_id",
+        param=param,
     )
 
 
-def loadable_ref(model_id: str, roots: Sequence[Path], bundled_id: str) -> str:
+def loadable_ref(
+    model_id: str, roots: Sequence[Path], bundled_id: str, param: str = "model_id"
+) -> str:
     """What a `POST /models/load` of `model_id` may load: the bundled model's id, a hub id
     (returned with its source scheme, so that it never resolves to a local directory), or
-    an absolute path whose real location is inside one of `roots`; else the 403."""
+    an absolute path whose real location is inside one of `roots`; else the 403 naming
+    `param` (the body's field: the model, or its draft model)."""
     if model_id == bundled_id:
         return model_id
     if _HUB_ID.fullmatch(model_id) and ".." not in model_id:
         return model_id if ":" in model_id else f"huggingface:{model_id}"
     path = Path(model_id)
     if not path.is_absolute():
-        raise model_path_not_allowed(model_id)
+        raise model_path_not_allowed(model_id, param)
     real = Path(os.path.realpath(path))  # symlinks followed, missing parts kept
     for root in roots:
         base = Path(os.path.realpath(root))
         if real != base and real.is_relative_to(base):
             return str(real)
-    raise model_path_not_allowed(model_id)
+    raise model_path_not_allowed(model_id, param)

@@ -142,8 +142,14 @@ class Node:
         self.refuse_if_draining()
         options = parse_load_options(body)
         notes["model"] = options.model_id
-        ref = loadable_ref(options.model_id, self.cfg.node.model_dirs or [], BUNDLED_MODEL_ID)
-        served = await self.registry.load(dataclasses.replace(options, ref=ref))
+        roots, bundled = self.cfg.node.model_dirs or [], BUNDLED_MODEL_ID
+        ref = loadable_ref(options.model_id, roots, bundled)
+        # a draft model is loaded too: the same rule for what may be loaded holds for it
+        draft = options.speculative_model
+        draft_ref = draft and loadable_ref(draft, roots, bundled, "speculative_model")
+        served = await self.registry.load(
+            dataclasses.replace(options, ref=ref, draft_ref=draft_ref)
+        )
         return {"status": "loaded", "model": served.describe()}
 
     async def unload(self, body: Any) -> dict[str, Any]:

@@ -392,7 +392,10 @@ class LoadBody(TypedDict, total=False):
     devices: list[int]
     tensor_parallel: int
     revision: str
-    speculative_method: str  # "ngram" | "off"; absent: the node's [engine] setting
+    # speculative decoding for this model (wire.SPECULATIVE_METHODS); absent: [engine]'s
+    speculative_method: str  # "ngram" | "draft_model" | "off"
+    speculative_model: str  # the draft model's id; with "draft_model" only, and required there
+    num_speculative_tokens: int  # 1..16 tokens a draft proposes; absent: [engine]'s
 
 
 class UnloadBody(TypedDict):

@@ -1,6 +1,7 @@
 """The node ↔ gateway contract, in one place: the headers the gateway stamps, the budget
-header's format and parser, the price formula, the output default both sides assume, and
-server-sent events (encoded by the node, parsed by the gateway). No I/O."""
+header's format and parser, the price formula, the output default both sides assume, the
+speculative decoding a load may ask for, and server-sent events (encoded by the node,
+parsed by the gateway). No I/O."""
 
 from __future__ import annotations
 
@@ -50,6 +51,11 @@ def bearer_token(authorization: str | None) -> str | None:
 DEFAULT_MAX_OUTPUT_TOKENS = 8192
 # The gateway's estimate of a prompt's tokens before the node has tokenized it.
 CHARS_PER_TOKEN = 4
+# A load's speculative decoding (`POST /models/load`, a catalogue entry): vLLM's method
+# names ("off": none for this model, whatever the node's [engine] says), and the most
+# tokens one draft may propose.
+SPECULATIVE_METHODS = ("ngram", "draft_model", "off")
+MAX_SPECULATIVE_TOKENS = 16
 
 
 def cost_usd(

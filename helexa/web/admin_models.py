@@ -39,19 +39,32 @@ def _context(gateway: Gateway, **extra: Any) -> dict[str, Any]:
         node_id = router.node_model_id(model_id)
         where = [(n.name, n.status_of(node_id)) for n in nodes if n.status_of(node_id)]
         aliases = sorted(a for a, t in router.aliases.items() if t == model_id)
-        entries.append({"entry": entry, "where": where, "aliases": aliases})
+        entries.append(
+            {"entry": entry, "where": where, "aliases": aliases, "speculative": _speculative(entry)}
+        )
     context = {
         "entries": entries,
         "aliases": sorted(router.aliases.items()),
         "nodes": [n.name for n in nodes],
         "up_nodes": [n.name for n in nodes if n.up],
         "dtypes": edit.DTYPES,
+        "speculative_methods": edit.SPECULATIVE_METHODS,
         "notice": None,
         "error": None,
         "form": {},
         "failed_form": None,  # which form the error belongs to
     }
     return context | _placement(gateway) | extra
+
+
+def _speculative(entry: ModelEntry) -> str | None:
+    """The entry's speculative decoding as its Options cell says it (None: the node's)."""
+    method, num = entry.speculative_method, entry.num_speculative_tokens
+    if method is None and num is None:
+        return None
+    words = [f"speculative {method or 'as the node'}", entry.speculative_model]
+    words.append(f"×{num}" if num else None)
+    return " ".join(w for w in words if w)
 
 
 def _page(request: Request, gateway: Gateway, status: int = 200, **extra: Any) -> Response:

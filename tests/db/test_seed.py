@@ -24,6 +24,9 @@ LLAMA = ModelEntry(
     min_device_vram_mb=24000,
     pinned_on=["gpu-a", "gpu-b"],
     cost=Cost(input=0.15, output=0.6),
+    speculative_method="draft_model",
+    speculative_model="meta-llama/Llama-3.2-1B-Instruct",
+    num_speculative_tokens=3,
 )
 SMOL = ModelEntry(id="HuggingFaceTB/SmolLM2-135M-Instruct")
 
@@ -85,7 +88,7 @@ def test_load_catalogue_round_trips_every_field(sessions: sessionmaker[Session])
     with sessions() as s:
         models, _ = load_catalogue(s)
     by_id = {m.id: m for m in models}
-    assert by_id[LLAMA.id] == LLAMA  # source, quant, dtype, tp, devices, vram, pins, cost
+    assert by_id[LLAMA.id] == LLAMA  # source, quant, dtype, tp, devices, vram, pins, cost, spec
     assert by_id[SMOL.id] == SMOL
     assert by_id[LLAMA.id].pinned_on == ["gpu-a", "gpu-b"]
     assert by_id[LLAMA.id].cost == Cost(input=0.15, output=0.6)

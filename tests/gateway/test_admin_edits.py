@@ -36,10 +36,32 @@ def test_a_model_is_added_edited_pinned_and_deleted(sessions):
     assert edit.catalogue_rows(sessions) == ([], {})
 
 
+def test_a_models_speculative_decoding_is_saved_and_cleared(sessions):
+    spec = {"speculative_method": "ngram", "num_speculative_tokens": "3"}
+    edit.add_model(sessions, entry(quant="int8", **spec))
+    [m], _ = edit.catalogue_rows(sessions)
+    assert (m.quant, m.speculative_method, m.num_speculative_tokens) == ("int8", "ngram", 3)
+    draft = {"speculative_method": "draft_model", "speculative_model": " org/draft "}
+    edit.update_model(sessions, entry(**draft))
+    [m], _ = edit.catalogue_rows(sessions)
+    assert (m.speculative_method, m.speculative_model) == ("draft_model", "org/draft")
+    assert m.num_speculative_tokens is None
+    edit.update_model(sessions, entry(speculative_method=""))  # blank: the node's setting
+    [m], _ = edit.catalogue_rows(sessions)
+    assert (m.speculative_method, m.speculative_model, m.num_speculative_tokens) == (None,) * 3
+
+
 @pytest.mark.parametrize(
     ("form", "message"),
     [
         ({"id": " "}, "id: a model id is required"),
+        ({"speculative_method": "eagle"}, "speculative_method: expected one of ngram, draft_model"),
+        ({"num_speculative_tokens": "0"}, "num_speculative_tokens: must be at least 1"),
+        ({"num_speculative_tokens": "17"}, "num_speculative_tokens: at most 16, got 17"),
+        ({"num_speculative_tokens": "x"}, "num_speculative_tokens: expected a whole number"),
+        ({"speculative_method": "draft_model"}, "speculative_model: required with"),
+        ({"speculative_model": "o/d"}, "speculative_model: only with speculative_method"),
+        ({"speculative_method": "off", "speculative_model": "o/d"}, r"\(it is 'off'\)"),
         ({"dtype": "fp8"}, "dtype: expected one of auto, float32"),
         ({"tensor_parallel": "two"}, "tensor_parallel: expected a whole number"),
         ({"tensor_parallel": "0"}, "tensor_parallel: must be at least 1"),

@@ -141,6 +141,26 @@ def test_a_cold_model_loads_on_its_pinned_node_once_for_many_requests():
     assert calls.loads == [("b", "m")]
 
 
+def test_a_cold_load_asks_for_the_catalogues_speculative_decoding_only_when_set():
+    spec = ModelEntry(id="s", speculative_method="ngram", num_speculative_tokens=3)
+    draft = ModelEntry(id="d", speculative_method="draft_model", speculative_model="o/small")
+    r = router(fleet_with(a={}), models=[spec, draft, ModelEntry(id="plain", quant="int8")])
+    assert r.load_body("s") == {
+        "model_id": "s",
+        "tensor_parallel": 1,
+        "speculative_method": "ngram",
+        "num_speculative_tokens": 3,
+    }
+    assert r.load_body("d") == {
+        "model_id": "d",
+        "tensor_parallel": 1,
+        "speculative_method": "draft_model",
+        "speculative_model": "o/small",
+    }
+    plain = r.load_body("plain")  # nothing about it: the node's [engine] setting
+    assert plain == {"model_id": "plain", "quant": "int8", "tensor_parallel": 1}
+
+
 def test_memory_short_evicts_the_least_recently_used_unpinned_idle_model():
     calls = Calls([(503, {"error": {"code": "insufficient_vram"}})] * 2 + [(200, {})])
     fleet = fleet_with(

@@ -5,12 +5,17 @@ the body's shape first (400 naming the field), then the options a node cannot ho
 from __future__ import annotations
 
 import json
+from dataclasses import fields
 
 import pytest
 
 from helexa.config import Config
+from helexa.engine import EngineArgs
 from helexa.errors import HelexaError
 from helexa.node.loading import LoadError, LoadOptions, engine_args, parse_load_options
+
+# whether the engine takes a draft model yet (another change adds the argument)
+ENGINE_TAKES_DRAFT = "speculative_model" in {f.name for f in fields(EngineArgs)}
 
 
 def refusal(body: object) -> HelexaError:
@@ -44,6 +49,10 @@ def test_a_whole_body_becomes_load_options():
         ({"model_id": "a/b", "devices": [True]}, "devices", "non-negative integers"),
         ({"model_id": "a/b", "devices": "0"}, "devices", "an array of device indices"),
         ({"model_id": "a/b", "tensor_parallel": 0}, "tensor_parallel", "must be >= 1"),
+        ({"model_id": "a/b", "speculative_method": 1}, "speculative_method", "a string"),
+        ({"model_id": "a/b", "speculative_model": ["x"]}, "speculative_model", "a string"),
+        ({"model_id": "a/b", "num_speculative_tokens": "3"}, "num_speculative_tokens", "integer"),
+        ({"model_id": "a/b", "num_speculative_tokens": True}, "num_speculative_tokens", "integer"),
     ],
 )
 def test_a_malformed_body_is_a_400_naming_its_field(body, param, says):
@@ -72,6 +81,70 @@ def test_an_option_the_node_cannot_honour_is_a_422_before_any_allocation(options
 def test_a_gguf_quant_is_named_canonically_and_an_in_situ_one_passes_through():
     assert engine_args(Config(), LoadOptions("a/b-GGUF", quant="q4-k-m")).gguf_quant == "Q4_K_M"
     assert engine_args(Config(), LoadOptions("a/b", quant="INT8")).quant == "int8"
+
+
+def test_speculative_options_become_engine_args_over_the_nodes_own():
+    body = {"model_id": "a/b", "speculative_method": "ngram", "num_speculative_tokens": 3}
+    args = engine_args(Config(), parse_load_options(body))
+    assert (args.speculative_method, args.num_speculative_tokens) == ("ngram", 3)
+    cfg = Config()
+    cfg.engine.speculative_method = "ngram"
+    assert engine_args(cfg, LoadOptions("a/b", speculative_method="off")).speculative_method is None
+    kept = engine_args(cfg, LoadOptions("a/b"))  # absent: the node's [engine]
+    assert (kept.speculative_method, kept.num_speculative_tokens) == ("ngram", 4)
+
+
+@pytest.mark.parametrize(
+    ("options", "param", "says"),
+    [
+        (dict(speculative_method="eagle"), "speculative_method", "unknown speculative_method"),
+        (
+            dict(speculative_method="ngram", num_speculative_tokens=0),
+            "num_speculative_tokens",
+            "1..",
+        ),
+        (dict(num_speculative_tokens=17), "num_speculative_tokens", "outside 1..16"),
+        (dict(speculative_method="ngram", speculative_model="o/d"), "speculative_model", "only"),
+        (dict(speculative_model="o/d"), "speculative_model", "only for speculative_method"),
+        (dict(speculative_method="draft_model"), "speculative_model", "needs speculative_model"),
+    ],
+)
+def test_speculative_options_that_cannot_be_are_a_422_naming_the_field(options, param, says):
+    with pytest.raises(LoadError) as err:
+        engine_args(Config(), LoadOptions("a/b", **options))
+    e = err.value.to_envelope()["error"]
+    assert err.value.status == 422
+    assert (e["kind"], e["param"], e["model_id"]) == ("invalid_speculative", param, "a/b")
+    assert says in e["message"]
+
+
+def test_a_misspelt_speculative_method_is_told_the_nearest():
+    with pytest.raises(LoadError) as err:
+        engine_args(Config(), LoadOptions("a/b", speculative_method="n-gram"))
+    assert err.value.extra["suggestion"] == "did you mean 'ngram'?"
+
+
+@pytest.mark.skipif(ENGINE_TAKES_DRAFT, reason="the engine takes a draft model now")
+def test_a_draft_model_is_a_422_while_the_engine_cannot_load_one():
+    options = LoadOptions("a/b", speculative_method="draft_model", speculative_model="o/d")
+    with pytest.raises(LoadError) as err:
+        engine_args(Config(), options)
+    assert (err.value.status, err.value.param) == (422, "speculative_method")
+    assert "no draft-model speculative decoding" in err.value.message
+
+
+@pytest.mark.skipif(not ENGINE_TAKES_DRAFT, reason="the engine takes no draft model yet")
+def test_a_draft_model_reaches_the_engine_as_its_checked_reference():
+    options = LoadOptions(
+        "a/b", speculative_method="draft_model", speculative_model="o/d", draft_ref="hf:o/d"
+    )
+    args = engine_args(Config(), options)
+    assert (args.speculative_method, args.speculative_model) == ("draft_model", "hf:o/d")
+    cfg = Config()  # a node drafting with its own draft model
+    cfg.engine.speculative_method, cfg.engine.speculative_model = "draft_model", "o/e"
+    args = engine_args(cfg, LoadOptions("a/b", speculative_method="ngram"))
+    assert (args.speculative_method, args.speculative_model) == ("ngram", None)
+    assert engine_args(cfg, LoadOptions("a/b")).speculative_model == "o/e"
 
 
 def _cpu_node() -> Config:

@@ -297,6 +297,35 @@ def test_a_bad_catalogue_form_answers_with_its_message_not_an_error_page(page):
     assert page.locator("#add-id").input_value() == "org/m"
 
 
+def test_a_models_speculative_decoding_is_chosen_shown_and_edited_here(page):
+    page.goto("/admin/models")
+    page.locator("#add-id").fill("org/spec")
+    page.locator("#add-spec").select_option("ngram")
+    page.locator("#add-nspec").fill("3")
+    page.get_by_role("button", name="Add to catalogue").click()
+    page.get_by_text("Added org/spec to the catalogue.").wait_for()
+    row = page.get_by_role("row").filter(has=page.get_by_role("cell", name="org/spec", exact=True))
+    assert "speculative ngram ×3" in row.inner_text()
+    row.get_by_text("Edit").click()
+    assert row.locator("select[name=speculative_method]").input_value() == "ngram"
+    assert row.locator("input[name=num_speculative_tokens]").input_value() == "3"
+    row.locator("select[name=speculative_method]").select_option("draft_model")
+    row.get_by_role("button", name="Save").click()
+    alert = page.get_by_role("alert").inner_text()
+    assert "speculative_model: required with speculative_method 'draft_model'" in alert
+    row = page.get_by_role("row").filter(has=page.get_by_role("cell", name="org/spec", exact=True))
+    row.get_by_text("Edit").click()
+    row.locator("select[name=speculative_method]").select_option("draft_model")
+    row.locator("input[name=speculative_model]").fill("org/draft")
+    row.locator("input[name=num_speculative_tokens]").fill("")
+    row.get_by_role("button", name="Save").click()
+    page.get_by_text("Saved org/spec.").wait_for()
+    page.reload()
+    row = page.get_by_role("row").filter(has=page.get_by_role("cell", name="org/spec", exact=True))
+    assert "speculative draft_model org/draft" in row.inner_text()
+    assert "×" not in row.inner_text()
+
+
 # -- fleet and spend ---------------------------------------------------------------------
 
 
