@@ -227,8 +227,12 @@ class EngineConfig:
     # Speculative decoding (vLLM's names; docs/engine.md § Speculative decoding): "ngram"
     # drafts the continuation of the longest recent n-gram match (prompt_lookup_max down to
     # prompt_lookup_min tokens) of the prompt and output, up to num_speculative_tokens, and
-    # one step checks them all; None: off, until measured on the machine.
-    speculative_method: Literal["ngram"] | None = None
+    # one step checks them all; "draft_model": speculative_model (a smaller model sharing
+    # the tokenizer, loaded beside) drafts them greedily; "mtp": the checkpoint's own
+    # multi-token-prediction head (Qwen3.5 / Qwen3.6 safetensors) does; None: off, until
+    # measured.
+    speculative_method: Literal["ngram", "draft_model", "mtp"] | None = None
+    speculative_model: str | None = None  # the draft model's id or path ("draft_model")
     num_speculative_tokens: PositiveInt = 4
     prompt_lookup_min: PositiveInt = 2
     prompt_lookup_max: PositiveInt = 5
@@ -323,10 +327,29 @@ class ModelEntry:
     min_device_vram_mb: PositiveInt | None = None
     pinned_on: list[str] = field(default_factory=list)
     cost: Cost = field(default_factory=Cost)
+    # Speculative decoding the node loads it with (vLLM's names, as `POST /models/load`
+    # takes them; protocol/wire.py): "ngram", "draft_model" (with speculative_model, the
+    # draft's id), "mtp" (the checkpoint's MTP head) or "off"; each unset: the node's
+    # [engine] setting.
+    speculative_method: Literal["ngram", "draft_model", "mtp", "off"] | None = None
+    speculative_model: str | None = None
+    num_speculative_tokens: (
+        Annotated[int, Check("an integer from 1 to 16", lambda v: 1 <= v <= 16)] | None
+    ) = None
 
     @property
     def required_devices(self) -> int:
         return self.min_devices or self.tensor_parallel
+
+    def speculative_problem(self) -> str | None:
+        """Why speculative_model and speculative_method do not go together (None: they do)."""
+        method, draft = self.speculative_method, self.speculative_model
+        if method == "draft_model" and not draft:
+            return "speculative_model: required with speculative_method 'draft_model'"
+        if method != "draft_model" and draft:
+            now = "unset" if method is None else repr(method)
+            return f"speculative_model: only with speculative_method 'draft_model' (it is {now})"
+        return None
 
 
 @dataclass(slots=True)
@@ -515,6 +538,10 @@ def _check(cfg: Config, problems: list[str], bad: set[str]) -> None:
             f"[engine] max_num_seqs: {e.max_num_seqs} exceeds max_num_batched_tokens "
             f"{e.max_num_batched_tokens} (every running sequence needs a token per step)"
         )
+    if "engine" not in bad and e.speculative_method == "draft_model" and not e.speculative_model:
+        problems.append(
+            "[engine] speculative_model: required with speculative_method 'draft_model'"
+        )
     images = cfg.node.images
     if "node" not in bad and images.min_pixels > images.max_pixels:
         problems.append(
@@ -539,6 +566,8 @@ def _check(cfg: Config, problems: list[str], bad: set[str]) -> None:
         problems.append(f"[[models]] id: {model_id!r} is listed more than once")
     for i, m in enumerate(cfg.models, 1):  # a bad [[models]] leaves this list empty
         where = f"[[models]] #{i} ({m.id})"
+        if (problem := m.speculative_problem()) is not None:
+            problems.append(f"{where} {problem}")
         if m.min_devices is not None and m.min_devices < m.tensor_parallel:
             problems.append(
                 f"{where} min_devices: {m.min_devices} is below tensor_parallel {m.tensor_parallel}"

@@ -351,6 +351,43 @@ id = "a/b"
     )
 
 
+def test_a_catalogue_entry_chooses_speculative_decoding_and_mistakes_are_refused(tmp_path):
+    ok = '[[models]]\nid = "a/b"\nspeculative_method = "ngram"\nnum_speculative_tokens = 3\n'
+    (model,) = load_config(write(tmp_path, ok), env={}).models
+    assert (model.speculative_method, model.speculative_model) == ("ngram", None)
+    assert model.num_speculative_tokens == 3
+    text = """
+[[models]]
+id = "a/b"
+speculative_method = "ngarm"
+num_speculative_tokens = 17
+
+[[models]]
+id = "c/d"
+speculative_method = "ngram"
+speculative_model = "c/draft"
+
+[[models]]
+id = "e/f"
+speculative_method = "draft_model"
+"""
+    message = problems_of(text, tmp_path)
+    assert (
+        "[[models]] #1 speculative_method: expected one of 'ngram', 'draft_model', 'mtp', 'off'"
+        in message
+    )
+    assert "(did you mean 'ngram'?)" in message
+    assert "[[models]] #1 num_speculative_tokens: expected an integer from 1 to 16" in message
+    text = text.replace('"ngarm"', '"off"').replace("= 17", "= 16")
+    message = problems_of(text, tmp_path)
+    assert (
+        "[[models]] #2 (c/d) speculative_model: only with speculative_method 'draft_model' "
+        "(it is 'ngram')" in message
+    )
+    assert "[[models]] #3 (e/f) speculative_model: required with speculative_method" in message
+    assert "#1" not in message
+
+
 def test_aliases_resolve_to_model_ids_and_may_not_loop(tmp_path):
     ok = write(tmp_path, '[aliases]\n"helexa/small" = "Qwen/Qwen3-1.7B"\n')
     assert load_config(ok, env={}).aliases == {"helexa/small": "Qwen/Qwen3-1.7B"}

@@ -1,6 +1,8 @@
-"""`helexa bench speculative`: decode with speculative decoding off and on, on one model.
+"""`helexa bench speculative`: decode with speculative decoding off and on, on one model:
+prompt lookup ("ngram") and, with `--draft-model`, a draft model ("draft_model").
 
-Two figures, each measured off and on back to back, in rounds (`--repeats`), medians kept:
+Two figures, each measured off and with each method back to back, in rounds (`--repeats`),
+medians kept:
 - batch 1 on a code edit: the model is given a function (60 lines) and asked to rewrite it
   with one change, as a coding agent's edit turn does; greedy, so the two answers must be
   the same text (checked, and printed when they are not);
@@ -68,6 +70,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--batch-tokens", type=int, default=64, help="each batched answer")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument(
+        "--draft-model",
+        metavar="PATH",
+        help="also measure speculative_method 'draft_model' with this draft (local dir, "
+        ".gguf file or hub id; it must share the model's tokenizer)",
+    )
 
 
 def _timed(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> tuple[float, list]:
@@ -97,17 +105,30 @@ def main(args: argparse.Namespace, cfg: Config) -> int:
     off = LLMEngine(
         EngineArgs.from_config(cfg.engine, str(model), speculative_method=None, **common)
     )
-    on = LLMEngine(
-        EngineArgs.from_config(
-            cfg.engine,
-            str(model),
-            speculative_method="ngram",
-            num_speculative_tokens=args.num_speculative_tokens,
-            prompt_lookup_min=args.prompt_lookup_min,
-            prompt_lookup_max=args.prompt_lookup_max,
-            **common,
+    spec = dict(num_speculative_tokens=args.num_speculative_tokens, **common)
+    engines = {
+        "off": off,
+        "ngram": LLMEngine(
+            EngineArgs.from_config(
+                cfg.engine,
+                str(model),
+                speculative_method="ngram",
+                prompt_lookup_min=args.prompt_lookup_min,
+                prompt_lookup_max=args.prompt_lookup_max,
+                **spec,
+            )
+        ),
+    }
+    if args.draft_model:
+        engines["draft"] = LLMEngine(
+            EngineArgs.from_config(
+                cfg.engine,
+                str(model),
+                speculative_method="draft_model",
+                speculative_model=args.draft_model,
+                **spec,
+            )
         )
-    )
     tok = off.tokenizer
 
     def chat(text: str) -> list[int]:
@@ -117,35 +138,47 @@ def main(args: argparse.Namespace, cfg: Config) -> int:
     batch = [
         chat(f"Explain {TOPICS[i % len(TOPICS)]} in a few sentences.") for i in range(args.batch)
     ]
-    for engine in (off, on):  # warm-up: kernels built, plans read
+    for engine in engines.values():  # warm-up: kernels built, plans read
         _timed(engine, [edit[0][:64]], 8)
     figures: dict[str, dict[str, list[float]]] = {
-        "edit": {"off": [], "on": []},
-        "batch": {"off": [], "on": []},
+        "edit": {side: [] for side in engines},
+        "batch": {side: [] for side in engines},
     }
     texts: dict[str, str] = {}
     for _ in range(args.repeats):
-        for side, engine in (("off", off), ("on", on)):
+        for side, engine in engines.items():
             dt, outs = _timed(engine, edit, args.max_tokens)
             figures["edit"][side].append(len(outs[0].token_ids) / dt)
             texts[side] = outs[0].text
             dt, outs = _timed(engine, batch, args.batch_tokens)
             figures["batch"][side].append(sum(len(o.token_ids) for o in outs) / dt)
-    sched = on.scheduler
-    rate = sched.num_accepted_tokens / sched.num_draft_tokens if sched.num_draft_tokens else 0.0
-    per_step = 1 + sched.num_accepted_tokens / sched.num_drafts if sched.num_drafts else 1.0
-    print(f"model {model}, {args.threads} threads, k={args.num_speculative_tokens}, "
+    draft = f", draft model {args.draft_model}" if args.draft_model else ""
+    print(f"model {model}{draft}, {args.threads} threads, k={args.num_speculative_tokens}, "
           f"n-gram {args.prompt_lookup_min}..{args.prompt_lookup_max}, {args.repeats} rounds (medians)")  # fmt: skip
-    print(f"{'figure':<34} {'off tok/s':>10} {'ngram tok/s':>12} {'ratio':>7}")
+    sides = [side for side in engines if side != "off"]
+    head = "".join(f" {side + ' tok/s':>12} {'ratio':>7}" for side in sides)
+    print(f"{'figure':<34} {'off tok/s':>10}{head}")
     for name, label in (
         ("edit", "batch 1, code edit"),
         ("batch", f"batch {args.batch}, chat (throughput)"),
     ):
-        a, b = statistics.median(figures[name]["off"]), statistics.median(figures[name]["on"])
-        print(f"{label:<34} {a:>10.1f} {b:>12.1f} {b / a:>6.2f}x")
-    print(f"acceptance {rate:.2f} of drafted tokens; {per_step:.2f} tokens a speculating row-step")
-    same = texts["off"] == texts["on"]
+        a = statistics.median(figures[name]["off"])
+        cols = ""
+        for side in sides:
+            b = statistics.median(figures[name][side])
+            cols += f" {b:>12.1f} {b / a:>6.2f}x"
+        print(f"{label:<34} {a:>10.1f}{cols}")
+    same = True
+    for side in sides:
+        sched = engines[side].scheduler
+        drafted, accepted = sched.num_draft_tokens, sched.num_accepted_tokens
+        rate = accepted / drafted if drafted else 0.0
+        per_step = 1 + accepted / sched.num_drafts if sched.num_drafts else 1.0
+        print(f"{side}: acceptance {rate:.2f} of drafted tokens; "
+              f"{per_step:.2f} tokens a speculating row-step")  # fmt: skip
+        if texts[side] != texts["off"]:
+            same = False
+            print(f"{side}: code edit answer DIFFERS from off's")
+            print("--- off ---\n" + texts["off"] + f"\n--- {side} ---\n" + texts[side])
     print(f"code edit answers identical: {'yes' if same else 'NO'}")
-    if not same:
-        print("--- off ---\n" + texts["off"] + "\n--- ngram ---\n" + texts["on"])
     return 0 if same else 1

@@ -40,6 +40,9 @@ from helexa.engine.rank_worker import Followers, PoolSize, RankLostError, cpu_th
 from helexa.engine.sampling_params import SamplingParams
 from helexa.engine.scheduler import Scheduler, SchedulerConfig
 from helexa.engine.sequence import RequestOutput, Sequence
+from helexa.engine.spec.draft_model import DraftModel, load_draft, logits_width
+from helexa.engine.spec.mtp import MtpHead, load_mtp
+from helexa.engine.spec.mtp_drafter import MtpDrafter
 from helexa.engine.state_manager import StateManager
 from helexa.engine.vision.inputs import ImageInput
 from helexa.engine.vision.prompt import MultiModalPrompt
@@ -135,6 +138,14 @@ class LLMEngine:
         model = loaded.model
         dtype = args.torch_dtype(device) or default_dtype(device)
         self.dtype = dtype
+        # speculative decoding's draft model, loaded before the memory left is measured
+        self.draft_loaded: LoadedModel | None = None
+        if args.speculative_method == "draft_model":
+            self.draft_loaded = load_draft(args, device, loaded)
+        # the checkpoint's MTP head ("mtp"), likewise
+        self.mtp_head: MtpHead | None = None
+        if args.speculative_method == "mtp":
+            self.mtp_head = load_mtp(args, device, loaded)
         available = available_memory_bytes(device)
         if self.ranks is not None:
             # every rank's runner takes rank 0's sizing, from the least memory any rank has;
@@ -142,11 +153,13 @@ class LLMEngine:
             available = min([available, *self.ranks.wait_loaded()])
             if device.type == "cpu":
                 available //= self.ranks.world_size
-        if args.speculative_method is not None and ModelRunner.state_bytes_per_slot(model, dtype):
+        # hybrid models roll their recurrent state back past rejected drafts
+        # (spec/rollback.py); prompt lookup's and the MTP head's drafts are checked that way
+        hybrid = ModelRunner.state_bytes_per_slot(model, dtype) > 0
+        if hybrid and args.speculative_method not in (None, "ngram", "mtp"):
             raise ValueError(
-                "speculative decoding does not run hybrid (Gated DeltaNet) models yet: their "
-                "recurrent state would have to roll back past rejected drafts; load this "
-                "model with speculative_method unset"
+                f"speculative_method {args.speculative_method!r} does not run hybrid (Gated "
+                "DeltaNet) models yet; load this model with speculative_method 'ngram' or unset"
             )
         if args.prompt_lookup_min > args.prompt_lookup_max:
             raise ValueError(
@@ -191,12 +204,36 @@ class LLMEngine:
             num_state_slots=size.num_state_slots,
             kv_dtype=self.kv_dtype,
         )
+        if self.draft_loaded is not None:  # its cache addressed by the target's blocks
+            self.runner.drafter = DraftModel(
+                self.draft_loaded,
+                device=device,
+                dtype=dtype,
+                kv_dtype=self.kv_dtype,
+                num_blocks=num_blocks,
+                block_size=args.block_size,
+                vocab_size=logits_width(loaded),
+            )
+            if args.cuda_graphs and device.type == "cuda":  # rank 0's alone: no collective
+                self.runner.drafter.runner.capture_graphs(max_num_seqs, self.max_model_len)
+        if self.mtp_head is not None:  # its cache addressed by the target's blocks too
+            MtpDrafter(
+                self.mtp_head,
+                device=device,
+                dtype=dtype,
+                kv_dtype=self.kv_dtype,
+                num_blocks=num_blocks,
+                block_size=args.block_size,
+                vocab_size=logits_width(loaded),
+            ).attach(self.runner)
         if self.ranks is not None:
             self.ranks.start_runners(size)
             if device.type == "cuda":  # a graph would replay without the followers' steps
                 self.runner.graphs_off_reason = "tensor parallel"
         elif args.cuda_graphs and device.type == "cuda":
-            self.runner.capture_graphs(max_num_seqs, self.max_model_len)
+            # a speculative check step has a row per sequence and drafted token
+            rows = max_num_seqs * (1 + args.num_speculative_tokens * bool(args.speculative_method))
+            self.runner.capture_graphs(rows, self.max_model_len)
         elif device.type == "cuda":
             self.runner.graphs_off_reason = "[engine] cuda_graphs = false"
         self.tuner: Autotuner | None = None
@@ -263,6 +300,10 @@ class LLMEngine:
         num_snapshots = args.max_prefix_snapshots if args.enable_prefix_caching else 0
         max_num_seqs = args.max_num_seqs
         per_token = ModelRunner.kv_bytes_per_token(model, self.kv_dtype)
+        if self.draft_loaded is not None:  # its cache: as many blocks as the target's
+            per_token += ModelRunner.kv_bytes_per_token(self.draft_loaded.model, self.kv_dtype)
+        if self.mtp_head is not None:  # its one layer's cache, likewise
+            per_token += ModelRunner.kv_bytes_per_token(self.mtp_head, self.kv_dtype)
         budget = self._kv_budget_bytes(device, available)
         if state_bytes:
             # States take at most half the budget: fewer concurrent sequences (and snapshots)

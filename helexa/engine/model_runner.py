@@ -13,6 +13,7 @@ import dataclasses
 import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -32,6 +33,10 @@ from helexa.engine.step_sampler import (  # noqa: F401 (re-exported: the engine,
     StepSampler,
 )
 from helexa.kernels import QuantWeight
+
+if TYPE_CHECKING:
+    from helexa.engine.spec.draft_model import DraftModel
+    from helexa.engine.spec.mtp_drafter import MtpDrafter
 
 MiB = 1 << 20
 
@@ -96,6 +101,11 @@ class ModelRunner:
         self.graphs_off_reason: str | None = "not captured"
         # tensor parallel, on rank 0: sends each step's plan to the other ranks
         self.broadcast: Callable[[StepPlan], None] | None = None
+        # speculative decoding's draft model or MTP head (spec/draft_model.py, mtp_drafter.py):
+        # a step's drafts, written before its forward; None for the scheduler's or none
+        self.drafter: DraftModel | MtpDrafter | None = None
+        # the MTP drafter (spec/mtp_drafter.py) reads every forward's hidden states
+        self.hidden_reader: Callable[[ScheduledBatch, StepHidden], None] | None = None
 
     @property
     def use_triton(self) -> bool:
@@ -336,9 +346,13 @@ class ModelRunner:
 
         A decode step on CUDA reads nothing back from the device but its sampled tokens
         (with each row's finiteness, in the same copy)."""
+        if self.drafter is not None:
+            self.drafter.propose(batch)
         self.copy_states(batch.restores)
         self.encode_images(batch)
         step = self.forward_step(batch)
+        if self.hidden_reader is not None:
+            self.hidden_reader(batch, step)
         self.copy_states(batch.snapshots)
         return self.sample(batch, step)
 

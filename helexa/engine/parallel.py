@@ -10,8 +10,9 @@ Which part of a weight a rank holds is worked out here too (`shard_range`, `head
 
 from __future__ import annotations
 
+import contextlib
 import datetime
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -79,6 +80,19 @@ def destroy_tensor_parallel() -> None:
     if _TP.enabled and dist.is_initialized():
         dist.destroy_process_group()
     _TP = TensorParallel()
+
+
+@contextlib.contextmanager
+def unsharded() -> Iterator[None]:
+    """Within: this process is rank 0 of 1, so a model built here is whole (speculative
+    decoding's draft model, which rank 0 alone runs). Such a model holds no sharded layer,
+    so its forward takes part in no collective, whatever the group outside."""
+    global _TP
+    saved, _TP = _TP, TensorParallel()
+    try:
+        yield
+    finally:
+        _TP = saved
 
 
 def shard_range(total: int, what: str) -> tuple[int, int]:

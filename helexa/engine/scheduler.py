@@ -15,6 +15,7 @@ from helexa.engine.block_manager import BlockManager
 from helexa.engine.sequence import Sequence, SequenceStatus, TokenLogprob
 from helexa.engine.spec import verify
 from helexa.engine.spec.ngram import NgramIndex
+from helexa.engine.spec.rollback import StateRollback
 from helexa.engine.state_manager import Snapshot, StateCopy, StateManager
 from helexa.engine.vision.prompt import PromptImage
 
@@ -24,7 +25,8 @@ class SchedulerConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     max_prefill_chunk: int | None = None  # None: up to the whole step budget
-    # speculative decoding (helexa/engine/spec): "ngram" or None, and its draft's bounds
+    # speculative decoding (helexa/engine/spec): "ngram", "draft_model", "mtp" or None, and
+    # its draft's bounds
     speculative_method: str | None = None
     num_speculative_tokens: int = 4
     prompt_lookup_min: int = 2
@@ -75,6 +77,12 @@ class Scheduler:
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
         self._encoder_budget = 0  # of the step being scheduled (see _images)
+        # hybrid models that speculate: the state from before a draft's step (spec/rollback.py)
+        self.rollback = (
+            StateRollback(state_manager, 1 + config.num_speculative_tokens)
+            if state_manager is not None and config.speculative_method is not None
+            else None
+        )
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -98,8 +106,8 @@ class Scheduler:
             seq.draft = []  # a failed step's (discard) never carries over
             n = self._chunk(seq, min(seq.num_tokens - seq.num_computed_tokens, chunk, budget))
             n, images = self._images(batch, seq, n)
-            if n == 1 and seq.num_output_tokens and seq.num_computed_tokens == seq.num_tokens - 1:
-                n += self._draft(seq, budget - 1)  # decoding (the prompt's last token is not)
+            if self._may_draft(seq, n):
+                n += self._draft(seq, budget - n)
             if n == 0:  # its next image waits for the tower's budget: the next step
                 i += 1
                 continue
@@ -158,7 +166,19 @@ class Scheduler:
             self._encode(batch, images)
             budget -= n
 
+        if self.rollback is not None:  # admissions done: drafts may take the rows left free
+            self.rollback.guard(batch)
         return batch if seqs else None
+
+    def _may_draft(self, seq: Sequence, n: int) -> bool:
+        """Whether `seq`'s `n` tokens this step end at its last and follow its prompt, so a
+        draft may follow them: one token while decoding (the prompt's last is not), or, on a
+        hybrid model, the tokens a rolled-back step kept (spec/rollback.py)."""
+        if not seq.num_output_tokens or seq.num_computed_tokens + n != seq.num_tokens:
+            return False
+        if self.rollback is not None:
+            return self.rollback.can_draft(seq, n)
+        return n == 1
 
     def _draft(self, seq: Sequence, room: int) -> int:
         """Draft the decoding `seq`'s next tokens (seq.draft) when it speculates: at most
@@ -171,6 +191,12 @@ class Scheduler:
         k = min(cfg.num_speculative_tokens, room, seq.max_tokens - seq.num_output_tokens - 1)
         if k < 1:
             return 0
+        if cfg.speculative_method in ("draft_model", "mtp"):
+            # k placeholders, so the budget and the blocks are right: the runner's draft
+            # model or MTP head writes its tokens over them before the forward
+            # (spec/draft_model.py, spec/mtp_drafter.py)
+            seq.draft = [-1] * k
+            return k
         index = seq.drafter_state
         if index is None:
             index = seq.drafter_state = NgramIndex(cfg.prompt_lookup_min, cfg.prompt_lookup_max)
@@ -228,6 +254,8 @@ class Scheduler:
         for snap in batch.pending.values():
             self.state_manager.discard(snap)
         batch.pending.clear()
+        if self.rollback is not None:
+            self.rollback.release_all()
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
@@ -258,7 +286,7 @@ class Scheduler:
                 try:
                     token = sampled[i]
                     if isinstance(token, list):  # a draft checked: what it kept, and the next
-                        self._keep(seq, token)
+                        self._keep(seq, token, batch.num_new_tokens[i])
                     else:
                         seq.num_computed_tokens += batch.num_new_tokens[i]
                         self.block_manager.register_computed(seq)
@@ -270,6 +298,8 @@ class Scheduler:
                     error = e
                 finally:
                     seq.draft = []
+                    if self.rollback is not None:  # a row that failed: its lent row back
+                        self.rollback.release(seq)
             snap = batch.pending.pop(seq.seq_id, None)
             if snap is not None:
                 if error is None:
@@ -283,10 +313,13 @@ class Scheduler:
                 finished.append(seq)
         return finished
 
-    def _keep(self, seq: Sequence, tokens: list[int]) -> None:
-        """A speculating row's step: `tokens` (the accepted drafts, then the target's own)
-        appended until one finishes the sequence. The KV computed stands for the last token
-        before the step and each kept draft; a rejected draft's slots are written over."""
+    def _keep(self, seq: Sequence, tokens: list[int], n: int) -> None:
+        """A speculating row's step of `n` tokens (its own, then its draft): `tokens` (the
+        accepted drafts, then the target's own) appended until one finishes the sequence.
+        The KV computed stands for the row's own tokens and each kept draft; a rejected
+        draft's slots are written over. A hybrid row that rejected some rolls back
+        (spec/rollback.py)."""
+        start = seq.num_computed_tokens
         self.num_drafts += 1
         self.num_draft_tokens += len(seq.draft)
         self.num_accepted_tokens += len(tokens) - 1
@@ -296,7 +329,9 @@ class Scheduler:
             kept += 1
             if seq.is_finished:
                 break
-        seq.num_computed_tokens += kept
+        seq.num_computed_tokens += n - len(seq.draft) - 1 + kept
+        if self.rollback is not None:
+            self.rollback.settle(seq, start, kept_all=len(tokens) > len(seq.draft))
         self.block_manager.register_computed(seq)
 
     def abort(self, request_id: str) -> Sequence | None:

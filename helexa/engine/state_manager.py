@@ -77,6 +77,24 @@ class StateManager:
             self._free.append(seq.state_slot)
             seq.state_slot = -1
 
+    # -- rows lent for one step (speculative decoding: spec/rollback.py) ---------------
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def lend(self) -> int | None:
+        """A free row until the step's postprocess, or None. Only once the step's admissions
+        and snapshot reservations are done: they count on every free row."""
+        return self._free.pop() if self._free else None
+
+    def give_back(self, slot: int) -> None:
+        self._free.append(slot)
+
+    def move(self, seq: Sequence, slot: int) -> None:
+        """`seq`'s state now lives in the lent row `slot`; its old row goes back."""
+        self._free.append(seq.state_slot)
+        seq.state_slot = slot
+
     # -- snapshots ---------------------------------------------------------------------
     def snapshot_point(self, seq: Sequence, cached: int) -> int | None:
         """Where to snapshot `seq`, resuming after `cached` tokens: right after the last

@@ -115,3 +115,6 @@ def _reset_counters(engine: LLMEngine) -> None:
     engine.block_manager.num_prefix_queries = 0
     engine.block_manager.num_prefix_hits = 0
     engine.scheduler.num_preemptions = 0
+    engine.scheduler.num_drafts = 0  # a draft model drafts for the warm-up's greedy rows
+    engine.scheduler.num_draft_tokens = 0
+    engine.scheduler.num_accepted_tokens = 0

@@ -209,6 +209,8 @@ def inject_device_fault(device: torch.device) -> None:
 def model_facts(engine: LLMEngine) -> ModelFacts:
     device = engine.runner.device
     memory = model_memory_mb(engine.runner.model)
+    if engine.runner.drafter is not None:  # the draft model's weights and KV cache
+        memory += model_memory_mb(engine.runner.drafter.model)
     memory += sum(engine.follower_memory_mb)
     return ModelFacts(
         max_model_len=engine.max_model_len,

@@ -134,13 +134,6 @@ def test_the_bundled_model_answers_a_code_edit_the_same_and_accepts_most_drafts(
 
 
 @needs_shared
-def test_hybrid_models_refuse_speculation_at_load(tmp_path):
-    model_dir, _ = make_tiny_new_family("qwen3_5_text", tmp_path)
-    with pytest.raises(ValueError, match="does not run hybrid"):
-        LLM(str(model_dir), kv_cache_memory_mb=8, **SPEC)
-
-
-@needs_shared
 def test_two_tensor_parallel_ranks_check_drafts_as_one_does(models):
     prompts = [_repetitive(512, s) for s in range(3)]
     params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
