@@ -453,6 +453,7 @@ class LLMEngine:
         ranks = self.ranks
         if ranks is not None:
             ranks.check()  # a lost group never runs another step
+        started = time.perf_counter()
         batch = self.scheduler.schedule()
         if batch is None:
             return []
@@ -469,6 +470,8 @@ class LLMEngine:
             ranks.failed(e)  # Ctrl-C midway leaves the followers out of step too
             raise
         before = sum(s.num_output_tokens for s in batch.seqs)
+        # what the step cost, drafts and all (its rows' counts before postprocess moves them)
+        self.scheduler.observe_step(batch, time.perf_counter() - started)
         finished = self.scheduler.postprocess(batch, tokens, logprobs, errors)
         self.num_generated_tokens += sum(s.num_output_tokens for s in batch.seqs) - before
         for seq in finished:

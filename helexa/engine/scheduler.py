@@ -15,6 +15,7 @@ from helexa.engine.block_manager import BlockManager
 from helexa.engine.sequence import Sequence, SequenceStatus, TokenLogprob
 from helexa.engine.spec import verify
 from helexa.engine.spec.ngram import NgramIndex
+from helexa.engine.spec.policy import DraftPolicy
 from helexa.engine.spec.rollback import StateRollback
 from helexa.engine.state_manager import Snapshot, StateCopy, StateManager
 from helexa.engine.vision.prompt import PromptImage
@@ -77,6 +78,8 @@ class Scheduler:
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
         self._encoder_budget = 0  # of the step being scheduled (see _images)
+        # which drafts a step checks, from what steps cost here (spec/policy.py)
+        self.policy = DraftPolicy() if config.speculative_method is not None else None
         # hybrid models that speculate: the state from before a draft's step (spec/rollback.py)
         self.rollback = (
             StateRollback(state_manager, 1 + config.num_speculative_tokens)
@@ -133,6 +136,9 @@ class Scheduler:
                 continue
             break  # `seq` itself was preempted; everything after it already was
 
+        if self.policy is not None:  # the drafts worth their rows on this machine now
+            budget += self._worth_checking(batch)
+
         # Then admit waiting sequences while budget, slots and blocks allow.
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
@@ -169,6 +175,35 @@ class Scheduler:
         if self.rollback is not None:  # admissions done: drafts may take the rows left free
             self.rollback.guard(batch)
         return batch if seqs else None
+
+    def _worth_checking(self, batch: ScheduledBatch) -> int:
+        """Cut the running rows' drafts to what spec/policy.py finds worth checking, from
+        this machine's measured step costs and each row's acceptance, on a step of decoding
+        rows (a step with a prompt chunk is priced by it, and keeps its drafts); returns the
+        budget given back."""
+        rows = [i for i, seq in enumerate(batch.seqs) if seq.draft]
+        if not rows or any(s.num_computed_tokens < s.num_prompt_tokens for s in batch.seqs):
+            return 0
+        drafts = [(batch.seqs[i].draft_acceptance, len(batch.seqs[i].draft)) for i in rows]
+        base = batch.num_tokens - sum(k for _, k in drafts)
+        freed = 0
+        for i, keep in zip(rows, self.policy.choose(base, drafts), strict=True):
+            seq = batch.seqs[i]
+            cut = len(seq.draft) - keep
+            seq.draft = seq.draft[:keep]
+            if not keep:  # unchecked, it drifts back to be tried again
+                seq.draft_acceptance = DraftPolicy.unchecked(seq.draft_acceptance)
+            batch.num_new_tokens[i] -= cut
+            freed += cut
+        return freed
+
+    def observe_step(self, batch: ScheduledBatch, seconds: float) -> None:
+        """A step's wall time, for the draft policy: decode steps only (every row past its
+        prompt), by their rows, check rows included."""
+        if self.policy is not None and all(
+            s.num_computed_tokens >= s.num_prompt_tokens for s in batch.seqs
+        ):
+            self.policy.observe(batch.num_tokens, seconds)
 
     def _may_draft(self, seq: Sequence, n: int) -> bool:
         """Whether `seq`'s `n` tokens this step end at its last and follow its prompt, so a
@@ -323,6 +358,9 @@ class Scheduler:
         self.num_drafts += 1
         self.num_draft_tokens += len(seq.draft)
         self.num_accepted_tokens += len(tokens) - 1
+        seq.draft_acceptance = DraftPolicy.acceptance(
+            seq.draft_acceptance, len(seq.draft), len(tokens) - 1
+        )
         kept = 0
         for token in tokens:
             seq.append_token(token)

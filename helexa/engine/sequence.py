@@ -119,6 +119,9 @@ class Sequence:
         # drafter's own state for this sequence (helexa/engine/spec)
         self.draft: list[int] = []
         self.drafter_state: object | None = None
+        # the chance a drafted token is kept once those before it were (spec/policy.py);
+        # None until the sequence has drafted
+        self.draft_acceptance: float | None = None
 
     # -- sizes ---------------------------------------------------------------------
     @property

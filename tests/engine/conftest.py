@@ -17,3 +17,13 @@ def scalar(tmp_path_factory):
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("HELEXA_NATIVE_DIR", str(tmp_path_factory.mktemp("scalar")))
         return native.load(native.build(native._compiler(), flags))
+
+
+@pytest.fixture
+def check_every_draft(monkeypatch):
+    """Every drafted token is checked: the tests of what a check keeps (exactness, the
+    sampled distribution, rollback) do not depend on what the draft policy measures on a
+    busy machine (spec/policy.py has tests of its own, and one through the engine)."""
+    from helexa.engine.spec.policy import DraftPolicy
+
+    monkeypatch.setattr(DraftPolicy, "choose", lambda self, base, drafts: [k for _, k in drafts])

@@ -19,6 +19,8 @@ from tests.engine.tiny import make_tiny_model, make_tiny_new_family
 from tests.kernels import needs_triton
 from tests.shared_fixtures import needs_shared
 
+pytestmark = pytest.mark.usefixtures("check_every_draft")
+
 SPEC = dict(speculative_method="ngram", num_speculative_tokens=4, prompt_lookup_min=1)
 EXACT = dict(dtype="float32", kv_cache_dtype="float32", block_size=16, max_prefill_chunk=24)
 

@@ -20,7 +20,7 @@ from tests.engine.test_speculative import EXACT, _repetitive
 from tests.engine.tiny import make_tiny_model, make_tiny_new_family
 from tests.shared_fixtures import needs_shared
 
-pytestmark = needs_shared
+pytestmark = [needs_shared, pytest.mark.usefixtures("check_every_draft")]
 
 K = dict(speculative_method="draft_model", num_speculative_tokens=3)
 

@@ -22,7 +22,7 @@ from tests.engine.test_speculative import EXACT, SPEC
 from tests.engine.tiny import make_tiny_new_family
 from tests.shared_fixtures import needs_shared
 
-pytestmark = needs_shared
+pytestmark = [needs_shared, pytest.mark.usefixtures("check_every_draft")]
 
 FEW = [40, 41, 42, 43]
 BIAS = {t: 30.0 for t in FEW}
