@@ -51,6 +51,40 @@ def test_cuda_graphs_give_the_tokens_of_eager_decoding(tmp_path):
 
 
 @needs_shared
+@pytest.mark.usefixtures("check_every_draft")
+def test_check_steps_replay_the_decode_graphs_and_keep_the_greedy_tokens(tmp_path, monkeypatch):
+    """Speculative check steps on CUDA: their rows are decode rows, so a graph of their row
+    count replays them (captured up to max_num_seqs x (1 + k) rows), and greedy tokens are
+    those of eager decoding without speculation."""
+    from helexa.engine.cuda_graph import DecodeGraphs
+    from tests.engine.test_speculative import _oracle
+
+    model_dir, _ = make_tiny_model("qwen3", tmp_path)
+    prompts = _prompts(512)[:4]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    eager = LLM(str(model_dir), device="cuda", kv_cache_memory_mb=64, cuda_graphs=False)
+    want = [o.token_ids for o in eager.generate(prompts, params)]
+    _oracle(monkeypatch, prompts, want)
+    replayed = []
+    real = DecodeGraphs.run
+
+    def run(self, runner, batch, checks=True):
+        out = real(self, runner, batch, checks)
+        if out is not None and any(s.draft for s in batch.seqs):
+            replayed.append(batch.num_tokens)
+        return out
+
+    monkeypatch.setattr(DecodeGraphs, "run", run)
+    spec = LLM(
+        str(model_dir), device="cuda", kv_cache_memory_mb=64, max_num_seqs=4,
+        speculative_method="ngram", num_speculative_tokens=3,
+    )  # fmt: skip
+    assert spec.engine.runner.graphs.buckets[-1] == 16
+    assert [o.token_ids for o in spec.generate(prompts, params)] == want
+    assert replayed and spec.engine.scheduler.num_accepted_tokens > 0
+
+
+@needs_shared
 def test_a_decode_step_reads_back_only_its_tokens(tmp_path):
     model_dir, _ = make_tiny_model("qwen3", tmp_path)
     llm = LLM(str(model_dir), device="cuda", kv_cache_memory_mb=64)
