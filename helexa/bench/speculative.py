@@ -7,7 +7,11 @@ medians kept:
   with one change, as a coding agent's edit turn does; greedy, so the two answers must be
   the same text (checked, and printed when they are not);
 - batch `--batch` of varied chat prompts, greedy: throughput must not fall with it on.
-Each engine warms up once before timing. Prefix caching is off, so every round prefills.
+Each figure twice: the decode rate (tokens after each sequence's first, over the time from
+the step that gave the last of those first tokens to the end: what speculation changes) and
+end to end (all tokens over the whole time, the prompt's prefill included, which is the
+same with it on or off). Each engine warms up once before timing. Prefix caching is off, so
+every round prefills.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -78,13 +83,39 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _timed(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> tuple[float, list]:
+@dataclass(slots=True)
+class Run:
+    """One timed generation: its outputs, wall time, and the seconds from the moment every
+    sequence had its first token (prefill done) to the last token: the decode phase, which
+    speculation speeds up (the prefill before it is the same with it on or off)."""
+
+    outs: list
+    seconds: float
+    decode_seconds: float
+
+    @property
+    def tokens(self) -> int:
+        return sum(len(o.token_ids) for o in self.outs)
+
+    @property
+    def decode_rate(self) -> float:
+        """Tokens a second after each sequence's first (which the prefill step gives)."""
+        return (self.tokens - len(self.outs)) / self.decode_seconds if self.decode_seconds else 0.0
+
+
+def _timed(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> Run:
     from helexa.engine import SamplingParams
 
     params = SamplingParams(temperature=0, max_tokens=max_tokens)
     t0 = time.perf_counter()
-    outs = engine.generate(prompts, params)
-    return time.perf_counter() - t0, outs
+    seqs = [engine.add_request(p, params) for p in prompts]
+    first = None
+    while any(not s.is_finished for s in seqs):
+        engine.step()
+        if first is None and all(s.num_output_tokens or s.is_finished for s in seqs):
+            first = time.perf_counter()
+    end = time.perf_counter()
+    return Run([s.to_output() for s in seqs], end - t0, end - (first or end))
 
 
 def main(args: argparse.Namespace, cfg: Config) -> int:
@@ -141,17 +172,19 @@ def main(args: argparse.Namespace, cfg: Config) -> int:
     for engine in engines.values():  # warm-up: kernels built, plans read
         _timed(engine, [edit[0][:64]], 8)
     figures: dict[str, dict[str, list[float]]] = {
-        "edit": {side: [] for side in engines},
-        "batch": {side: [] for side in engines},
+        name: {side: [] for side in engines}
+        for name in ("edit", "edit_e2e", "batch", "batch_e2e")
     }
     texts: dict[str, str] = {}
     for _ in range(args.repeats):
         for side, engine in engines.items():
-            dt, outs = _timed(engine, edit, args.max_tokens)
-            figures["edit"][side].append(len(outs[0].token_ids) / dt)
-            texts[side] = outs[0].text
-            dt, outs = _timed(engine, batch, args.batch_tokens)
-            figures["batch"][side].append(sum(len(o.token_ids) for o in outs) / dt)
+            run = _timed(engine, edit, args.max_tokens)
+            figures["edit"][side].append(run.decode_rate)
+            figures["edit_e2e"][side].append(run.tokens / run.seconds)
+            texts[side] = run.outs[0].text
+            run = _timed(engine, batch, args.batch_tokens)
+            figures["batch"][side].append(run.decode_rate)
+            figures["batch_e2e"][side].append(run.tokens / run.seconds)
     draft = f", draft model {args.draft_model}" if args.draft_model else ""
     print(f"model {model}{draft}, {args.threads} threads, k={args.num_speculative_tokens}, "
           f"n-gram {args.prompt_lookup_min}..{args.prompt_lookup_max}, {args.repeats} rounds (medians)")  # fmt: skip
@@ -159,8 +192,10 @@ def main(args: argparse.Namespace, cfg: Config) -> int:
     head = "".join(f" {side + ' tok/s':>12} {'ratio':>7}" for side in sides)
     print(f"{'figure':<34} {'off tok/s':>10}{head}")
     for name, label in (
-        ("edit", "batch 1, code edit"),
-        ("batch", f"batch {args.batch}, chat (throughput)"),
+        ("edit", "batch 1, code edit: decode"),
+        ("edit_e2e", "batch 1, code edit: with prefill"),
+        ("batch", f"batch {args.batch}, chat: decode"),
+        ("batch_e2e", f"batch {args.batch}, chat: with prefill"),
     ):
         a = statistics.median(figures[name]["off"])
         cols = ""
