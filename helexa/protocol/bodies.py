@@ -393,7 +393,7 @@ class LoadBody(TypedDict, total=False):
     tensor_parallel: int
     revision: str
     # speculative decoding for this model (wire.SPECULATIVE_METHODS); absent: [engine]'s
-    speculative_method: str  # "ngram" | "draft_model" | "off"
+    speculative_method: str  # "ngram" | "draft_model" | "mtp" | "off"
     speculative_model: str  # the draft model's id; with "draft_model" only, and required there
     num_speculative_tokens: int  # 1..16 tokens a draft proposes; absent: [engine]'s
 

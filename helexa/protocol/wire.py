@@ -54,7 +54,7 @@ CHARS_PER_TOKEN = 4
 # A load's speculative decoding (`POST /models/load`, a catalogue entry): vLLM's method
 # names ("off": none for this model, whatever the node's [engine] says), and the most
 # tokens one draft may propose.
-SPECULATIVE_METHODS = ("ngram", "draft_model", "off")
+SPECULATIVE_METHODS = ("ngram", "draft_model", "mtp", "off")
 MAX_SPECULATIVE_TOKENS = 16
 
 

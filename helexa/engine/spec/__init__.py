@@ -5,5 +5,7 @@ it is without speculation.
 
 - `ngram`: prompt lookup, the continuation of the longest recent n-gram match in the
   prompt and output so far (agents' edits re-emit runs of code already in the prompt).
+- `mtp`, `mtp_drafter`: the checkpoint's multi-token-prediction head (Qwen3.5/3.6), drafting
+  from the target's hidden states a step behind it.
 - `verify`: which rows speculate, and what a row keeps of its draft.
 """
