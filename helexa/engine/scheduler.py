@@ -60,6 +60,11 @@ class ScheduledBatch:
         return seq.num_computed_tokens + self.num_new_tokens[i] == seq.num_tokens + len(seq.draft)
 
 
+def _seeded(seq: Sequence) -> bool:
+    """Whether `seq` samples from a seeded generator (its tokens must repeat run to run)."""
+    return seq.params.seed is not None and not seq.params.is_greedy
+
+
 class Scheduler:
     def __init__(
         self,
@@ -181,7 +186,9 @@ class Scheduler:
         this machine's measured step costs and each row's acceptance, on a step of decoding
         rows (a step with a prompt chunk is priced by it, and keeps its drafts); returns the
         budget given back."""
-        rows = [i for i, seq in enumerate(batch.seqs) if seq.draft]
+        # a seeded sampled row keeps its draft whatever the costs: which drafts are checked
+        # decides which random draws its tokens take, and a seed must repeat its tokens
+        rows = [i for i, seq in enumerate(batch.seqs) if seq.draft and not _seeded(seq)]
         if not rows or any(s.num_computed_tokens < s.num_prompt_tokens for s in batch.seqs):
             return 0
         drafts = [(batch.seqs[i].draft_acceptance, len(batch.seqs[i].draft)) for i in rows]

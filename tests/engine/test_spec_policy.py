@@ -113,3 +113,43 @@ def test_the_engine_checks_what_the_policy_chooses_from_its_step_costs(tmp_path,
     # rows that cost next to nothing: every draft; rows that cost their share: only the
     # steps that measured what checking them costs
     assert checked["weights"] > 3 * checked["arithmetic"]
+
+
+@needs_shared
+def test_a_seeded_sampled_rows_draft_is_never_cut(tmp_path, monkeypatch):
+    """Whatever the costs say, a seeded sampled row checks its whole draft: its tokens
+    repeat run to run (a greedy row beside it is cut)."""
+    from helexa.engine import LLM, SamplingParams
+    from helexa.engine.scheduler import Scheduler
+    from tests.engine.test_speculative import EXACT, SPEC, _oracle, _repetitive
+    from tests.engine.tiny import make_tiny_model
+
+    model_dir = str(make_tiny_model("smollm2", tmp_path)[0])
+    prompts = [_repetitive(512, s) for s in range(2)]
+    params = [
+        SamplingParams(temperature=0, max_tokens=16, ignore_eos=True),
+        SamplingParams(temperature=0.8, seed=7, max_tokens=16, ignore_eos=True),
+    ]
+    with LLM(model_dir, **EXACT) as plain:
+        expected = [o.token_ids for o in plain.generate(prompts, params)]
+    _oracle(monkeypatch, prompts, expected)
+    real = Scheduler.observe_step
+    monkeypatch.setattr(  # rows cost their whole share: no draft pays
+        Scheduler, "observe_step", lambda self, b, s: real(self, b, 0.004 * b.num_tokens)
+    )
+    checked = []
+    real_keep = Scheduler._keep
+
+    def keep(self, seq, tokens, n):
+        checked.append((seq.params.seed, len(seq.draft)))
+        real_keep(self, seq, tokens, n)
+
+    monkeypatch.setattr(Scheduler, "_keep", keep)
+    runs = []
+    for _ in range(2):
+        with LLM(model_dir, **EXACT, **SPEC) as spec:
+            runs.append([o.token_ids for o in spec.generate(prompts, params)])
+    assert runs[0] == runs[1] and runs[0][0] == expected[0]
+    seeded = [k for seed, k in checked if seed == 7]
+    greedy = [k for seed, k in checked if seed is None]
+    assert len(seeded) > 4 and len(greedy) < len(seeded)

@@ -24,6 +24,8 @@ model and by context length. So the policy measures.
 
 Greedy output does not depend on the policy: every check row computes what its decode step
 would (model_runner.checks_as_decode), so which drafts are checked only changes the speed.
+A sampled row's tokens do (a checked draft takes the row's random draws another way), so a
+row with a seed is never cut (scheduler._worth_checking): its seed repeats its tokens.
 """
 
 from __future__ import annotations
