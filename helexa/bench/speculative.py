@@ -1,5 +1,6 @@
 """`helexa bench speculative`: decode with speculative decoding off and on, on one model:
-prompt lookup ("ngram") and, with `--draft-model`, a draft model ("draft_model").
+prompt lookup ("ngram"), with `--mtp` the checkpoint's MTP head ("mtp") and with
+`--draft-model` a draft model ("draft_model").
 
 Two figures, each measured off and with each method back to back, in rounds (`--repeats`),
 medians kept:
@@ -76,6 +77,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch-tokens", type=int, default=64, help="each batched answer")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument(
+        "--mtp",
+        action="store_true",
+        help="also measure speculative_method 'mtp': the model's own multi-token-prediction "
+        "head (a Qwen3.5/3.6 safetensors checkpoint that ships mtp.* weights)",
+    )
+    parser.add_argument(
         "--draft-model",
         metavar="PATH",
         help="also measure speculative_method 'draft_model' with this draft (local dir, "
@@ -150,6 +157,10 @@ def main(args: argparse.Namespace, cfg: Config) -> int:
             )
         ),
     }
+    if args.mtp:
+        engines["mtp"] = LLMEngine(
+            EngineArgs.from_config(cfg.engine, str(model), speculative_method="mtp", **spec)
+        )
     if args.draft_model:
         engines["draft"] = LLMEngine(
             EngineArgs.from_config(
@@ -172,8 +183,7 @@ def main(args: argparse.Namespace, cfg: Config) -> int:
     for engine in engines.values():  # warm-up: kernels built, plans read
         _timed(engine, [edit[0][:64]], 8)
     figures: dict[str, dict[str, list[float]]] = {
-        name: {side: [] for side in engines}
-        for name in ("edit", "edit_e2e", "batch", "batch_e2e")
+        name: {side: [] for side in engines} for name in ("edit", "edit_e2e", "batch", "batch_e2e")
     }
     texts: dict[str, str] = {}
     for _ in range(args.repeats):
