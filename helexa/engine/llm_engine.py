@@ -153,14 +153,6 @@ class LLMEngine:
             available = min([available, *self.ranks.wait_loaded()])
             if device.type == "cpu":
                 available //= self.ranks.world_size
-        # hybrid models roll their recurrent state back past rejected drafts
-        # (spec/rollback.py); prompt lookup's and the MTP head's drafts are checked that way
-        hybrid = ModelRunner.state_bytes_per_slot(model, dtype) > 0
-        if hybrid and args.speculative_method not in (None, "ngram", "mtp"):
-            raise ValueError(
-                f"speculative_method {args.speculative_method!r} does not run hybrid (Gated "
-                "DeltaNet) models yet; load this model with speculative_method 'ngram' or unset"
-            )
         if args.prompt_lookup_min > args.prompt_lookup_max:
             raise ValueError(
                 f"prompt_lookup_min ({args.prompt_lookup_min}) is above prompt_lookup_max "

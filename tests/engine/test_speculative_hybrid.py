@@ -191,3 +191,30 @@ def test_two_tensor_parallel_ranks_roll_back_as_one_does(models):
     with LLM(model_dir, tensor_parallel=2, **cpu, **SPEC) as two:
         assert [o.token_ids for o in two.generate(prompts, params)] == expected
         assert two.engine.scheduler.rollback.num_rollbacks > 0
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_5_moe"])
+def test_a_draft_model_drafts_for_a_hybrid_target_and_its_rollbacks(models, family, tmp_path):
+    """A non-hybrid draft model (a tiny llama on the same tokenizer) drafting for a hybrid
+    target: its drafts (proposed with the request's logit bias, as the target samples) are
+    partly kept, the target's state rolls back past the rest, a rolled-back row's several
+    own tokens reach the draft model too, and greedy tokens are those without speculation,
+    also under preemption."""
+    from tests.engine.tiny import make_tiny_model
+
+    draft = str(make_tiny_model("smollm2", tmp_path)[0])  # SmolLM2's tokenizer, 512 rows
+    model_dir = str(models[family][0])
+    prompts = [_few(s) for s in range(4)]
+    params = [_greedy(24), _greedy(9), _greedy(16, logprobs=1), _greedy(24)]
+    with LLM(model_dir, **EXACT) as plain:
+        expected = [o.token_ids for o in plain.generate(prompts, params)]
+    for extra in ({}, {"num_kv_blocks": 12}):
+        with LLM(
+            model_dir, **EXACT, speculative_method="draft_model", speculative_model=draft,
+            num_speculative_tokens=3, **extra,
+        ) as spec:  # fmt: skip
+            assert [o.token_ids for o in spec.generate(prompts, params)] == expected, extra
+            sched = spec.engine.scheduler
+            assert sched.num_draft_tokens > sched.num_accepted_tokens > 0
+            assert sched.rollback.num_rollbacks > 0
+            _assert_rows_given_back(spec)

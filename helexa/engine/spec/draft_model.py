@@ -115,6 +115,8 @@ class _Row:
     mm: None = None  # text: a draft model takes no images
     position_offset: int = 0
     state_slot: int = -1
+    # the request's logit bias: the target samples with it, so the draft proposes with it
+    logit_bias: dict[int, float] | None = None
 
 
 class DraftModel:
@@ -209,7 +211,13 @@ class DraftModel:
             logits = self.runner.model.compute_logits(hidden, None)
         finally:
             PREFILL_STEP.reset(token)
-        return logits[:, : self.vocab_size].argmax(dim=-1).tolist()
+        logits = logits[:, : self.vocab_size]
+        for j, row in enumerate(wanted):
+            if row.logit_bias:  # as the target's rows see them (spec/verify.py)
+                ids = torch.tensor(list(row.logit_bias), dtype=torch.long, device=logits.device)
+                bias = torch.tensor(list(row.logit_bias.values()), device=logits.device)
+                logits[j, ids] += bias.to(logits.dtype)
+        return logits.argmax(dim=-1).tolist()
 
 
 def _row(
@@ -217,4 +225,5 @@ def _row(
 ) -> _Row:
     """`seq` as a draft forward reads it: `n` tokens of `token_ids` from `start`."""
     end = start + n if samples else start + n + 1
-    return _Row(token_ids, start, end, seq.block_table, seq.num_prompt_tokens)
+    bias = seq.params.logit_bias or None
+    return _Row(token_ids, start, end, seq.block_table, seq.num_prompt_tokens, logit_bias=bias)
