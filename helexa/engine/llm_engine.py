@@ -69,6 +69,9 @@ class EngineStats:
     spec_drafts: int = 0
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
+    # hybrid models: steps that rolled a row's state back, and the tokens fed again after
+    spec_rollbacks: int = 0
+    spec_recomputed_tokens: int = 0
 
 
 class ContextLengthExceededError(ValueError):
@@ -430,6 +433,8 @@ class LLMEngine:
             spec_drafts=sched.num_drafts,
             spec_draft_tokens=sched.num_draft_tokens,
             spec_accepted_tokens=sched.num_accepted_tokens,
+            spec_rollbacks=sched.rollback.num_rollbacks if sched.rollback else 0,
+            spec_recomputed_tokens=sched.rollback.num_recomputed_tokens if sched.rollback else 0,
         )
 
     def has_unfinished(self) -> bool:

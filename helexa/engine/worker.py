@@ -98,6 +98,7 @@ class ModelFacts(msgspec.Struct):
     linear_weights: str = ""  # how the Linears hold their weights: "int4×14 float×1"
     vision: VisionProfile | None = None  # how the model takes images; None: text only
     speculative_method: str | None = None  # [engine] speculative_method; None: off
+    speculative_model: str | None = None  # the draft model's reference ("draft_model")
 
 
 class Ready(msgspec.Struct, tag="ready", array_like=True):
@@ -229,6 +230,7 @@ def model_facts(engine: LLMEngine) -> ModelFacts:
         linear_weights=linear_weights(engine.runner.model),
         vision=engine.loaded.vision,
         speculative_method=engine.args.speculative_method,
+        speculative_model=engine.args.speculative_model,
     )
 
 

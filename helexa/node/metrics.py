@@ -115,6 +115,18 @@ _ENGINE_METRICS: tuple[tuple[str, type, str, Callable[[ServedModel, EngineStats]
         "Drafted tokens the model accepted",
         lambda m, s: s.spec_accepted_tokens,
     ),
+    (
+        "helexa_spec_decode_num_rollbacks",
+        CounterMetricFamily,
+        "Hybrid models: checks that rejected drafts and rolled the recurrent state back",
+        lambda m, s: s.spec_rollbacks,
+    ),
+    (
+        "helexa_spec_decode_num_recomputed_tokens",
+        CounterMetricFamily,
+        "Hybrid models: tokens fed again after a rollback",
+        lambda m, s: s.spec_recomputed_tokens,
+    ),
 )
 
 

@@ -144,6 +144,7 @@ class ServedModel:
         s = self.stats
         return {
             "method": method,
+            "model": self.llm.facts.speculative_model,  # the draft model's, else None
             "drafts": s.spec_drafts,
             "acceptance_rate": round(s.spec_accepted_tokens / s.spec_draft_tokens, 4)
             if s.spec_draft_tokens
@@ -151,6 +152,7 @@ class ServedModel:
             "tokens_per_step": round(1 + s.spec_accepted_tokens / s.spec_drafts, 3)
             if s.spec_drafts
             else None,
+            "rollbacks": s.spec_rollbacks,  # hybrid models (Gated DeltaNet state)
         }
 
 

@@ -50,6 +50,8 @@ def test_the_answer_is_unchanged_and_the_drafts_are_counted(spec_node):
     assert drafted > 0
     entry = next(m for m in node.get("/models").json() if m["id"] == model)
     assert entry["speculative"]["method"] == "ngram" and entry["speculative"]["drafts"] > 0
+    assert entry["speculative"]["model"] is None and entry["speculative"]["rollbacks"] == 0
+    assert "helexa_spec_decode_num_rollbacks_total{" in metrics  # hybrids' (0 here)
 
 
 def test_a_load_chooses_speculation_for_its_model(spec_node, tmp_path):
@@ -161,5 +163,6 @@ def test_a_load_drafts_with_the_draft_model_it_names(plain_node):
     assert r.status_code == 200, r.text
     entry = next(m for m in node.get("/models").json() if m["id"] == target)
     assert entry["speculative"]["method"] == "draft_model"
+    assert entry["speculative"]["model"] == draft  # which draft model drafts
     prompt = {"model": target, "prompt": [5, 6, 7, 8], "max_tokens": 8, "temperature": 0}
     assert node.post("/v1/completions", prompt).status_code == 200
