@@ -13,13 +13,13 @@ The Triton kernels (after flash-attention 2 and flash-decoding) keep an online s
 in the log2 domain. Decode runs one program per (sequence, kv head) holding that kv head's whole
 group of query heads, so each K/V tile is read once per group; when those programs are too few
 to fill the GPU, the context is also split among several programs whose partial results a small
-kernel merges. The split count comes from tensor shapes alone, so a decode step can be captured
-in a CUDA graph.
+kernel merges. Each row splits its context by its own length (a split per 256 tokens, up to
+32), so a row's output does not depend on the rows beside it; the grid's split count comes
+from tensor shapes alone, so a decode step can be captured in a CUDA graph.
 """
 
 from __future__ import annotations
 
-import functools
 import math
 
 import torch
@@ -130,10 +130,7 @@ def naive_paged_prefill_attention(
 # starts at a finite -1e30, not -inf, so that a tile whose keys are all masked leaves the
 # state as it was (exp2(-1e30 - m) = 0, never NaN).
 
-# An H100's SM count: the split heuristic's target where torch sees no GPU (the interpreter), so
-# that tests there take the same decisions as the GPU the kernels are written for.
-DEFAULT_NUM_SMS = 132
-MIN_SPLIT_TOKENS = 256  # a split-KV program reads at least this many tokens of the longest row
+MIN_SPLIT_TOKENS = 256  # a split-KV program's share of its row: a split per this many tokens
 MAX_SPLITS = 32
 SMEM_BUDGET = 160 * 1024  # of an H100's 227 KB a block may use, leaving room for the compiler
 
@@ -203,10 +200,13 @@ if triton is not None:
         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
         BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
         SPLIT: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+        MIN_SPLIT: tl.constexpr,
     ):  # fmt: skip
         """Grid (N, KVH, splits): the GROUP query heads of one kv head of one row against one
-        split of its context: the row's tiles dealt out in contiguous runs, one per split.
-        SPLIT: write the unnormalised partial (acc, m, l); else the output itself."""
+        split of its context: the row's tiles dealt out in contiguous runs, one per split of
+        the row's own (a MIN_SPLIT-token share each, at most `num_splits`; the splits past
+        them are empty). SPLIT: write the unnormalised partial (acc, m, l); else the output
+        itself (what the merge gives a row of one split, to the bit)."""
         n = tl.program_id(0)
         kv_head = tl.program_id(1)
         split = tl.program_id(2)
@@ -224,7 +224,10 @@ if triton is not None:
         )
         if UPCAST:
             q = q.to(tl.float32)
-        tiles_per_split = tl.cdiv(tl.cdiv(context_len, BLOCK_N), num_splits)
+        # the row's own split count, from its length alone (never the batch's): a row's
+        # floats do not depend on the rows beside it (see decode_num_splits)
+        row_splits = tl.maximum(1, tl.minimum(context_len // MIN_SPLIT, num_splits))
+        tiles_per_split = tl.cdiv(tl.cdiv(context_len, BLOCK_N), row_splits)
         lo = split * tiles_per_split * BLOCK_N
         hi = tl.minimum(lo + tiles_per_split * BLOCK_N, context_len)
         m_i = tl.full([BLOCK_G], M_INIT, dtype=tl.float32)
@@ -381,22 +384,17 @@ def _dot_modes(x: torch.Tensor) -> tuple[str, bool]:
     return precision, x.device.type == "cpu" and x.dtype != torch.float32
 
 
-@functools.cache
-def _num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return DEFAULT_NUM_SMS
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
-def decode_num_splits(num_seqs: int, num_kv_heads: int, max_context: int, num_sms: int) -> int:
-    """How many programs share each (row, kv head)'s context: 1 when the N*KVH programs fill
-    the SMs already, else enough to fill them, but none with fewer than MIN_SPLIT_TOKENS of the
-    longest possible context (max_context, from the block table's width) and at most
-    MAX_SPLITS. Shapes only: the same answer for every step a CUDA graph replays."""
-    programs = num_seqs * num_kv_heads
-    if programs == 0 or programs >= num_sms:
-        return 1
-    return max(1, min(-(-num_sms // programs), max_context // MIN_SPLIT_TOKENS, MAX_SPLITS))
+def decode_num_splits(max_context: int) -> int:
+    """The grid's splits of each (row, kv head)'s context: as many as the longest possible
+    context (max_context, from the block table's width) has MIN_SPLIT_TOKENS shares, at most
+    MAX_SPLITS. Each row then takes its own count from its own length (one per share, the
+    same bound), and the splits past it are empty: so a row's floats never depend on the
+    batch beside it, and a speculative check row (several rows of one sequence, each a token
+    longer) computes what its one-row decode step would. When the count followed the batch
+    (enough programs to fill the SMs: one row took 16 splits, 64 rows one), a row's sums
+    changed with its neighbours, and a bf16 near tie could part greedy answers. Shapes only:
+    the same answer for every step a CUDA graph replays."""
+    return max(1, min(max_context // MIN_SPLIT_TOKENS, MAX_SPLITS))
 
 
 def _num_stages(rows: int, block_n: int, block_d: int, elem_size: int) -> int:
@@ -453,7 +451,7 @@ def _launch_paged_decode(
         num_heads * num_splits, num_splits, 1,
         GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
         BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_N=block_n,
-        SPLIT=split, PRECISION=precision, UPCAST=upcast,
+        SPLIT=split, PRECISION=precision, UPCAST=upcast, MIN_SPLIT=MIN_SPLIT_TOKENS,
         num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     if split:
@@ -488,7 +486,7 @@ def triton_paged_decode_attention(
     if num_seqs == 0:
         return out
     max_context = block_tables.shape[1] * block_size
-    num_splits = decode_num_splits(num_seqs, k_cache.shape[2], max_context, _num_sms(q.device))
+    num_splits = decode_num_splits(max_context)
     _launch_paged_decode(q, k_cache, v_cache, block_tables, context_lens, scale, out, num_splits)
     return out
 

@@ -232,11 +232,30 @@ def test_triton_decode_reads_a_strided_query_and_zeroes_padding_rows():
 
 
 def test_split_count_follows_shapes_only():
-    assert decode_num_splits(64, 8, 4096, 132) == 1  # 512 programs fill the SMs
-    assert decode_num_splits(1, 8, 4096, 132) == 16  # 17 to fill them; 256 tokens each at least
-    assert decode_num_splits(1, 1, 32768, 132) == pa.MAX_SPLITS
-    assert decode_num_splits(2, 8, 128, 132) == 1  # too short to split
-    assert decode_num_splits(0, 8, 4096, 132) == 1
+    assert decode_num_splits(4096) == 16  # a split per 256 tokens of the longest context
+    assert decode_num_splits(32768) == pa.MAX_SPLITS
+    assert decode_num_splits(128) == 1  # too short to split
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_decode_rows_output_does_not_depend_on_the_rows_beside_it(dtype):
+    """Bit for bit: a row alone, in a batch of other lengths (a wider grid of splits), and
+    as one of a sequence's speculative check rows (each a token longer) gives the same
+    output: its split count comes from its own length."""
+    lens = [700, 701, 702, 703, 40, 1500, 1]
+    paged = Paged(lens, num_heads=8, num_kv_heads=2, block_size=32, max_blocks=48, dtype=dtype)
+    q = paged.queries(len(lens))
+    args = paged.decode_args(q)
+    together = pa.triton_paged_decode_attention(*args)
+    k, v, tables, context = args[1], args[2], args[3], args[4]
+    for i in range(len(lens)):
+        width = -(-lens[i] // 32)  # the row's own table: a narrower grid than the batch's
+        alone = pa.triton_paged_decode_attention(
+            q[i : i + 1], k, v, tables[i : i + 1, :width].contiguous(), context[i : i + 1],
+            args[5],
+        )  # fmt: skip
+        assert torch.equal(together[i], alone[0]), i
 
 
 @needs_triton
@@ -244,7 +263,7 @@ def test_split_count_follows_shapes_only():
 def test_triton_decode_splits_a_long_context_of_one_row(dtype):
     # one row, one kv head, tables of 1024 tokens: the context is split (flash-decoding)
     paged = Paged([900], num_heads=4, num_kv_heads=1, block_size=32, max_blocks=32, dtype=dtype)
-    assert decode_num_splits(1, 1, 1024, pa.DEFAULT_NUM_SMS) == 4
+    assert decode_num_splits(1024) == 4
     check_decode(paged, paged.queries(1))
 
 
