@@ -13,7 +13,7 @@ import dataclasses
 import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
@@ -34,9 +34,13 @@ from helexa.engine.step_sampler import (  # noqa: F401 (re-exported: the engine,
 )
 from helexa.kernels import QuantWeight
 
-if TYPE_CHECKING:
-    from helexa.engine.spec.draft_model import DraftModel
-    from helexa.engine.spec.mtp_drafter import MtpDrafter
+
+class Drafter(Protocol):
+    """What the runner needs of a model drafter (spec/draft_model.py, spec/mtp_drafter.py,
+    which import this module): the step's drafts written into its rows' placeholders."""
+
+    def propose(self, batch: ScheduledBatch) -> None: ...
+
 
 MiB = 1 << 20
 
@@ -103,7 +107,7 @@ class ModelRunner:
         self.broadcast: Callable[[StepPlan], None] | None = None
         # speculative decoding's draft model or MTP head (spec/draft_model.py, mtp_drafter.py):
         # a step's drafts, written before its forward; None for the scheduler's or none
-        self.drafter: DraftModel | MtpDrafter | None = None
+        self.drafter: Drafter | None = None
         # the MTP drafter (spec/mtp_drafter.py) reads every forward's hidden states
         self.hidden_reader: Callable[[ScheduledBatch, StepHidden], None] | None = None
 

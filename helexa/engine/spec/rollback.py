@@ -33,13 +33,19 @@ without a draft and its state is right again.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from helexa.engine.sequence import Sequence
 from helexa.engine.state_manager import StateCopy, StateManager
 
-if TYPE_CHECKING:
-    from helexa.engine.scheduler import ScheduledBatch
+
+class Batch(Protocol):
+    """What the rollback reads and writes of a scheduler.ScheduledBatch (the scheduler
+    imports this module): its rows, their token counts, the state copies before the forward."""
+
+    seqs: list[Sequence]
+    num_new_tokens: list[int]
+    restores: list[StateCopy]
 
 
 class StateRollback:
@@ -61,7 +67,7 @@ class StateRollback:
             and self.state_manager.num_free > 0
         )
 
-    def guard(self, batch: ScheduledBatch) -> None:
+    def guard(self, batch: Batch) -> None:
         """At the end of scheduling: each row with a draft gets a lent row and the copy of
         its state into it before the forward, or, with none free, drops its draft."""
         for i, seq in enumerate(batch.seqs):
