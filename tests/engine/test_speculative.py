@@ -8,6 +8,7 @@ plain scan does."""
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from types import SimpleNamespace
 
 import pytest
@@ -51,6 +52,27 @@ def test_a_row_keeps_the_agreeing_drafts_then_the_targets_choice():
     assert accepted([5, 6, 7], [5, 9, 7, 8]) == [5, 9]
     assert accepted([5], [4, 4]) == [4]
     assert accepted([], [3]) == [3]
+
+
+def assert_three_token_distribution(
+    counts: dict[tuple[int, ...], int], probs: Callable[[list[int]], dict[int, float]], runs: int
+) -> None:
+    """Sampled three-token answers (`counts` by answer, of `runs`) have the distribution that
+    `probs` (the exact next-token probabilities after a prefix) gives: every answer is one it
+    allows, and a chi-square test, outcomes expected fewer than 5 times pooled into one cell."""
+    exact: dict[tuple[int, ...], float] = {}
+    for a, pa in probs([]).items():
+        for b, pb in probs([a]).items():
+            for c, pc in probs([a, b]).items():
+                exact[(a, b, c)] = pa * pb * pc
+    assert set(counts) <= set(exact)
+    small = [k for k, p in exact.items() if p * runs < 5]
+    cells = [(counts.get(k, 0), p * runs) for k, p in exact.items() if k not in small]
+    if small:
+        cells.append((sum(counts.get(k, 0) for k in small), sum(exact[k] for k in small) * runs))
+    chi2 = sum((o - e) ** 2 / e for o, e in cells)
+    # at most 26 degrees of freedom: 60 is past the 0.9999 quantile
+    assert chi2 < 60, (chi2, len(cells))
 
 
 def _repetitive(vocab: int, seed: int) -> list[int]:
@@ -188,20 +210,7 @@ def test_sampled_tokens_have_the_targets_distribution(models):
         vals, ids = logits.topk(3)
         return dict(zip(ids.tolist(), vals.softmax(-1).tolist(), strict=True))
 
-    exact: dict[tuple[int, ...], float] = {}
-    for a, pa in top3([]).items():
-        for b, pb in top3([a]).items():
-            for c, pc in top3([a, b]).items():
-                exact[(a, b, c)] = pa * pb * pc
-    assert set(counts) <= set(exact)
-    # chi-square, outcomes expected fewer than 5 times pooled into one cell
-    small = [k for k, p in exact.items() if p * runs < 5]
-    cells = [(counts.get(k, 0), p * runs) for k, p in exact.items() if k not in small]
-    if small:
-        cells.append((sum(counts.get(k, 0) for k in small), sum(exact[k] for k in small) * runs))
-    chi2 = sum((o - e) ** 2 / e for o, e in cells)
-    # at most 26 degrees of freedom: 60 is past the 0.9999 quantile
-    assert chi2 < 60, (chi2, len(cells))
+    assert_three_token_distribution(counts, top3, runs)
 
 
 @needs_shared

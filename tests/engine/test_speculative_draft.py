@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from helexa.engine import LLM, SamplingParams
-from tests.engine.test_speculative import EXACT, _repetitive
+from tests.engine.test_speculative import EXACT, _repetitive, assert_three_token_distribution
 from tests.engine.tiny import make_tiny_model, make_tiny_new_family
 from tests.shared_fixtures import needs_shared
 
@@ -168,18 +168,7 @@ def test_sampled_tokens_have_the_targets_distribution_with_a_draft_model(models)
         vals, ids = logits.topk(3)
         return dict(zip(ids.tolist(), vals.softmax(-1).tolist(), strict=True))
 
-    exact: dict[tuple[int, ...], float] = {}
-    for a, pa in top3([]).items():
-        for b, pb in top3([a]).items():
-            for c, pc in top3([a, b]).items():
-                exact[(a, b, c)] = pa * pb * pc
-    assert set(counts) <= set(exact)
-    small = [k for k, p in exact.items() if p * runs < 5]
-    cells = [(counts.get(k, 0), p * runs) for k, p in exact.items() if k not in small]
-    if small:
-        cells.append((sum(counts.get(k, 0) for k in small), sum(exact[k] for k in small) * runs))
-    chi2 = sum((o - e) ** 2 / e for o, e in cells)
-    assert chi2 < 60, (chi2, len(cells))  # at most 26 degrees of freedom: past 0.9999
+    assert_three_token_distribution(counts, top3, runs)
 
 
 def test_a_draft_model_of_another_vocabulary_is_refused_at_load(models, tmp_path):

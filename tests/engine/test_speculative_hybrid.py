@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from helexa.engine import LLM, SamplingParams
-from tests.engine.test_speculative import EXACT, SPEC
+from tests.engine.test_speculative import EXACT, SPEC, assert_three_token_distribution
 from tests.engine.tiny import make_tiny_new_family
 from tests.shared_fixtures import needs_shared
 
@@ -137,20 +137,7 @@ def test_sampled_tokens_have_the_targets_distribution_and_seeds_repeat(models):
             logits = hf(input_ids=torch.tensor([prompt + prefix])).logits[0, -1]
         return dict(zip(few, logits[few].softmax(-1).tolist(), strict=True))
 
-    exact: dict[tuple[int, ...], float] = {}
-    for a, pa in probs([]).items():
-        for b, pb in probs([a]).items():
-            for c, pc in probs([a, b]).items():
-                exact[(a, b, c)] = pa * pb * pc
-    assert set(counts) <= set(exact)
-    # chi-square, outcomes expected fewer than 5 times pooled into one cell
-    small = [k for k, p in exact.items() if p * runs < 5]
-    cells = [(counts.get(k, 0), p * runs) for k, p in exact.items() if k not in small]
-    if small:
-        cells.append((sum(counts.get(k, 0) for k in small), sum(exact[k] for k in small) * runs))
-    chi2 = sum((o - e) ** 2 / e for o, e in cells)
-    # at most 26 degrees of freedom: 60 is past the 0.9999 quantile
-    assert chi2 < 60, (chi2, len(cells))
+    assert_three_token_distribution(counts, probs, runs)
 
 
 def test_a_row_that_finds_no_free_state_row_decodes_without_a_draft(models):

@@ -23,7 +23,7 @@ import torch
 from helexa.engine import LLM, SamplingParams
 from helexa.engine.spec.mtp import naive_mtp, naive_propose
 from helexa.engine.spec.mtp_drafter import _Row
-from tests.engine.test_speculative import EXACT
+from tests.engine.test_speculative import EXACT, assert_three_token_distribution
 from tests.engine.test_speculative_hybrid import FEW, IM_START, _few, _greedy
 from tests.engine.tiny import FIXTURE_MODELS, make_tiny_model, tiny_hf_model
 from tests.shared_fixtures import needs_shared
@@ -238,18 +238,7 @@ def test_sampled_tokens_have_the_targets_distribution_and_seeds_repeat(models):
             logits = hf(input_ids=torch.tensor([prompt + prefix])).logits[0, -1]
         return dict(zip(few, (logits[few] / temperature).softmax(-1).tolist(), strict=True))
 
-    exact: dict[tuple[int, ...], float] = {}
-    for a, pa in probs([]).items():
-        for b, pb in probs([a]).items():
-            for c, pc in probs([a, b]).items():
-                exact[(a, b, c)] = pa * pb * pc
-    assert set(counts) <= set(exact)
-    small = [k for k, p in exact.items() if p * runs < 5]
-    cells = [(counts.get(k, 0), p * runs) for k, p in exact.items() if k not in small]
-    if small:
-        cells.append((sum(counts.get(k, 0) for k in small), sum(exact[k] for k in small) * runs))
-    chi2 = sum((o - e) ** 2 / e for o, e in cells)
-    assert chi2 < 60, (chi2, len(cells))  # at most 26 degrees of freedom: past 0.9999
+    assert_three_token_distribution(counts, probs, runs)
 
 
 def test_a_checkpoint_without_an_mtp_head_is_refused_at_load(tmp_path):
