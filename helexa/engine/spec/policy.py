@@ -30,6 +30,8 @@ row with a seed is never cut (scheduler._worth_checking): its seed repeats its t
 
 from __future__ import annotations
 
+from bisect import bisect_left
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 STALE_STEPS = 512  # a row count's time not measured for this many steps is measured again
@@ -56,15 +58,28 @@ class StepCosts:
     def estimate(self, rows: int) -> float | None:
         """Seconds a decode step of `rows` rows takes: measured, or interpolated between
         the nearest fresh row counts below and above it; None beyond them."""
-        live = {r: t for r, (t, seen) in self.times.items() if self.step - seen <= STALE_STEPS}
-        if rows in live:
-            return live[rows]
-        below = max((r for r in live if r < rows), default=None)
-        above = min((r for r in live if r > rows), default=None)
-        if below is None or above is None:
-            return None
-        share = (rows - below) / (above - below)
-        return live[below] + share * (live[above] - live[below])
+        return self.curve()(rows)
+
+    def curve(self) -> Callable[[int], float | None]:
+        """`estimate` over the fresh measurements as they stand, gathered once: a step's
+        choice asks it at every row count it weighs."""
+        live = sorted(
+            (r, t) for r, (t, seen) in self.times.items() if self.step - seen <= STALE_STEPS
+        )
+        counts = [r for r, _ in live]
+        times = [t for _, t in live]
+
+        def at(rows: int) -> float | None:
+            i = bisect_left(counts, rows)
+            if i < len(counts) and counts[i] == rows:
+                return times[i]
+            if i == 0 or i == len(counts):
+                return None
+            below, above = counts[i - 1], counts[i]
+            share = (rows - below) / (above - below)
+            return times[i - 1] + share * (times[i] - times[i - 1])
+
+        return at
 
 
 class DraftPolicy:
@@ -111,16 +126,16 @@ class DraftPolicy:
         total = len(values)
         if not total:
             return [0] * len(drafts)
-        costs = self.costs
-        if costs.estimate(base_rows + total) is None:
+        estimate = self.costs.curve()
+        if estimate(base_rows + total) is None:
             take = total  # measure the step with every draft checked
-        elif (plain := costs.estimate(base_rows)) is None:
+        elif (plain := estimate(base_rows)) is None:
             take = 0  # measure the step without
         else:
             best, take, gain = base_rows / plain, 0, 0.0
             for d, (value, _) in enumerate(values, start=1):
                 gain += value
-                t = costs.estimate(base_rows + d)
+                t = estimate(base_rows + d)
                 if t is not None and (base_rows + gain) / t > best:
                     best, take = (base_rows + gain) / t, d
         keep = [0] * len(drafts)
