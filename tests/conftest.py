@@ -35,6 +35,30 @@ def _triton_interprets_on_cpu() -> None:
 _triton_interprets_on_cpu()
 
 
+_START_THREADS: list[int] = []
+
+
+@pytest.fixture(autouse=True)
+def _process_wide_settings_restored() -> Iterator[None]:
+    """What an engine sets for its whole process (the kernel backend, the native-kernel mode,
+    torch's thread count) is put back after each test: an `LLM(kernels="triton")` left the
+    Triton interpreter under every later test of its xdist worker that calls a kernel
+    without building an engine (the dispatcher's own tests failed by it)."""
+    import sys
+
+    import torch
+
+    if not _START_THREADS:
+        _START_THREADS.append(torch.get_num_threads())
+    yield
+    if (kernels := sys.modules.get("helexa.kernels")) is not None and kernels.backend() != "auto":
+        kernels.set_backend("auto")
+    if (native := sys.modules.get("helexa.engine.layers.native")) is not None:
+        native.set_mode("auto")
+    if torch.get_num_threads() != _START_THREADS[0]:
+        torch.set_num_threads(_START_THREADS[0])
+
+
 @pytest.fixture(scope="session")
 def fixtures_dir() -> Path:
     """The shared fixtures (tests/shared_fixtures.py): skipped without them, failed under CI."""

@@ -110,9 +110,12 @@ def agent_models(tmp_path_factory) -> dict[str, str]:
     return {name: str(d) for name, d in dirs.items()}
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def agent_node(tmp_path_factory, agent_models):
-    """A node serving scripted answers spoken through the Qwen3 vocabulary."""
+    """A node serving scripted answers spoken through the Qwen3 vocabulary. A module's: its
+    fifteen model workers hold ~6.5 GB, which a session's fixture kept on every xdist worker
+    that ever ran one of its five modules until the run ended (three of them OOM-killed CI
+    on 24 GiB)."""
     proc = start_node(tmp_path_factory.mktemp("agent-node"), list(agent_models.values()))
     yield proc
     proc.stop(signal.SIGTERM)

@@ -263,9 +263,15 @@ def _toml(value: object) -> str:
 
 
 def write_node_config(
-    path: Path, cfg: Config, model: str, port: int, args: argparse.Namespace
+    path: Path,
+    cfg: Config,
+    model: str,
+    port: int,
+    args: argparse.Namespace,
+    engine_overrides: dict[str, object] | None = None,
 ) -> None:
-    """A node config: loopback port, one model, admission wide enough, `cfg`'s [engine]."""
+    """A node config: loopback port, one model, admission wide enough, `cfg`'s [engine] with
+    `engine_overrides` over it."""
     room = max(64, 2 * max(args.concurrency))
     node = {
         "listen": f"127.0.0.1:{port}",
@@ -275,7 +281,8 @@ def write_node_config(
         "max_waiting_requests": room,
     }
     engine = {f.name: getattr(cfg.engine, f.name) for f in fields(cfg.engine)}
-    engine = {k: v for k, v in {**engine, "num_threads": args.threads}.items() if v is not None}
+    engine = {**engine, "num_threads": args.threads, **(engine_overrides or {})}
+    engine = {k: v for k, v in engine.items() if v is not None}
     lines = ["[node]", *(f"{k} = {_toml(v)}" for k, v in node.items())]
     lines += ["[engine]", *(f"{k} = {_toml(v)}" for k, v in engine.items())]
     path.write_text("\n".join(lines) + "\n")

@@ -2,7 +2,8 @@
 engine, side by side: (a) the engine driven by add_request/step, as `bench engine` and the
 node's loop drive it; (b) `LLM.generate`, the public Python API, built as a user builds it
 (`LLM(model)`, EngineArgs defaults); (c) a real node process over HTTP, one streamed chat
-completion at a time.
+completion at a time. Every side's KV pool is `--kv-cache-mb`: its size does not change a
+batch-1 decode, and three CPU default pools (up to 2 GiB each) crowd a small machine.
 
 One phase after another, each freed before the next, so that a GPU holds one model at a
 time: (a) on the bench's engine; (b) on an `LLM`, whose own engine is also driven by
@@ -141,7 +142,9 @@ def node(cfg: Config, model: str, args: argparse.Namespace) -> Iterator[str]:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
         config, log_path = Path(tmp) / "node.toml", Path(tmp) / "node.log"
-        write_node_config(config, cfg, model, port, args)
+        # the KV pool of (a) and (b): the node's default (up to 2 GiB on the CPU) says nothing
+        # about batch-1 decode, and three pools that size do not fit beside a busy machine
+        write_node_config(config, cfg, model, port, args, {"kv_cache_memory_mb": args.kv_cache_mb})
         env = {k: v for k, v in os.environ.items() if k != "HELEXA_CONFIG"}
         cmd = [sys.executable, "-m", "helexa.cli", "serve", "--role", "node", "--config"]
         with log_path.open("wb") as log:
@@ -197,7 +200,8 @@ def main(args: argparse.Namespace, cfg: Config, eargs: EngineArgs) -> int:
     engine.shutdown()
     del engine
 
-    llm = LLM(path)  # as a user builds it: EngineArgs' defaults
+    # as a user builds it: EngineArgs' defaults, but for the KV pool, (a)'s (--kv-cache-mb)
+    llm = LLM(path, kv_cache_memory_mb=args.kv_cache_mb)
     try:
         sides.append(SideFigures("(b) LLM.generate", settings=_settings(llm.engine)))
         _measure(sides[-1], repeats, llm_generate(llm, prompt, n))

@@ -32,7 +32,8 @@ def test_the_three_sides_of_the_bundled_model_each_print_a_decode_rate(tmp_path)
     env = {**os.environ, "HELEXA_CONFIG": "", "HOME": str(tmp_path)}
     done = subprocess.run(
         [sys.executable, "-m", "helexa.cli", "bench", "engine", "--sides",
-         "--decode-tokens", "8", "--decode-repeats", "1", "--threads", "1"],
+         "--decode-tokens", "8", "--decode-repeats", "1", "--threads", "1",
+         "--kv-cache-mb", "64"],
         capture_output=True, text=True, timeout=600, env=env,
     )  # fmt: skip
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
