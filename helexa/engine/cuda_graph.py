@@ -169,6 +169,8 @@ class DecodeGraphs:
         )
         packed = host.to(runner.device, non_blocking=True)
         self.input_ids[:bs].copy_(packed[0])
+        if runner.id_limit is not None:  # a narrower draft model's (ModelRunner.id_limit)
+            self.input_ids[:bs].clamp_(max=runner.id_limit - 1)
         self.positions[:bs].copy_(packed[1])
         self.slot_mapping[:bs].copy_(packed[2])
         self.context_lens[:bs].copy_(packed[3])

@@ -110,6 +110,9 @@ class ModelRunner:
         self.drafter: Drafter | None = None
         # the MTP drafter (spec/mtp_drafter.py) reads every forward's hidden states
         self.hidden_reader: Callable[[ScheduledBatch, StepHidden], None] | None = None
+        # token ids at or past this are read as the one before it: a draft model narrower
+        # than its target (spec/draft_model.py) reads the target's ids it has no row for
+        self.id_limit: int | None = None
 
     @property
     def use_triton(self) -> bool:
@@ -291,6 +294,8 @@ class ModelRunner:
     def build(self, plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor, AttentionContext]:
         """The step's device inputs from its plan: token ids, positions, attention context."""
         input_ids = self.tensor(plan.ids)
+        if self.id_limit is not None:
+            input_ids = input_ids.clamp(max=self.id_limit - 1)
         pos = self.tensor(plan.positions)
         if plan.mrope is not None:
             cos, sin = self.model.rotary.lookup_mrope(self.tensor(plan.mrope), self.dtype)

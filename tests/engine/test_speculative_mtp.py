@@ -28,7 +28,7 @@ from tests.engine.test_speculative_hybrid import FEW, IM_START, _few, _greedy
 from tests.engine.tiny import FIXTURE_MODELS, make_tiny_model, tiny_hf_model
 from tests.shared_fixtures import needs_shared
 
-pytestmark = needs_shared
+pytestmark = [needs_shared, pytest.mark.usefixtures("check_every_draft")]
 
 MTP = dict(speculative_method="mtp", num_speculative_tokens=3)
 
@@ -239,6 +239,30 @@ def test_sampled_tokens_have_the_targets_distribution_and_seeds_repeat(models):
         return dict(zip(few, (logits[few] / temperature).softmax(-1).tolist(), strict=True))
 
     assert_three_token_distribution(counts, probs, runs)
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_5_moe"])
+def test_two_tensor_parallel_ranks_check_the_mtp_heads_drafts_as_one_rank_does(models, family):
+    """Under tensor parallel the head runs whole on rank 0, on whole copies of the target's
+    embeddings and lm_head (the target's are split by vocabulary), from the target's hidden
+    states, which rank 0 holds whole: the greedy tokens are one rank's without the head,
+    and its drafts are those one rank's head drafts."""
+    model_dir = str(models[family][0])
+    prompts = [_few(s) for s in range(3)]
+    params = _greedy(20)
+    cpu = dict(EXACT, device="cpu", num_kv_blocks=64)
+    with LLM(model_dir, **cpu) as plain:
+        expected = [o.token_ids for o in plain.generate(prompts, params)]
+    with LLM(model_dir, **cpu, **MTP) as one:
+        one.generate(prompts, params)
+        drafted = one.engine.scheduler.num_draft_tokens, one.engine.scheduler.num_accepted_tokens
+    with LLM(model_dir, tensor_parallel=2, **cpu, **MTP) as two:
+        assert [o.token_ids for o in two.generate(prompts, params)] == expected
+        sched = two.engine.scheduler
+        assert sched.num_draft_tokens > sched.num_accepted_tokens > 0
+        assert (sched.num_draft_tokens, sched.num_accepted_tokens) == drafted
+        vocab = two.engine.runner.drafter.model.vocab
+        assert vocab.embed_tokens.weight.shape[0] == two.engine.loaded.config.vocab_size
 
 
 def test_a_checkpoint_without_an_mtp_head_is_refused_at_load(tmp_path):

@@ -23,6 +23,7 @@ alone, before rank 0 sends the target's step to the other ranks: they never see 
 from __future__ import annotations
 
 import dataclasses
+import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -37,6 +38,8 @@ if TYPE_CHECKING:
     from helexa.engine.engine_args import EngineArgs
     from helexa.engine.loader.load import LoadedModel
     from helexa.engine.sequence import Sequence
+
+log = logging.getLogger(__name__)
 
 # Texts both tokenizers must turn into the same ids: words, code, digits, whitespace runs,
 # accents and CJK (where byte-level vocabularies of different families part ways).
@@ -71,13 +74,27 @@ def load_draft(args: EngineArgs, device: torch.device, target: LoadedModel) -> L
             f"speculative_model {ref!r} cannot draft for this model: {problem}; pick a draft "
             "model of the same family, sharing its tokenizer"
         )
+    if (rows := narrower_than(target, draft)) is not None:
+        log.info(
+            "speculative_model %r has %d vocabulary rows, this model %d: it reads this "
+            "model's ids past its rows as its last one, and drafts none of them",
+            ref, rows, logits_width(target),
+        )  # fmt: skip
     return draft
+
+
+def narrower_than(target: LoadedModel, draft: LoadedModel) -> int | None:
+    """The draft's vocabulary rows where they are fewer than the target's; else None."""
+    rows = logits_width(draft)
+    return rows if rows < logits_width(target) else None
 
 
 def vocabulary_mismatch(target: LoadedModel, draft: LoadedModel) -> str | None:
     """Why `draft`'s token ids do not mean what `target`'s do (None: they do): the same
-    tokenizer, and embedding rows for every token the target can write (a wider draft's
-    proposals are cut to the target's width)."""
+    tokenizer. Their tables may be padded to different widths (Qwen2.5-0.5B has 151936 rows,
+    Qwen2.5-7B 152064, on one tokenizer): a wider draft's proposals are cut to the target's
+    width, and a narrower one reads the target's ids past its rows as its last row (only
+    padding ids, where the tokenizer fits in its rows; `narrower_than`)."""
     t, d = target.tokenizer, draft.tokenizer
     if t.vocab_size != d.vocab_size:
         return f"its tokenizer has {d.vocab_size} tokens, this model's {t.vocab_size}"
@@ -85,12 +102,6 @@ def vocabulary_mismatch(target: LoadedModel, draft: LoadedModel) -> str | None:
         a, b = t.encode(text), d.encode(text)
         if a != b:
             return f"it tokenizes {text!r} as {b}, this model as {a}"
-    width, draft_width = logits_width(target), logits_width(draft)
-    if draft_width < width:
-        return (
-            f"its vocabulary has {draft_width} rows, this model's {width}: it could not "
-            "read every token this model writes"
-        )
     return None
 
 
@@ -144,6 +155,9 @@ class DraftModel:
             kv_dtype=kv_dtype,
         )
         self.vocab_size = vocab_size  # the target's logits' width: no proposal past it
+        rows = logits_width(loaded)
+        if rows < vocab_size:  # a narrower draft reads the target's ids it has no row for
+            self.runner.id_limit = rows
 
     @property
     def model(self) -> torch.nn.Module:

@@ -9,7 +9,12 @@ At position i (vLLM's Qwen3_5MultiTokenPredictor):
   x = layers.0(x)                               # a full-attention layer of the target's kind
   out = norm(x)                                 # logits: the target's lm_head(out)
 The head shares the target's embed_tokens, lm_head and rotary; its own weights are the
-checkpoint's `mtp.*` tensors (its RMSNorms, as the target's, store offsets from one). For a
+checkpoint's `mtp.*` tensors (its RMSNorms, as the target's, store offsets from one).
+Under tensor parallel the head is built whole (`parallel.unsharded`) and runs on rank 0
+alone, as a draft model does: the target's embeddings and lm_head are split by vocabulary
+there (each lookup a collective of every rank), so rank 0 holds whole copies of them
+(`WholeVocab`, read from the checkpoint) for the head, and reads the target's hidden states,
+which every rank holds whole after each layer's all-reduce. For a
 draft past the first, `out` stands in for the target's hidden state at the next position
 (vLLM does the same when a draft is longer than the checkpoint's MTP layers).
 
@@ -20,6 +25,7 @@ engine's head and drafter to.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from typing import TYPE_CHECKING
 
@@ -34,9 +40,16 @@ from helexa.engine.layers.rotary import RotaryEmbedding
 from helexa.engine.loader import prequant
 from helexa.engine.loader.hf import iter_safetensors, read_json, safetensors_files
 from helexa.engine.loader.load import default_dtype
-from helexa.engine.models.llama import _fuse, _load_one, _owner, _stacked_names
+from helexa.engine.models.llama import (
+    Embedding,
+    _fuse,
+    _load_one,
+    _owner,
+    _share_tied,
+    _stacked_names,
+)
 from helexa.engine.models.qwen3_5 import Qwen3_5ForCausalLM
-from helexa.engine.parallel import tp
+from helexa.engine.parallel import tp, unsharded
 
 if TYPE_CHECKING:
     from helexa.engine.engine_args import EngineArgs
@@ -45,11 +58,45 @@ if TYPE_CHECKING:
 PREFIX = "mtp."
 
 
+class WholeVocab(nn.Module):
+    """The target's embeddings and lm_head, whole, for a head that runs on rank 0 alone under
+    tensor parallel (the target's own are split by vocabulary across the ranks)."""
+
+    def __init__(self, vocab_size: int, hidden_size: int) -> None:
+        super().__init__()
+        self.embed_tokens = Embedding(vocab_size, hidden_size)
+        self.lm_head = Linear(hidden_size, vocab_size, False)
+
+    def compute_logits(self, hidden: torch.Tensor, seqs: list | None = None) -> torch.Tensor:
+        return self.lm_head(hidden)
+
+    def load(self, weights, target: Qwen3_5ForCausalLM, *, dtype: torch.dtype, quant, dense):
+        """From the checkpoint's (name, tensor) pairs, the target's embeddings and lm_head
+        (its tied table for both where the config ties them)."""
+        found: dict[str, torch.Tensor] = {}
+        for name, w in weights:
+            path = next(
+                (name[len(p) :] for p in target.weight_prefixes if name.startswith(p)), name
+            )
+            if path in ("embed_tokens.weight", "lm_head.weight"):
+                found[path.split(".")[0]] = w
+        tied = target.config.tie_word_embeddings
+        if "embed_tokens" not in found or not (tied or "lm_head" in found):
+            raise ValueError("the checkpoint's embed_tokens / lm_head weights were not found")
+        _load_one(self.embed_tokens, "weight", found["embed_tokens"], dtype, None, False)
+        head = found["embed_tokens"] if tied else found["lm_head"]
+        _load_one(self.lm_head, "weight", head, dtype, quant, dense)
+        if tied:
+            _share_tied(self.embed_tokens, self.lm_head)
+
+
 class MtpHead(nn.Module):
     """The head's own layers; the target's embeddings, lm_head and rotary it reads are held
-    outside its submodules (they belong to the target, and are counted once)."""
+    outside its submodules (they belong to the target, and are counted once). `vocab`: whole
+    copies of the embeddings and lm_head to read instead (under tensor parallel), a submodule
+    (the head's own memory)."""
 
-    def __init__(self, target: Qwen3_5ForCausalLM) -> None:
+    def __init__(self, target: Qwen3_5ForCausalLM, vocab: WholeVocab | None = None) -> None:
         super().__init__()
         cfg = target.config
         hidden, eps = cfg.hidden_size, cfg.rms_norm_eps
@@ -61,6 +108,10 @@ class MtpHead(nn.Module):
         self.layers = nn.ModuleList([target.layer_cls(full, 0)])
         self.norm = RMSNorm(hidden, eps)
         self.__dict__["target"] = target  # past nn.Module.__setattr__: not a submodule
+        if vocab is not None:
+            self.vocab = vocab
+        # where the embeddings and lm_head are read: the target's, or whole copies
+        self.__dict__["reads"] = target if vocab is None else vocab
 
     @property
     def rotary(self) -> RotaryEmbedding:
@@ -79,14 +130,14 @@ class MtpHead(nn.Module):
     ) -> torch.Tensor:
         """next_ids [n] (the token after each position), hidden [n, H] (the target's at each
         position, or the head's own for a later draft) -> the head's out [n, H]."""
-        e = self.pre_fc_norm_embedding.forward(self.target.embed_tokens(next_ids))
+        e = self.pre_fc_norm_embedding.forward(self.reads.embed_tokens(next_ids))
         h = self.pre_fc_norm_hidden.forward(hidden.to(e.dtype))
         x = self.fc.forward(torch.cat((e, h), dim=-1))
         x, residual = self.layers[0].forward(x, None, ctx)
         return self.norm.forward_residual(x, residual)[0]
 
     def compute_logits(self, out: torch.Tensor) -> torch.Tensor:
-        return self.target.compute_logits(out, None)
+        return self.reads.compute_logits(out, None)
 
     def load_weights(self, weights, *, dtype: torch.dtype, quant: str | None, dense: bool):
         """Place the checkpoint's `mtp.*` tensors (as the target places its own: norms get
@@ -106,8 +157,13 @@ class MtpHead(nn.Module):
                 continue
             _load_one(mod, kind, src, dtype, quant, dense, offset)
             loaded.add(path)
-        # what the target expects of its own modules, asked of the head's
-        expected = Qwen3_5ForCausalLM._expected_weights(self)  # type: ignore[arg-type]
+        # what the target expects of its own modules, asked of the head's (a whole
+        # vocabulary's copies are loaded on their own)
+        expected = [
+            n
+            for n in Qwen3_5ForCausalLM._expected_weights(self)  # type: ignore[arg-type]
+            if not n.startswith("vocab.")
+        ]
         missing = sorted(set(expected) - loaded)
         if missing:
             raise ValueError(
@@ -132,30 +188,37 @@ def load_mtp(args: EngineArgs, device: torch.device, target: LoadedModel) -> Mtp
             f"this model is a {target.source_format} file, which does not carry it here: "
             "load the HF checkpoint, or use speculative_method 'ngram'"
         )
-    if tp().enabled:
-        raise ValueError(
-            "speculative_method 'mtp' does not run under tensor parallel yet (the head shares "
-            "the target's split embeddings); use 'ngram', or one rank"
-        )
     layers = target.config.hf.get("mtp_num_hidden_layers", 1)
     if layers != 1:
         raise ValueError(f"an MTP head of {layers} layers is not supported; supported: 1")
     hf_cfg = read_json(target.path / "config.json")
+    split = tp().enabled  # the target's vocabulary is split: the head reads whole copies
+    vocab_names = ("embed_tokens.weight", "lm_head.weight")
     names = (
-        (n, w) for n, w in iter_safetensors(safetensors_files(target.path)) if n.startswith(PREFIX)
+        (n, w)
+        for n, w in iter_safetensors(safetensors_files(target.path))
+        if n.startswith(PREFIX) or (split and n.endswith(vocab_names))
     )
     tensors = list(
         prequant.gather(((n, w.to(device)) for n, w in names), prequant.scheme_of(hf_cfg))
     )
-    if not tensors:
+    own = [(n, w) for n, w in tensors if n.startswith(PREFIX)]
+    if not own:
         raise ValueError(
             f"speculative_method 'mtp': the checkpoint at {target.path} has no MTP weights "
             f"({PREFIX}*); use speculative_method 'ngram', or a checkpoint that ships them"
         )
-    head = MtpHead(model)
     dtype = args.torch_dtype(device) or default_dtype(device)  # the target's, as the engine
     dense = args.cpu_dense_copy and device.type == "cpu"
-    head.load_weights(tensors, dtype=dtype, quant=args.quant, dense=dense)
+    with unsharded() if split else contextlib.nullcontext():  # rank 0's whole head
+        vocab = None
+        if split:
+            cfg = model.config
+            vocab = WholeVocab(cfg.vocab_size, cfg.hidden_size)
+            others = [(n, w) for n, w in tensors if not n.startswith(PREFIX)]
+            vocab.load(others, model, dtype=dtype, quant=args.quant, dense=dense)
+        head = MtpHead(model, vocab)
+        head.load_weights(own, dtype=dtype, quant=args.quant, dense=dense)
     return head.to(device).eval()
 
 
