@@ -6,6 +6,7 @@ constraint rides in the type as `Annotated[int, Check(...)]`, so adding a key is
 field. Every problem found is reported at once in one `ConfigError`.
 """
 
+import contextlib
 import difflib
 import os
 import re
@@ -17,6 +18,8 @@ from functools import cache
 from pathlib import Path
 from typing import Annotated, Any, Literal, Union, get_args, get_origin, get_type_hints
 from urllib.parse import urlsplit
+
+from helexa.sources.hub import HF_ALIASES, HubSource, hf_cache_dir, resolve_source
 
 
 class ConfigError(Exception):
@@ -100,7 +103,7 @@ PasswordHash = Annotated[
 ]
 
 DERIVED = {"derived": True}  # filled by load_config from the environment; not a TOML key
-HF_DEFAULTS = {"endpoint": "https://huggingface.co", "token_env": "HF_TOKEN"}
+HF_DEFAULTS = {"token_env": "HF_TOKEN"}  # its endpoint: $HF_ENDPOINT, else huggingface.co
 # HELEXA_* variables that are not [section] overrides.
 ENV_NOT_OVERRIDES = frozenset(
     {"HELEXA_CONFIG", "HELEXA_DEBUG_POISON", "HELEXA_DEBUG_FAULT", "HELEXA_ADMIN_PASSWORD"}
@@ -240,12 +243,15 @@ class EngineConfig:
 
 @dataclass(slots=True)
 class SourceConfig:
-    """[sources.<scheme>]: where `scheme:org/name` model ids are fetched from."""
+    """[sources.<name>]: a hub that `name:org/name` model ids (and bare `org/name` ones, for
+    [node] default_source) are fetched from. Unset keys fall back as helexa/sources/hub.py
+    says (the HF_* variables for `huggingface`); `hub_source` resolves them."""
 
-    endpoint: Url
+    endpoint: Url | None = None  # required but for `huggingface` ($HF_ENDPOINT, huggingface.co)
+    token: str | None = field(default=None, repr=False)  # inline; else env[token_env]
     token_env: str | None = None
     cache_dir: Path | None = None
-    token: str | None = field(default=None, repr=False, metadata=DERIVED)  # env[token_env]
+    offline: bool | None = None  # None: $HF_HUB_OFFLINE
 
 
 @dataclass(slots=True)
@@ -387,6 +393,10 @@ class Config:
     http: HttpConfig = field(default_factory=HttpConfig)
     log: LogConfig = field(default_factory=LogConfig)
     path: Path | None = field(default=None, compare=False, metadata=DERIVED)  # file read
+    # [sources.*] resolved with the environment (helexa/sources/hub.py), by name
+    hubs: dict[str, HubSource] = field(
+        default_factory=dict, compare=False, repr=False, metadata=DERIVED
+    )
 
 
 def load_config(path: str | Path | None = None, env: Mapping[str, str] | None = None) -> Config:
@@ -508,15 +518,16 @@ def _resolve(cfg: Config, env: Mapping[str, str], path: Path | None) -> None:
             entry.api_key = node.api_key
     if not cfg.gateway.database_url:
         cfg.gateway.database_url = f"sqlite:///{cfg.node.state_dir / 'helexa.db'}"
-    hf = cfg.sources["huggingface"]
-    if hf.cache_dir is None and env.get("HF_HUB_CACHE"):
-        hf.cache_dir = Path(env["HF_HUB_CACHE"])
-    elif hf.cache_dir is None and env.get("HF_HOME"):
-        hf.cache_dir = Path(env["HF_HOME"]) / "hub"
-    for src in cfg.sources.values():
-        src.token = (env.get(src.token_env) or None) if src.token_env else None
+    cfg.hubs = {}
+    for name, src in cfg.sources.items():
+        with contextlib.suppress(ValueError):  # no endpoint: _check says so
+            cfg.hubs[name] = resolve_source(
+                name, endpoint=src.endpoint, token=src.token, token_env=src.token_env,
+                cache_dir=src.cache_dir, offline=src.offline, state_dir=node.state_dir, env=env,
+            )  # fmt: skip
     if node.model_dirs is None:
-        hub = hf.cache_dir or Path(env.get("HF_HOME", Path.home() / ".cache/huggingface")) / "hub"
+        hf = cfg.hubs.get("huggingface")
+        hub = hf.cache_dir if hf is not None else hf_cache_dir(env)
         node.model_dirs = [Path(hub), node.state_dir / "models"]
 
 
@@ -556,9 +567,15 @@ def _check(cfg: Config, problems: list[str], bad: set[str]) -> None:
             f"[node] default_source: {cfg.node.default_source!r} is not a [sources.*] table; "
             f"known: {', '.join(cfg.sources)}"
         )
-    for name in cfg.sources:
+    for name, src in cfg.sources.items():
         if not re.fullmatch(r"[a-z0-9][a-z0-9_-]*", name):
             problems.append(f"[sources.{name}]: a source name is a lowercase scheme like 'helexa'")
+        elif name in HF_ALIASES:
+            problems.append(f"[sources.{name}]: {name!r} names [sources.huggingface]; pick another")
+        elif name != "huggingface" and not src.endpoint:
+            problems.append(
+                f"[sources.{name}] endpoint: required (only [sources.huggingface] has a default)"
+            )
     node_names = [n.name for n in cfg.nodes]
     for name in _duplicates(node_names):
         problems.append(f"[[nodes]] name: {name!r} is used by more than one node")

@@ -52,7 +52,7 @@ def test_defaults_without_a_file_make_a_zero_config_node():
     assert cfg.engine.block_size == 16 and cfg.engine.max_num_seqs == 64
     assert (cfg.gateway.port, cfg.gateway.metrics_port) == (31313, 31314)
     assert cfg.gateway.require_auth is False
-    assert cfg.sources["huggingface"].endpoint == "https://huggingface.co"
+    assert cfg.hubs["huggingface"].endpoint == "https://huggingface.co"
     assert cfg.path is None
 
 
@@ -177,30 +177,49 @@ def test_an_unknown_key_under_a_section_prefix_lists_the_valid_keys():
 
 def test_hf_cache_precedence_is_config_then_hf_hub_cache_then_hf_home(tmp_path):
     both = {"HF_HUB_CACHE": "/hub-cache", "HF_HOME": "/hf-home"}
-    assert load_config(env=both).sources["huggingface"].cache_dir == Path("/hub-cache")
+    assert load_config(env=both).hubs["huggingface"].cache_dir == Path("/hub-cache")
     home = {"HF_HOME": "/hf-home"}
-    assert load_config(env=home).sources["huggingface"].cache_dir == Path("/hf-home/hub")
-    assert load_config(env={}).sources["huggingface"].cache_dir is None
+    assert load_config(env=home).hubs["huggingface"].cache_dir == Path("/hf-home/hub")
+    default = Path.home() / ".cache" / "huggingface" / "hub"
+    assert load_config(env={}).hubs["huggingface"].cache_dir == default
     path = write(tmp_path, '[sources.huggingface]\ncache_dir = "/explicit"\n')
-    assert load_config(path, env=both).sources["huggingface"].cache_dir == Path("/explicit")
+    assert load_config(path, env=both).hubs["huggingface"].cache_dir == Path("/explicit")
 
 
-def test_a_source_token_is_read_from_its_named_variable_at_load(tmp_path):
+def test_each_hf_variable_keeps_its_meaning_where_no_source_key_overrides_it(tmp_path):
+    env = {"HF_ENDPOINT": "https://mirror.example.org/", "HF_HUB_OFFLINE": "1", "HF_TOKEN": "t"}
+    hf = load_config(env=env).hubs["huggingface"]
+    assert (hf.endpoint, hf.offline, hf.token) == ("https://mirror.example.org", True, "t")
     path = write(
-        tmp_path, '[sources.helexa]\nendpoint = "https://models.example.org"\ntoken_env = "REG"\n'
+        tmp_path,
+        '[sources.huggingface]\nendpoint = "https://hub.internal"\noffline = false\n'
+        'token = "inline"\n',
+    )
+    hf = load_config(path, env=env).hubs["huggingface"]
+    assert (hf.endpoint, hf.offline, hf.token) == ("https://hub.internal", False, "inline")
+
+
+def test_a_source_token_is_inline_or_read_from_its_named_variable_at_load(tmp_path):
+    path = write(
+        tmp_path,
+        '[sources.helexa]\nendpoint = "https://models.example.org"\ntoken_env = "REG"\n'
+        '[sources.mirror]\nendpoint = "https://mirror.example.org"\ntoken = "inline-tok"\n',
     )
     cfg = load_config(path, env={"HF_TOKEN": "hf-tok", "REG": "reg-tok"})
-    assert cfg.sources["huggingface"].token == "hf-tok"
-    assert cfg.sources["helexa"].token == "reg-tok"
-    assert "hf-tok" not in repr(cfg) and "reg-tok" not in repr(cfg)
+    assert cfg.hubs["huggingface"].token == "hf-tok"
+    assert cfg.hubs["helexa"].token == "reg-tok"
+    assert cfg.hubs["mirror"].token == "inline-tok"
+    for secret in ("hf-tok", "reg-tok", "inline-tok"):
+        assert secret not in repr(cfg)
 
 
 def test_another_source_needs_an_endpoint_and_never_borrows_the_hf_token(tmp_path):
-    assert "[sources.helexa]: missing required key 'endpoint'" in problems_of(
-        "[sources.helexa]\n", tmp_path
-    )
+    assert "[sources.helexa] endpoint: required" in problems_of("[sources.helexa]\n", tmp_path)
     path = write(tmp_path, '[sources.helexa]\nendpoint = "https://models.example.org"\n')
-    assert load_config(path, env={"HF_TOKEN": "hf-tok"}).sources["helexa"].token is None
+    cfg = load_config(path, env={"HF_TOKEN": "hf-tok"})
+    assert cfg.hubs["helexa"].token is None
+    assert cfg.hubs["helexa"].client_token() is False  # no token sent, not the stored login
+    assert cfg.hubs["helexa"].cache_dir == cfg.node.state_dir / "hub" / "helexa"
 
 
 # --- validation ------------------------------------------------------------------------

@@ -141,10 +141,6 @@ def engine_args(cfg: Config, options: LoadOptions) -> EngineArgs:
     kw |= _placement(cfg, options)
     ref = options.ref or model_id
     _check_heads(model_id, ref, options.tensor_parallel)
-    scheme, sep, rest = ref.partition(":")
-    source = cfg.sources.get(scheme if sep and "/" in rest else cfg.node.default_source)
-    if source is not None and source.cache_dir is not None:
-        kw["cache_dir"] = str(source.cache_dir)
     kw["autotune_dir"] = str(cfg.node.state_dir / "autotune")
     args = EngineArgs.from_config(cfg.engine, ref, **kw)
     try:

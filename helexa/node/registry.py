@@ -18,6 +18,7 @@ from helexa.engine import EngineArgs
 from helexa.engine.worker_client import WorkerClient, WorkerLoadError
 from helexa.errors import model_not_found, service_unavailable
 from helexa.node.admission import Admission, AdmissionLimits
+from helexa.node.fetching import Downloads, fetch_refs
 from helexa.node.loading import LoadError, LoadOptions, engine_args, not_found_hint
 from helexa.node.served import ServedModel
 
@@ -34,6 +35,7 @@ class ModelRegistry:
         self.models: dict[str, ServedModel] = {}
         self._loading: dict[str, tuple[LoadOptions, asyncio.Task[ServedModel]]] = {}
         self._recovering: dict[str, asyncio.Task[None]] = {}
+        self.downloads = Downloads()  # hub fetches in flight (node/fetching.py)
         self.num_recoveries = 0
         self._poison_pending = {cfg.node.debug_poison} if cfg.node.debug_poison else set()
         self._limits = AdmissionLimits(
@@ -108,6 +110,7 @@ class ModelRegistry:
         t0 = time.monotonic()
         log.info("loading model %s", model_id)
         try:
+            args = await fetch_refs(self.cfg, model_id, args, self.downloads)
             llm = await WorkerClient.start(
                 model_id,
                 args,
@@ -117,6 +120,8 @@ class ModelRegistry:
             )
         except WorkerLoadError as e:
             raise _load_error(model_id, e) from e
+        except LoadError:
+            raise
         except Exception as e:
             log.exception("loading %s failed", model_id)
             raise LoadError("load_failed", model_id, f"{type(e).__name__}: {e}") from e

@@ -98,16 +98,21 @@ def model_path_not_allowed(model_id: str, param: str = "model_id") -> HelexaErro
 
 
 def loadable_ref(
-    model_id: str, roots: Sequence[Path], bundled_id: str, param: str = "model_id"
+    model_id: str,
+    roots: Sequence[Path],
+    bundled_id: str,
+    param: str = "model_id",
+    source: str = "huggingface",
 ) -> str:
     """What a `POST /models/load` of `model_id` may load: the bundled model's id, a hub id
-    (returned with its source scheme, so that it never resolves to a local directory), or
+    (returned with its source scheme, `source` for a bare `org/name`, so that it never
+    resolves to a local directory), or
     an absolute path whose real location is inside one of `roots`; else the 403 naming
     `param` (the body's field: the model, or its draft model)."""
     if model_id == bundled_id:
         return model_id
     if _HUB_ID.fullmatch(model_id) and ".." not in model_id:
-        return model_id if ":" in model_id else f"huggingface:{model_id}"
+        return model_id if ":" in model_id else f"{source}:{model_id}"
     path = Path(model_id)
     if not path.is_absolute():
         raise model_path_not_allowed(model_id, param)

@@ -97,7 +97,10 @@ class Node:
             "status": "draining" if self.draining else "ok",
             "uptime_s": round(time.time() - self.started_at, 1),
             "devices": await asyncio.to_thread(device_stats),
-            "activation": self.activation.to_dict(),
+            "activation": {
+                **self.activation.to_dict(),
+                "downloads": self.registry.downloads.to_list(),
+            },
             "models": [
                 {
                     "id": m.id,
@@ -143,10 +146,11 @@ class Node:
         options = parse_load_options(body)
         notes["model"] = options.model_id
         roots, bundled = self.cfg.node.model_dirs or [], BUNDLED_MODEL_ID
-        ref = loadable_ref(options.model_id, roots, bundled)
+        source = self.cfg.node.default_source
+        ref = loadable_ref(options.model_id, roots, bundled, source=source)
         # a draft model is loaded too: the same rule for what may be loaded holds for it
         draft = options.speculative_model
-        draft_ref = draft and loadable_ref(draft, roots, bundled, "speculative_model")
+        draft_ref = draft and loadable_ref(draft, roots, bundled, "speculative_model", source)
         served = await self.registry.load(
             dataclasses.replace(options, ref=ref, draft_ref=draft_ref)
         )

@@ -112,8 +112,10 @@ def start_node(
     engine: dict | None = None,
     env: dict[str, str] | None = None,
     wait_ready: bool = True,
+    sources: dict[str, dict] | None = None,
 ) -> NodeProcess:
-    """Start a node serving `models` and wait until its default models are loaded."""
+    """Start a node serving `models` and wait until its default models are loaded;
+    `sources`: [sources.NAME] tables by name."""
     tmp.mkdir(parents=True, exist_ok=True)
     port = free_port()
     node_cfg = {
@@ -128,6 +130,8 @@ def start_node(
     engine_cfg = {"kv_cache_memory_mb": 16, "num_threads": 1, "autotune": False, **(engine or {})}
     lines = ["[node]", *(f"{k} = {_toml(v)}" for k, v in node_cfg.items())]
     lines += ["[engine]", *(f"{k} = {_toml(v)}" for k, v in engine_cfg.items())]
+    for name, table in (sources or {}).items():
+        lines += [f"[sources.{name}]", *(f"{k} = {_toml(v)}" for k, v in table.items())]
     cfg = tmp / f"node-{port}.toml"
     cfg.write_text("\n".join(lines) + "\n")
     log_path = tmp / f"node-{port}.log"

