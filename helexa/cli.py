@@ -12,6 +12,7 @@ from collections.abc import Sequence
 
 from helexa import __version__
 from helexa.config import Config, ConfigError, load_config
+from helexa.errors import HelexaError
 
 
 def _add_config_arg(p: argparse.ArgumentParser) -> None:
@@ -23,12 +24,36 @@ def _add_config_arg(p: argparse.ArgumentParser) -> None:
 
 
 def _engine_args(cfg: Config, model: str | None):
-    from helexa.engine import EngineArgs
+    """What `helexa chat` loads: `model`, else the first of [node] default_models, with
+    that entry's options (a table's quant, dtype, revision...) checked as a node checks a
+    load's, a hub id fetched from its [sources.*] hub with a progress bar on stderr."""
+    import dataclasses
 
-    model = model or (cfg.node.default_models[0] if cfg.node.default_models else None)
-    return EngineArgs.from_config(
-        cfg.engine, model, autotune_dir=str(cfg.node.state_dir / "autotune")
+    from helexa.engine.loader.load import BUNDLED_MODEL_ID
+    from helexa.node.fetching import fetch_ref
+    from helexa.node.loading import engine_args, parse_load_options
+
+    loads = cfg.node.default_loads()
+    body = next((b for b in loads if b["model_id"] == model), None) if model else None
+    if body is None:
+        body = {"model_id": model} if model else (loads[0] if loads else None)
+    body = body or {"model_id": BUNDLED_MODEL_ID}
+    args = engine_args(cfg, parse_load_options(body))
+    path = fetch_ref(
+        cfg, body["model_id"], args.model, args.revision, args.gguf_quant, _progress_bar
     )
+    if path == args.model:
+        return args
+    return dataclasses.replace(args, model=path, revision=None, gguf_quant=None)
+
+
+def _progress_bar(progress) -> None:  # sources.fetch.Progress
+    """A download's progress on stderr: one line redrawn on a terminal, else a line each."""
+    done = progress.done >= progress.total
+    if sys.stderr.isatty():
+        print("\r\033[K" + progress.line(), end="\n" if done else "", file=sys.stderr, flush=True)
+    else:
+        print(progress.line(), file=sys.stderr, flush=True)
 
 
 def cmd_chat(args: argparse.Namespace, cfg: Config) -> int:
@@ -94,7 +119,7 @@ def _serve_node(args: argparse.Namespace, cfg: Config) -> int:
     from helexa.web.server import serve
 
     node = cfg.node
-    node.default_models = list(dict.fromkeys([*node.default_models, *args.model]))
+    node.default_models = [*node.default_models, *args.model]  # default_loads dedupes
     host = args.host or node.host
     port = args.port if args.port is not None else node.port
     node.listen = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
@@ -111,7 +136,7 @@ def _serve_node(args: argparse.Namespace, cfg: Config) -> int:
     service = build_node(cfg)
     service.on_progress = lambda line: notify(f"STATUS={line}")
     app = create_node_app(service)
-    _print_node_banner(host, port, node.default_models)
+    _print_node_banner(host, port, node.default_model_ids())
 
     def drain() -> None:
         service.draining = True
@@ -430,6 +455,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return args.func(args, cfg)
     except (FileNotFoundError, ValueError) as e:
         print(f"helexa: {e}", file=sys.stderr)
+        return 1
+    except HelexaError as e:  # a model `helexa chat` cannot load, as a node would refuse it
+        hint = (e.extra or {}).get("suggestion")
+        print(f"helexa: {e.message}" + (f" ({hint})" if hint else ""), file=sys.stderr)
         return 1
 
 

@@ -148,11 +148,35 @@ class ImageLimits:
 
 
 @dataclass(slots=True)
+class DefaultModel:
+    """A [node] default_models entry as a table: the model and every option a
+    `POST /models/load` body takes (docs/node.md § Routes), each unset keeping the node's."""
+
+    model: NonEmpty
+    quant: str | None = None
+    dtype: DType | None = None
+    devices: list[NonNegativeInt] | None = None
+    tensor_parallel: PositiveInt = 1
+    revision: str | None = None
+    speculative_method: Literal["ngram", "draft_model", "mtp", "off"] | None = None
+    speculative_model: str | None = None
+    num_speculative_tokens: (
+        Annotated[int, Check("an integer from 1 to 16", lambda v: 1 <= v <= 16)] | None
+    ) = None
+
+    def load_body(self) -> dict[str, Any]:
+        """The `POST /models/load` body this entry stands for."""
+        body = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "model"}
+        return {"model_id": self.model, **{k: v for k, v in body.items() if v is not None}}
+
+
+@dataclass(slots=True)
 class NodeConfig(_Listens):
     """[node]: the inference node (`helexa serve --role node`)."""
 
     listen: HostPort = "0.0.0.0:13131"
-    default_models: list[str] = field(default_factory=list)
+    # each a model id, or a table with its load options (DefaultModel)
+    default_models: list[str | DefaultModel] = field(default_factory=list)
     default_source: str = "huggingface"
     # Every route but GET /health needs `Authorization: Bearer <api_key>` when set
     # (env HELEXA_NODE_API_KEY). A node listening beyond loopback refuses to start without
@@ -177,6 +201,19 @@ class NodeConfig(_Listens):
     # is refused with 503 insufficient_vram so a gateway can evict and retry. None: no cap.
     max_model_memory_mb: PositiveInt | None = None
     images: ImageLimits = field(default_factory=ImageLimits)  # the [node.images] table
+
+    def default_loads(self) -> list[dict[str, Any]]:
+        """`default_models` as `POST /models/load` bodies, one per model id (the first
+        entry naming an id wins)."""
+        bodies: dict[str, dict[str, Any]] = {}
+        for entry in self.default_models:
+            body = {"model_id": entry} if isinstance(entry, str) else entry.load_body()
+            bodies.setdefault(body["model_id"], body)
+        return list(bodies.values())
+
+    def default_model_ids(self) -> list[str]:
+        return [body["model_id"] for body in self.default_loads()]
+
     debug_poison: str | None = field(default=None, metadata=DERIVED)  # HELEXA_DEBUG_POISON
     debug_fault: str | None = field(default=None, metadata=DERIVED)  # HELEXA_DEBUG_FAULT
 
@@ -653,7 +690,11 @@ def _describe(tp: Any) -> str:
     origin, args = get_origin(base), get_args(base)
     if origin is Literal:
         return "one of " + ", ".join(map(repr, args))
+    if origin in (Union, types.UnionType) and any(is_dataclass(a) for a in args):
+        return "a string or a table"
     if origin is list:
+        if get_origin(args[0]) in (Union, types.UnionType):
+            return "a list of strings or tables"
         return "an array of tables" if is_dataclass(args[0]) else "a list of strings"
     if origin is dict:
         return "a table of tables" if is_dataclass(args[1]) else "a table of strings"
@@ -699,6 +740,13 @@ def _convert(tp: Any, value: Any, label: str, problems: list[str]) -> Any:
 
     if is_dataclass(base):
         return _from_table(base, value, label, problems)
+    if origin in (Union, types.UnionType) and (tables := [a for a in args if is_dataclass(a)]):
+        if isinstance(value, dict):  # `str | Table`: a table is the table, else the rest
+            return _from_table(tables[0], value, label, problems)
+        rest = [a for a in args if a is not tables[0]]
+        if isinstance(value, str) and str in rest:
+            return _convert(str, value, label, problems)
+        return bad()
     if origin is list:
         if not isinstance(value, list):
             return bad()

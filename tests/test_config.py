@@ -222,6 +222,30 @@ def test_another_source_needs_an_endpoint_and_never_borrows_the_hf_token(tmp_pat
     assert cfg.hubs["helexa"].cache_dir == cfg.node.state_dir / "hub" / "helexa"
 
 
+def test_a_default_model_is_an_id_or_a_table_of_its_load_options(tmp_path):
+    path = write(
+        tmp_path,
+        '[node]\ndefault_models = ["org/plain", {model = "org/M-GGUF", quant = "Q4_K_M"}, '
+        '{model = "org/big", tensor_parallel = 2, devices = [0, 1], dtype = "bfloat16", '
+        'revision = "v2", speculative_method = "ngram"}, "org/plain"]\n',
+    )
+    node = load_config(path, env={}).node
+    assert node.default_loads() == [
+        {"model_id": "org/plain"},
+        {"model_id": "org/M-GGUF", "quant": "Q4_K_M", "tensor_parallel": 1},
+        {"model_id": "org/big", "dtype": "bfloat16", "devices": [0, 1], "tensor_parallel": 2,
+         "revision": "v2", "speculative_method": "ngram"},
+    ]  # fmt: skip
+    assert node.default_model_ids() == ["org/plain", "org/M-GGUF", "org/big"]
+    for text, problem in (
+        ("[node]\ndefault_models = [{quant = 'Q4_K_M'}]", "missing required key 'model'"),
+        ("[node]\ndefault_models = [{model = 'a/b', qunat = 'Q4_K_M'}]", "did you mean 'quant'"),
+        ("[node]\ndefault_models = [{model = 'a/b', tensor_parallel = 0}]", "a positive integer"),
+        ("[node]\ndefault_models = [3]", "expected a string or a table, got 3"),
+    ):
+        assert problem in problems_of(text, tmp_path), text
+
+
 # --- validation ------------------------------------------------------------------------
 
 
@@ -275,9 +299,12 @@ def test_a_misspelt_choice_suggests_the_nearest_one(tmp_path):
         ),
         (
             '[node]\ndefault_models = "a,b"',
-            "[node] default_models: expected a list of strings, got 'a,b'",
+            "[node] default_models: expected a list of strings or tables, got 'a,b'",
         ),
-        ("[node]\ndefault_models = [1]", "[node] default_models[0]: expected a string, got 1"),
+        (
+            "[node]\ndefault_models = [1]",
+            "[node] default_models[0]: expected a string or a table, got 1",
+        ),
         ('[node]\nstate_dir = ""', "[node] state_dir: expected a path, got ''"),
         (
             '[node]\nadvertise_endpoint = "beast:13131"',

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+from collections.abc import Callable
 from pathlib import Path
 
 from helexa.config import Config
@@ -60,7 +61,28 @@ async def fetch_refs(
 async def _fetched(
     cfg: Config, model_id: str, ref: str | None, args: EngineArgs | None, downloads: Downloads
 ) -> str | None:
-    """The local path of `ref` where it names a hub repository (fetched now), else `ref`."""
+    """`fetch_ref` on a thread, its progress kept in `downloads` while it runs."""
+    revision = args.revision if args is not None else None
+    quant = args.gguf_quant if args is not None else None
+    try:
+        return await asyncio.to_thread(
+            fetch_ref, cfg, model_id, ref, revision, quant,
+            lambda p: downloads.report(model_id, p),
+        )  # fmt: skip
+    finally:
+        downloads.current.pop(model_id, None)
+
+
+def fetch_ref(
+    cfg: Config,
+    model_id: str,
+    ref: str | None,
+    revision: str | None = None,
+    quant: str | None = None,
+    progress: Callable[[Progress], None] | None = None,
+) -> str | None:
+    """The local path of `ref` where it names a hub repository (fetched now from the
+    source it names), else `ref`; LoadError when the fetch fails (`helexa chat` too)."""
     if not ref or ref == BUNDLED_MODEL_ID:
         return ref
     if ":" not in ref and Path(ref).expanduser().exists():  # a local directory or file
@@ -77,19 +99,12 @@ async def _fetched(
             f"unknown model source {hub.source!r} in {ref!r}; this node's sources: {known}",
             f"add a [sources.{hub.source}] table with its endpoint, or use one of: {known}",
         )
-    revision = args.revision if args is not None else None
-    quant = args.gguf_quant if args is not None else None
     log.info("fetching %s from %s (%s)", hub.repo_id, source.name, source.endpoint)
     try:
-        path = await asyncio.to_thread(
-            fetch, source, hub.repo_id, revision=revision, gguf_quant=quant,
-            progress=lambda p: downloads.report(model_id, p),
-        )  # fmt: skip
+        path = fetch(source, hub.repo_id, revision=revision, gguf_quant=quant, progress=progress)
     except SourceError as e:
         status, retry = _STATUS.get(e.kind, (422, None))
         raise LoadError(
             e.kind, model_id, e.message, e.suggestion, status=status, retry_after=retry
         ) from None
-    finally:
-        downloads.current.pop(model_id, None)
     return str(path)

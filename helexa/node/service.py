@@ -20,7 +20,7 @@ from helexa.errors import HelexaError, invalid_request, model_not_found, service
 from helexa.node.activation import Activation
 from helexa.node.discovery import device_stats, discovery
 from helexa.node.exchanges import Exchanges
-from helexa.node.loading import LoadOptions, parse_load_options
+from helexa.node.loading import parse_load_options
 from helexa.node.metrics import NodeMetrics
 from helexa.node.registry import ModelRegistry
 from helexa.node.security import loadable_ref, unauthenticated_warning
@@ -52,23 +52,27 @@ class Node:
     # -- lifecycle -----------------------------------------------------------------
     async def load_defaults(self) -> None:
         """Load `default_models` (the bundled SmolLM2 when none) one after another."""
-        ids = list(dict.fromkeys(self.cfg.node.default_models)) or [BUNDLED_MODEL_ID]
+        bodies = self.cfg.node.default_loads() or [{"model_id": BUNDLED_MODEL_ID}]
+        ids = [body["model_id"] for body in bodies]
         activation = self.activation
         activation.start(ids)
         try:
-            for i, model_id in enumerate(ids, 1):
+            for i, body in enumerate(bodies, 1):
+                model_id = body["model_id"]
                 activation.begin(model_id)
                 if self.on_progress is not None:
                     self.on_progress(f"loading {model_id} ({i} of {len(ids)})")
-                await self._load_default(model_id)
+                await self._load_default(body)
             log.info("ready: %s", activation.summary())
         finally:
             self.defaults_loaded.set()
 
-    async def _load_default(self, model_id: str) -> None:
-        activation = self.activation
+    async def _load_default(self, body: dict[str, Any]) -> None:
+        """One default model, its table's options checked as a `POST /models/load` body's
+        (a bad one fails that model alone, with the reason)."""
+        activation, model_id = self.activation, body["model_id"]
         try:
-            await self.registry.load(LoadOptions(model_id))
+            await self.registry.load(parse_load_options(body))
         except HelexaError as e:
             log.error("default model %s failed to load: %s", model_id, e.message)
             activation.fail(model_id, e.message)

@@ -222,7 +222,7 @@ def select(repo_id: str, files: list[RepoFile], gguf_quant: str | None) -> list[
 
 def _preferred(quants: list[str]) -> str:
     """What to suggest: Q4_K_M where there is one (what most users run), else the first."""
-    for q in ("Q4_K_M", "UD-Q4_K_XL", "Q4_K_S", "Q4_0", "Q8_0"):
+    for q in ("Q4_K_M", "UD-Q4_K_XL", "Q4_K_S", "Q4_0", "Q4_1", "Q5_K_M", "Q6_K", "Q8_0"):
         if q in quants:
             return q
     return quants[0]

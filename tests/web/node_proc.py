@@ -60,7 +60,14 @@ def tiny_model(root: Path, family: str = "smollm2", **overrides) -> Path:
 
 
 def _toml(value: object) -> str:
-    return json.dumps(value) if not isinstance(value, bool) else str(value).lower()
+    """A value as TOML: inline tables and arrays of them too."""
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{k} = {_toml(v)}" for k, v in value.items()) + "}"
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml(v) for v in value) + "]"
+    return json.dumps(value)
 
 
 @dataclass
@@ -106,7 +113,7 @@ class NodeProcess:
 
 def start_node(
     tmp: Path,
-    models: list[str | Path],
+    models: list[str | Path | dict],
     *,
     node: dict | None = None,
     engine: dict | None = None,
@@ -120,7 +127,7 @@ def start_node(
     port = free_port()
     node_cfg = {
         "listen": f"127.0.0.1:{port}",
-        "default_models": [str(m) for m in models],
+        "default_models": [m if isinstance(m, dict) else str(m) for m in models],
         "state_dir": str(tmp / "state"),
         "model_dirs": [tempfile.gettempdir()],  # where the tests' model dirs live
         **(node or {}),

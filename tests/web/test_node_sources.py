@@ -8,7 +8,10 @@ in the log, /discovery, /health, /models or an error."""
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 
@@ -151,3 +154,55 @@ def test_refusals_name_what_is_there_and_never_the_token(node):
     ]
     for text in texts:
         assert TOKEN not in text and INLINE not in text
+
+
+def test_helexa_chat_fetches_from_a_source_and_shows_the_download(hub, tmp_path):
+    config = tmp_path / "helexa.toml"
+    config.write_text(
+        f'[node]\nstate_dir = "{tmp_path / "state"}"\n'
+        f'default_models = [{{model = "mine:{REPO}", quant = "Q4_1"}}]\n'
+        f'[sources.mine]\nendpoint = "{hub.url}"\ntoken_env = "MINE_TOKEN"\n'
+        f'cache_dir = "{tmp_path / "cache"}"\noffline = false\n'
+    )
+    env = {**os.environ, "MINE_TOKEN": TOKEN, "HELEXA_CONFIG": str(config)}
+    done = subprocess.run(
+        [sys.executable, "-m", "helexa.cli", "chat", "What is the capital of France?",
+         "--max-tokens", "12"],
+        capture_output=True, text=True, timeout=300, env=env,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "Paris" in done.stdout
+    assert f"downloading {REPO}: " in done.stderr and "(100%)" in done.stderr
+    assert TOKEN not in done.stdout + done.stderr
+    # the default's quant came from its table; another quant on the line is refused so
+    config.write_text(config.read_text().replace('quant = "Q4_1"', 'quant = "Q6_K"'))
+    done = subprocess.run(
+        [sys.executable, "-m", "helexa.cli", "chat", "hi"],
+        capture_output=True, text=True, timeout=300, env=env,
+    )  # fmt: skip
+    assert done.returncode == 1
+    assert "has no Q6_K file; its quants: Q4_1, Q8_0 (quant = 'Q4_1')" in done.stderr
+
+
+def test_a_default_model_table_loads_with_its_options_and_a_bad_one_fails_alone(tmp_path, tiny_id):
+    node = start_node(
+        tmp_path,
+        [{"model": tiny_id, "dtype": "bfloat16"}, {"model": "org/absent", "quant": "Q9_9"}],
+        wait_ready=False,
+    )
+    try:
+        health = None
+        for _ in range(600):
+            assert node.proc.poll() is None, node.log()
+            with contextlib.suppress(httpx.HTTPError):
+                health = node.get("/health").json()
+            if health and health["activation"]["state"] == "ready":
+                break
+            time.sleep(0.2)
+        assert health["activation"]["completed"] == [tiny_id]
+        (failed,) = health["activation"]["failed"]
+        assert failed["model_id"] == "org/absent" and "unknown quant 'Q9_9'" in failed["error"]
+        (model,) = node.get("/models").json()
+        assert model["id"] == tiny_id and model["dtype"] == "bfloat16"
+    finally:
+        node.stop(signal.SIGTERM)
