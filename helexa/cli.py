@@ -39,9 +39,7 @@ def _engine_args(cfg: Config, model: str | None):
         body = {"model_id": model} if model else (loads[0] if loads else None)
     body = body or {"model_id": BUNDLED_MODEL_ID}
     args = engine_args(cfg, parse_load_options(body))
-    path = fetch_ref(
-        cfg, body["model_id"], args.model, args.revision, args.gguf_quant, _progress_bar
-    )
+    path = fetch_ref(cfg, body["model_id"], args.model, args, _progress_bar)
     if path == args.model:
         return args
     return dataclasses.replace(args, model=path, revision=None, gguf_quant=None)

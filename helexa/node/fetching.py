@@ -15,7 +15,9 @@ from pathlib import Path
 from helexa.config import Config
 from helexa.engine import EngineArgs
 from helexa.engine.loader.load import BUNDLED_MODEL_ID
+from helexa.node.discovery import device_stats
 from helexa.node.loading import LoadError
+from helexa.node.repo_check import repo_checker
 from helexa.sources.fetch import Progress, SourceError, fetch
 from helexa.sources.hub import split_ref
 
@@ -62,13 +64,10 @@ async def _fetched(
     cfg: Config, model_id: str, ref: str | None, args: EngineArgs | None, downloads: Downloads
 ) -> str | None:
     """`fetch_ref` on a thread, its progress kept in `downloads` while it runs."""
-    revision = args.revision if args is not None else None
-    quant = args.gguf_quant if args is not None else None
     try:
         return await asyncio.to_thread(
-            fetch_ref, cfg, model_id, ref, revision, quant,
-            lambda p: downloads.report(model_id, p),
-        )  # fmt: skip
+            fetch_ref, cfg, model_id, ref, args, lambda p: downloads.report(model_id, p)
+        )
     finally:
         downloads.current.pop(model_id, None)
 
@@ -77,12 +76,13 @@ def fetch_ref(
     cfg: Config,
     model_id: str,
     ref: str | None,
-    revision: str | None = None,
-    quant: str | None = None,
+    args: EngineArgs | None = None,
     progress: Callable[[Progress], None] | None = None,
 ) -> str | None:
     """The local path of `ref` where it names a hub repository (fetched now from the
-    source it names), else `ref`; LoadError when the fetch fails (`helexa chat` too)."""
+    source it names, once node/repo_check.py found nothing in its file list and config to
+    refuse: `args` are the load's; None for a draft model, whose own are the target's),
+    else `ref`; LoadError when the check or the fetch fails (`helexa chat` too)."""
     if not ref or ref == BUNDLED_MODEL_ID:
         return ref
     if ":" not in ref and Path(ref).expanduser().exists():  # a local directory or file
@@ -100,11 +100,30 @@ def fetch_ref(
             f"add a [sources.{hub.source}] table with its endpoint, or use one of: {known}",
         )
     log.info("fetching %s from %s (%s)", hub.repo_id, source.name, source.endpoint)
+    revision = args.revision if args is not None else None
+    quant = args.gguf_quant if args is not None else None
+    check = None
+    if args is not None:
+        check = repo_checker(model_id, args, lambda: _device_total_mb(args))
     try:
-        path = fetch(source, hub.repo_id, revision=revision, gguf_quant=quant, progress=progress)
+        path = fetch(
+            source, hub.repo_id, revision=revision, gguf_quant=quant, progress=progress,
+            check=check,
+        )  # fmt: skip
     except SourceError as e:
         status, retry = _STATUS.get(e.kind, (422, None))
         raise LoadError(
             e.kind, model_id, e.message, e.suggestion, status=status, retry_after=retry
         ) from None
     return str(path)
+
+
+def _device_total_mb(args: EngineArgs) -> list[int]:
+    """The total memory of each device the load would use: its GPUs (`devices`, else the
+    first `tensor_parallel`), or the host's RAM on a CPU node."""
+    stats = device_stats()
+    gpus = [d for d in stats if d.get("kind") == "cuda"]
+    if gpus and args.device != "cpu":
+        wanted = set(args.devices or range(args.tensor_parallel))
+        stats = [d for d in gpus if d.get("index") in wanted]
+    return [int(d["memory_total_mb"]) for d in stats if d.get("memory_total_mb")]

@@ -252,13 +252,20 @@ def _placement(cfg: Config, options: LoadOptions) -> dict[str, Any]:
 
 def _check_heads(model_id: str, ref: str, tp: int) -> None:
     """The 422 when a local checkpoint's heads cannot be split `tp` ways (a hub model's
-    config is read by the worker, which refuses the same way)."""
+    config is read before its download: node/repo_check.py)."""
     if tp == 1:
         return
     try:
         with open(f"{ref}/config.json") as f:
             hf = json.load(f)
     except (OSError, ValueError):
+        return
+    check_heads(model_id, hf, tp)
+
+
+def check_heads(model_id: str, hf: dict[str, Any], tp: int) -> None:
+    """The 422 `invalid_placement` when config.json's heads cannot be split `tp` ways."""
+    if tp == 1:
         return
     hf = hf.get("text_config", hf)
     problems = []

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import fnmatch
 import itertools
+import json
 import re
 import threading
 import time
@@ -233,6 +234,11 @@ def _checkpoint_file(name: str) -> bool:
 
 
 # -- fetching -----------------------------------------------------------------------------------
+# what a caller checks before anything large downloads: the files chosen, and a reader of
+# one small JSON file of the repository (None where it has none), e.g. its config.json
+Check = Callable[[list[RepoFile], Callable[[str], dict | None]], None]
+
+
 def fetch(
     source: HubSource,
     repo_id: str,
@@ -240,14 +246,19 @@ def fetch(
     revision: str | None = None,
     gguf_quant: str | None = None,
     progress: Callable[[Progress], None] | None = None,
+    check: Check | None = None,
 ) -> Path:
     """The local path of what a load of `repo_id` needs (its snapshot directory, or its
     selected GGUF file: a split file's first part, the rest beside it), downloaded into the
-    source's cache when missing. SourceError when the repository cannot be read or has no
-    such file."""
+    source's cache when missing. `check` sees the chosen files (and may read the repo's
+    small JSON files) first, and raises to stop before the download. SourceError when the
+    repository cannot be read or has no such file."""
     from huggingface_hub import snapshot_download
 
-    files = select(repo_id, list_repo(source, repo_id, revision), gguf_quant)
+    listed = list_repo(source, repo_id, revision)
+    files = select(repo_id, listed, gguf_quant)
+    if check is not None:
+        check(files, lambda name: _read_json(source, repo_id, revision, listed, name))
     names = [f.name for f in files]
     missing = [f for f in files if not f.cached]
     watch = None
@@ -275,6 +286,29 @@ def fetch(
     if gguf and (gguf_quant is not None or is_gguf_repo(files)):
         return local / gguf[0]
     return local
+
+
+def _read_json(
+    source: HubSource, repo_id: str, revision: str | None, files: list[RepoFile], name: str
+) -> dict | None:
+    """One small JSON file of the repository (fetched into the cache alone), or None."""
+    from huggingface_hub import hf_hub_download
+
+    if name not in {f.name for f in files}:
+        return None
+    path = _call(
+        source,
+        repo_id,
+        lambda: hf_hub_download(
+            repo_id, name, revision=revision, cache_dir=source.cache_dir,
+            endpoint=source.endpoint, token=source.client_token(),
+            local_files_only=source.offline,
+        ),
+    )  # fmt: skip
+    try:
+        return json.loads(Path(path).read_text())
+    except (OSError, ValueError) as e:
+        raise SourceError("model_not_found", f"{repo_id!r}: {name} is not JSON ({e})") from None
 
 
 def _call(source: HubSource, repo_id: str, fn: Callable):

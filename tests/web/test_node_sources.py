@@ -8,6 +8,7 @@ in the log, /discovery, /health, /models or an error."""
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import subprocess
@@ -44,6 +45,17 @@ def hub(tmp_path_factory):
     )
     parts = split_gguf(bundled_model_path(), tmp_path_factory.mktemp("split"), 100)
     hub.add(SPLIT, {p.name: p for p in parts})
+    # repositories the preflight refuses from their listing and config.json alone
+    weights = b"w" * 1000
+    llama = {"model_type": "llama", "num_attention_heads": 9, "num_key_value_heads": 3}
+    for repo, config in (
+        ("org/starcoder", {"model_type": "gpt_bigcode"}),
+        ("org/llama-bnb", {**llama, "quantization_config": {"quant_method": "bitsandbytes"}}),
+        ("org/llama-9-heads", llama),
+    ):
+        hub.add(repo, {"config.json": json.dumps(config), "model.safetensors": weights})
+    hub.add("org/Huge-GGUF", {"Huge-Q4_K_M.gguf": b"never fetched"})
+    hub.listed_sizes[("org/Huge-GGUF", "Huge-Q4_K_M.gguf")] = 10 * 1024**4  # 10 TiB
     yield hub
     hub.stop()
 
@@ -129,7 +141,7 @@ def test_a_split_gguf_is_fetched_whole_and_loads_as_one_model(node, hub):
     assert node.post("/models/unload", {"model_id": f"mine:{SPLIT}"}).status_code == 200
 
 
-def test_refusals_name_what_is_there_and_never_the_token(node):
+def test_refusals_name_what_is_there_and_never_the_token(node, hub):
     cases = [
         ({"model_id": f"mine:{REPO}", "quant": "Q6_K"}, 422, "invalid_quant",
          "has no Q6_K file; its quants: Q4_1, Q8_0"),
@@ -140,12 +152,23 @@ def test_refusals_name_what_is_there_and_never_the_token(node):
         ({"model_id": "mine:org/absent"}, 422, "model_not_found", "no such repository"),
         ({"model_id": f"nowhere:{REPO}"}, 422, "model_not_found",
          "unknown model source 'nowhere'"),
+        ({"model_id": "mine:org/starcoder"}, 422, "unsupported_architecture",
+         "unsupported model_type 'gpt_bigcode'"),
+        ({"model_id": "mine:org/llama-bnb"}, 422, "unsupported_quant",
+         "checkpoint quantization 'bitsandbytes' is not supported"),
+        ({"model_id": "mine:org/llama-9-heads", "tensor_parallel": 2}, 422, "invalid_placement",
+         "9 attention heads do not divide across 2 ranks"),
+        ({"model_id": "mine:org/Huge-GGUF", "quant": "Q4_K_M"}, 422, "model_too_large",
+         "needs at least 10,485,760 MiB of weights on the device"),
     ]  # fmt: skip
+    before = hub.downloads()
     for body, status, kind, message in cases:
         r = node.post("/models/load", body)
         assert r.status_code == status, (body, r.text)
         error = r.json()["error"]
         assert error["code"] == kind and message in error["message"], (body, error)
+    # refused before any weights were fetched: config.json files alone
+    assert [d.rsplit("/", 1)[1] for d in hub.downloads()[len(before) :]] == ["config.json"] * 3
     texts = [
         node.log(),
         node.get("/discovery").text,
