@@ -239,8 +239,40 @@ def _fleet_context(gateway: Gateway) -> dict[str, Any]:
             for model_id, m in sorted(node.models.items())
         ]
         seen = None if node.last_seen is None else max(0, round(now - node.last_seen))
-        nodes.append({"node": node, "devices": devices, "models": models, "seen_s_ago": seen})
+        nodes.append(
+            {
+                "node": node,
+                "devices": devices,
+                "models": models,
+                "downloads": _downloads(node.activation),
+                "seen_s_ago": seen,
+            }
+        )
     return {"nodes": nodes, "num_up": sum(1 for n in nodes if n["node"].up)}
+
+
+MIB = 1024 * 1024
+
+
+def _downloads(activation: dict[str, Any] | None) -> list[dict[str, Any]]:
+    """The hub downloads a node's last /health reported in flight (node/fetching.py)."""
+    out = []
+    for d in (activation or {}).get("downloads") or []:
+        if not isinstance(d, dict):
+            continue
+        total, done = int(d.get("bytes_total") or 0), int(d.get("bytes_done") or 0)
+        out.append(
+            {
+                "model_id": d.get("model_id", "?"),
+                "repo": d.get("repo", "?"),
+                "done_mb": done // MIB,
+                "total_mb": total // MIB,
+                "percent": round(100 * done / total) if total else 0,
+                "rate_mb_s": round((d.get("bytes_per_s") or 0) / MIB, 1),
+                "eta_s": d.get("eta_s"),
+            }
+        )
+    return out
 
 
 @get("/fleet")

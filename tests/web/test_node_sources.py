@@ -74,6 +74,8 @@ def node(tmp_path_factory, hub, scripted_id):
                      "offline": False},
             "locked": {"endpoint": hub.url, "token": INLINE, "offline": False},
             "cached": {"endpoint": "http://127.0.0.1:9", "cache_dir": str(cache), "offline": True},
+            "slow": {"endpoint": hub.url, "token": TOKEN, "cache_dir": str(tmp / "slow"),
+                     "offline": False},
         },
     )  # fmt: skip
     yield proc
@@ -229,3 +231,49 @@ def test_a_default_model_table_loads_with_its_options_and_a_bad_one_fails_alone(
         assert model["id"] == tiny_id and model["dtype"] == "bfloat16"
     finally:
         node.stop(signal.SIGTERM)
+
+
+def test_the_consoles_fleet_page_shows_a_nodes_download_as_it_goes(node, hub, tmp_path):
+    import re
+
+    from helexa.passwords import hash_password
+    from tests.gateway.gateway_proc import start_gateway
+
+    gw = start_gateway(
+        tmp_path, {"n": node}, admin={"password_hash": hash_password("pw"), "session_ttl_s": 600}
+    )
+    hub.rate = 16 * 1024 * 1024  # ~6 s
+    loaded: list[httpx.Response] = []
+    load = threading.Thread(
+        target=lambda: loaded.append(
+            node.post("/models/load", {"model_id": f"slow:{REPO}", "quant": "Q4_1"})
+        )
+    )
+    try:
+        with httpx.Client(base_url=gw.base_url, timeout=30) as admin:
+            form = admin.get("/admin/login").text
+            csrf = re.search(r'name="csrf" value="([^"]+)"', form)[1]
+            assert (
+                admin.post("/admin/login", data={"csrf": csrf, "password": "pw"}).status_code == 303
+            )
+            load.start()
+            shown = None
+            for _ in range(200):
+                page = admin.get("/admin/fleet/nodes").text
+                if "<h3>Downloading</h3>" in page and f"slow:{REPO}" in page:
+                    shown = page
+                    break
+                time.sleep(0.1)
+            assert shown is not None, "the download never showed"
+            assert re.search(r'<progress max="100" value="\d+"', shown)
+            assert "MiB/s" in shown and TOKEN not in shown
+            load.join()
+            assert loaded[0].status_code == 200, loaded[0].text
+            time.sleep(1.0)  # a poll after the load
+            assert "<h3>Downloading</h3>" not in admin.get("/admin/fleet/nodes").text
+    finally:
+        hub.rate = 40 * 1024 * 1024
+        if load.is_alive():
+            load.join()
+        gw.stop()
+        node.post("/models/unload", {"model_id": f"slow:{REPO}"})
