@@ -146,6 +146,60 @@ def _parts(path: Path, meta: dict[str, Any], first: Any) -> list[list[GGUFTensor
     return parts
 
 
+def _sentencepiece(meta: dict[str, Any]) -> tokenizers.Tokenizer:
+    """A SentencePiece BPE vocabulary (`tokenizer.ggml.model` "llama": Llama 2, Mistral,
+    and every model llama.cpp converts from a tokenizer.model) as the tokenizer
+    transformers' LlamaConverter builds from the .model file: BPE with byte fallback, whose
+    merges are every split of a piece into two pieces, ranked by the merged piece's score as
+    SentencePiece merges them (the highest first); spaces as "▁", one in front of the text
+    where `add_space_prefix` says (SentencePiece's add_dummy_prefix)."""
+    tokens: list[str] = meta["tokenizer.ggml.tokens"]
+    scores = meta.get("tokenizer.ggml.scores") or [0.0] * len(tokens)
+    types = meta.get("tokenizer.ggml.token_type") or [_NORMAL] * len(tokens)
+    vocab = {tok: i for i, tok in enumerate(tokens)}
+    ranked = []
+    for i, piece in enumerate(tokens):
+        if types[i] not in (_NORMAL, _USER_DEFINED) or len(piece) < 2:
+            continue
+        for k in range(1, len(piece)):
+            a, b = piece[:k], piece[k:]
+            if a in vocab and b in vocab:
+                ranked.append((-scores[i], i, vocab[a], vocab[b], (a, b)))
+    ranked.sort()
+    unk_id = meta.get("tokenizer.ggml.unknown_token_id")
+    unk = tokens[unk_id] if unk_id is not None and unk_id < len(tokens) else None
+    backend = tokenizers.Tokenizer(
+        models.BPE(
+            vocab=vocab, merges=[m[-1] for m in ranked], unk_token=unk, fuse_unk=True,
+            byte_fallback=True,
+        )
+    )  # fmt: skip
+    steps = [normalizers.Replace(" ", _SPACE)]
+    if meta.get("tokenizer.ggml.add_space_prefix", True):
+        steps.insert(0, normalizers.Prepend(_SPACE))
+    backend.normalizer = normalizers.Sequence(steps)
+    backend.decoder = decoders.Sequence(
+        [
+            decoders.Replace(_SPACE, " "),
+            decoders.ByteFallback(),
+            decoders.Fuse(),
+            decoders.Strip(" ", 1 if meta.get("tokenizer.ggml.add_space_prefix", True) else 0, 0),
+        ]
+    )
+    typed = list(zip(tokens, types, strict=False))
+    backend.add_special_tokens(
+        [
+            tokenizers.AddedToken(t, special=True, normalized=False)
+            for t, k in typed
+            if k == _CONTROL
+        ]
+    )
+    backend.add_tokens(
+        [tokenizers.AddedToken(t, normalized=False) for t, k in typed if k == _USER_DEFINED]
+    )
+    return backend
+
+
 def hf_name(gguf_name: str) -> str:
     """The HF name of a GGUF tensor; names the table does not know stay as they are."""
     if m := _BLOCK_RE.fullmatch(gguf_name):
@@ -347,7 +401,8 @@ PRE_TOKENIZERS = {
     "tekken": _PreTokenizer(split=_TEKKEN_SPLIT, ignore_merges=True),
 }
 
-_CONTROL, _USER_DEFINED = 3, 4  # llama.cpp token types
+_NORMAL, _UNKNOWN, _CONTROL, _USER_DEFINED, _UNUSED, _BYTE = 1, 2, 3, 4, 5, 6  # llama.cpp's types
+_SPACE = "\u2581"  # SentencePiece's "▁": a space inside a piece
 
 
 def _tokenizer(meta: dict[str, Any], gguf_path: Path) -> Tokenizer:
@@ -386,12 +441,15 @@ def _chat_template(meta: dict[str, Any]) -> str | dict[str, str] | None:
 
 
 def _bpe(meta: dict[str, Any]) -> tokenizers.Tokenizer:
-    """Byte-level BPE from `tokenizer.ggml.tokens`/`merges`, split the way `pre` says."""
+    """Byte-level BPE from `tokenizer.ggml.tokens`/`merges`, split the way `pre` says; a
+    SentencePiece vocabulary (`llama`) as `_sentencepiece` builds it."""
     kind = meta.get("tokenizer.ggml.model")
+    if kind == "llama":
+        return _sentencepiece(meta)
     if kind != "gpt2":
         raise ValueError(
-            f"cannot build a tokenizer from GGUF tokenizer model {kind!r} (supported: ['gpt2']); "
-            "put the model's tokenizer.json beside the .gguf file"
+            f"cannot build a tokenizer from GGUF tokenizer model {kind!r} (supported: "
+            "['gpt2', 'llama']); put the model's tokenizer.json beside the .gguf file"
         )
     pre = meta.get("tokenizer.ggml.pre", "default")
     if pre not in PRE_TOKENIZERS:
