@@ -39,6 +39,9 @@ class EngineArgs(EngineConfig):
     tensor_parallel: int = 1  # ranks (one process each) the model is split across
     devices: list[int] | None = None  # CUDA device of each rank; None → 0..tensor_parallel-1
     autotune_dir: str | None = None  # where CPU kernel plans are kept; None → measured anew
+    # a directory whose tokenizer.json and chat template a GGUF file is served with instead
+    # of the ones rebuilt from its metadata (vLLM's `tokenizer`): its base repository's
+    tokenizer: str | None = None
 
     @classmethod
     def from_config(cls, engine: EngineConfig, model: str | None = None, **kw) -> EngineArgs:
@@ -60,6 +63,7 @@ class EngineArgs(EngineConfig):
             dense_copies=self.cpu_dense_copy,
             gguf_quant=self.gguf_quant,
             revision=self.revision,
+            tokenizer=self.tokenizer,
         )
 
     def torch_device(self) -> torch.device:

@@ -99,6 +99,7 @@ class ModelFacts(msgspec.Struct):
     vision: VisionProfile | None = None  # how the model takes images; None: text only
     speculative_method: str | None = None  # [engine] speculative_method; None: off
     speculative_model: str | None = None  # the draft model's reference ("draft_model")
+    tokenizer: str = "checkpoint"  # where the tokenizer came from (LoadedModel.tokenizer_source)
 
 
 class Ready(msgspec.Struct, tag="ready", array_like=True):
@@ -231,6 +232,7 @@ def model_facts(engine: LLMEngine) -> ModelFacts:
         vision=engine.loaded.vision,
         speculative_method=engine.args.speculative_method,
         speculative_model=engine.args.speculative_model,
+        tokenizer=engine.loaded.tokenizer_source,
     )
 
 

@@ -7,10 +7,13 @@ download's progress is the node's to log and to show in `/health`."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
+import re
 from collections.abc import Callable
 from pathlib import Path
+from urllib.parse import urlsplit
 
 from helexa.config import Config
 from helexa.engine import EngineArgs
@@ -18,7 +21,7 @@ from helexa.engine.loader.load import BUNDLED_MODEL_ID
 from helexa.node.discovery import device_stats
 from helexa.node.loading import LoadError
 from helexa.node.repo_check import repo_checker
-from helexa.sources.fetch import Progress, SourceError, fetch
+from helexa.sources.fetch import Progress, SourceError, fetch, fetch_tokenizer
 from helexa.sources.hub import split_ref
 
 log = logging.getLogger(__name__)
@@ -45,19 +48,55 @@ class Downloads:
 
 async def fetch_refs(
     cfg: Config, model_id: str, args: EngineArgs, downloads: Downloads
-) -> EngineArgs:
+) -> tuple[EngineArgs, str | None]:
     """`args` with its model (and draft model) fetched where they name hub repositories, as
-    local paths; LoadError (422, or 503 for an unreachable hub) when a fetch fails."""
+    local paths, and, for a GGUF file of a hub repository, its base repository's tokenizer
+    beside it where one is reachable (`tokenizer`, with its label for /models, else None);
+    LoadError (422, or 503 for an unreachable hub) when a fetch fails."""
     model = await _fetched(cfg, model_id, args.model, args, downloads)
     draft = args.speculative_model
     if draft:
         draft = await _fetched(cfg, model_id, draft, None, downloads)
     if model == args.model and draft == args.speculative_model:
-        return args
-    kw = {"speculative_model": draft}
+        return args, None
+    kw: dict = {"speculative_model": draft}
+    label = None
     if model != args.model:  # the revision and the GGUF quant chose the files fetched
         kw |= {"model": model, "revision": None, "gguf_quant": None}
-    return dataclasses.replace(args, **kw)
+        base = await asyncio.to_thread(base_tokenizer, cfg, args.model, Path(model))
+        if base is not None:
+            label, kw["tokenizer"] = base[0], str(base[1])
+    return dataclasses.replace(args, **kw), label
+
+
+def base_tokenizer(cfg: Config, ref: str, path: Path) -> tuple[str, Path] | None:
+    """For a GGUF file fetched from a hub repository: its base repository's tokenizer
+    directory and that repository's id, the first reachable of the one the file's metadata
+    names (`general.base_model.0.repo_url`) and the repository's own id without `-GGUF`
+    (what the seeds used); None where neither has a tokenizer.json."""
+    hub = split_ref(ref, cfg.node.default_source)
+    if hub is None or path.suffix != ".gguf" or (source := cfg.hubs.get(hub.source)) is None:
+        return None
+    candidates = []
+    with contextlib.suppress(Exception):  # a file whose metadata does not read: no hint
+        import gguf
+
+        field = gguf.GGUFReader(path).fields.get("general.base_model.0.repo_url")
+        if field is not None:
+            url = urlsplit(str(field.contents()))
+            if re.fullmatch(r"/?[^/\s]+/[^/\s]+/?", url.path):
+                candidates.append(url.path.strip("/"))
+    stripped = re.sub(r"-gguf$", "", hub.repo_id, flags=re.IGNORECASE)
+    if stripped != hub.repo_id:
+        candidates.append(stripped)
+    for repo in dict.fromkeys(candidates):
+        if repo == hub.repo_id:
+            continue
+        found = fetch_tokenizer(source, repo)
+        if found is not None:
+            log.info("%s: the tokenizer and chat template of %s:%s", ref, source.name, repo)
+            return f"{source.name}:{repo}", found
+    return None
 
 
 async def _fetched(

@@ -110,7 +110,7 @@ class ModelRegistry:
         t0 = time.monotonic()
         log.info("loading model %s", model_id)
         try:
-            args = await fetch_refs(self.cfg, model_id, args, self.downloads)
+            args, tokenizer = await fetch_refs(self.cfg, model_id, args, self.downloads)
             llm = await WorkerClient.start(
                 model_id,
                 args,
@@ -134,6 +134,8 @@ class ModelRegistry:
             Admission(self._admission_limits(llm)),
             image_limits=self.cfg.node.images,
         )
+        if tokenizer is not None and served.llm.facts.tokenizer == args.tokenizer:
+            served.tokenizer_label = tokenizer  # the base repository's id, not its cache path
         served.load_seconds = time.monotonic() - t0
         cap = self.cfg.node.max_model_memory_mb
         held = sum(m.memory_mb for m in self.models.values())

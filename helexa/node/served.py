@@ -36,6 +36,8 @@ class ServedModel:
     load_seconds: float = 0.0
     # [node.images]: what images a request may carry, and the pixels they are resized to
     image_limits: ImageLimits = field(default_factory=ImageLimits)
+    # a GGUF served with its base repository's tokenizer: that repository's id
+    tokenizer_label: str | None = None
     memory_mb: int = field(init=False)  # fixed once loaded: weights and KV pool
     # marker pairs found in the vocabulary (never guessed from the model's name)
     reasoning_markers: ReasoningMarkers | None = field(init=False)
@@ -114,6 +116,8 @@ class ServedModel:
             "tensor_parallel": len(facts.pids),
             "workers": self.llm.describe_workers(),
             "dtype": facts.dtype,
+            # "checkpoint", "gguf", "tokenizer.json beside the file", or the base repository's
+            "tokenizer": self.tokenizer_label or facts.tokenizer,
             # a pre-quantized checkpoint's (fp8, awq, gptq), else the one asked, else a GGUF's
             "quant": facts.checkpoint_quant
             or self.options.quant

@@ -24,6 +24,11 @@ from pathlib import Path
 
 from helexa.sources.hub import HubSource
 
+# A tokenizer's files, as a GGUF's base repository gives them (fetch_tokenizer).
+TOKENIZER_FILES = (
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
+    "chat_template.json",
+)  # fmt: skip
 # Files a checkpoint directory needs besides weights (no *.bin, no original/ checkpoints).
 CHECKPOINT_PATTERNS = ("*.json", "*.safetensors", "*.jinja", "*.txt", "tokenizer.model")
 PARALLEL_FILES = 4  # files downloaded at once: enough to fill a link, few enough for a disk
@@ -442,3 +447,29 @@ class _Watch:
             last_t, last_done = now, done
             if self._stop.wait(EVERY_S):
                 return
+
+
+def fetch_tokenizer(source: HubSource, repo_id: str) -> Path | None:
+    """The snapshot directory holding `repo_id`'s tokenizer files (a GGUF's base repository:
+    its tokenizer.json and chat template), fetched alone; None where the repository has no
+    tokenizer.json or cannot be read (the caller keeps the GGUF's own)."""
+    from huggingface_hub import snapshot_download
+
+    try:
+        files = list_repo(source, repo_id)
+        names = [f.name for f in files if f.name in TOKENIZER_FILES]
+        if "tokenizer.json" not in names:
+            return None
+        return Path(
+            _call(
+                source,
+                repo_id,
+                lambda: snapshot_download(
+                    repo_id, cache_dir=source.cache_dir, endpoint=source.endpoint,
+                    token=source.client_token(), allow_patterns=names,
+                    local_files_only=source.offline,
+                ),
+            )
+        )  # fmt: skip
+    except SourceError:
+        return None

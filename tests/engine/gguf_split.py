@@ -13,8 +13,11 @@ import gguf
 _OWN = ("GGUF.", "general.architecture", "split.")
 
 
-def split_gguf(src: Path, dst: Path, max_tensors: int) -> list[Path]:
-    """`src` as parts of at most `max_tensors` tensors in `dst`; the parts' paths in order."""
+def split_gguf(
+    src: Path, dst: Path, max_tensors: int, extra: dict[str, str] | None = None
+) -> list[Path]:
+    """`src` as parts of at most `max_tensors` tensors in `dst`, with `extra` string keys
+    added to its metadata; the parts' paths in order."""
     reader = gguf.GGUFReader(src)
     arch = reader.fields["general.architecture"].contents()
     dst.mkdir(parents=True, exist_ok=True)
@@ -25,6 +28,8 @@ def split_gguf(src: Path, dst: Path, max_tensors: int) -> list[Path]:
         vtype = field.types[0]
         sub = field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
         writer.add_key_value(name, field.contents(), vtype, sub_type=sub)
+    for name, value in (extra or {}).items():
+        writer.add_key_value(name, value, gguf.GGUFValueType.STRING)
     for t in reader.tensors:
         writer.add_tensor(
             t.name,

@@ -44,3 +44,21 @@ def test_a_later_part_or_a_missing_one_is_refused_with_what_to_do(parts, tmp_pat
         shutil.copy(p, tmp_path / p.name)
     with pytest.raises(ValueError, match=r"missing beside it: .*-00003-of-00003\.gguf"):
         LLM(str(tmp_path / parts[0].name), kv_cache_memory_mb=16)
+
+
+def test_a_gguf_takes_a_given_tokenizer_only_where_it_is_the_files_vocabulary():
+    """A base repository's tokenizer.json and chat template serve a GGUF (the node fetches
+    them: node/fetching.base_tokenizer) where they tokenize as the file does; another
+    vocabulary is declined and the file's own kept."""
+    from tests.shared_fixtures import FIXTURE_MODELS, need_shared
+
+    need_shared(FIXTURE_MODELS)
+    smol, qwen = FIXTURE_MODELS / "SmolLM2-135M-Instruct", FIXTURE_MODELS / "Qwen3-0.6B"
+    with LLM(str(bundled_model_path()), kv_cache_memory_mb=64) as own:
+        want = own.chat(ASK, GREEDY)[0]
+        assert own.engine.loaded.tokenizer_source == "gguf"
+    with LLM(str(bundled_model_path()), kv_cache_memory_mb=64, tokenizer=str(smol)) as base:
+        assert base.engine.loaded.tokenizer_source == str(smol)
+        assert base.chat(ASK, GREEDY)[0].token_ids == want.token_ids
+    with LLM(str(bundled_model_path()), kv_cache_memory_mb=64, tokenizer=str(qwen)) as other:
+        assert other.engine.loaded.tokenizer_source == "gguf"

