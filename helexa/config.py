@@ -379,6 +379,7 @@ class ModelEntry:
     num_speculative_tokens: (
         Annotated[int, Check("an integer from 1 to 16", lambda v: 1 <= v <= 16)] | None
     ) = None
+    revision: str | None = None  # the hub branch, tag or commit cold loads fetch; None: main
 
     @property
     def required_devices(self) -> int:

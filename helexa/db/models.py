@@ -187,6 +187,7 @@ class CatalogueModel(Base):
     speculative_method: Mapped[str | None] = mapped_column(String(20))
     speculative_model: Mapped[str | None] = mapped_column(String(500))
     num_speculative_tokens: Mapped[int | None] = mapped_column(Integer)
+    revision: Mapped[str | None] = mapped_column(String(200))  # NULL: the repo's main
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
     updated_at: Mapped[datetime] = mapped_column(
         DateTime(timezone=True), default=utcnow, onupdate=utcnow

@@ -52,6 +52,7 @@ def row_of(m: ModelEntry) -> CatalogueModel:
         speculative_method=m.speculative_method,
         speculative_model=m.speculative_model,
         num_speculative_tokens=m.num_speculative_tokens,
+        revision=m.revision,
     )
 
 
@@ -69,4 +70,5 @@ def entry_of(row: CatalogueModel) -> ModelEntry:
         speculative_method=row.speculative_method,  # type: ignore[arg-type]  # as dtype
         speculative_model=row.speculative_model,
         num_speculative_tokens=row.num_speculative_tokens,
+        revision=row.revision,
     )

@@ -52,6 +52,16 @@ def _model_id(params: Mapping[str, str], name: str) -> str | None:
     return text or None
 
 
+def _revision(params: Mapping[str, str]) -> str | None:
+    """A hub branch, tag or commit: no spaces, at most 200 characters (the column's)."""
+    text = (params.get("revision") or "").strip()
+    if len(text) > 200 or any(c.isspace() for c in text):
+        raise ValueError(
+            f"revision: a branch, tag or commit (no spaces, at most 200), got {text!r}"
+        )
+    return text or None
+
+
 def entry_from_form(
     params: Mapping[str, str], pinned_on: Sequence[str], nodes: Sequence[str]
 ) -> ModelEntry:
@@ -92,6 +102,7 @@ def entry_from_form(
         speculative_method=method,  # type: ignore[arg-type]  # checked above
         speculative_model=_model_id(params, "speculative_model"),
         num_speculative_tokens=num_spec,
+        revision=_revision(params),
     )
     if (problem := entry.speculative_problem()) is not None:
         raise ValueError(problem)

@@ -164,6 +164,7 @@ class Router:
                 "quant": entry.quant,
                 "dtype": entry.dtype,
                 "tensor_parallel": entry.tensor_parallel,
+                "revision": entry.revision,
                 # unset: the node's [engine] setting
                 "speculative_method": entry.speculative_method,
                 "speculative_model": entry.speculative_model,

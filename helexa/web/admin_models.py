@@ -60,11 +60,13 @@ def _context(gateway: Gateway, **extra: Any) -> dict[str, Any]:
 def _speculative(entry: ModelEntry) -> str | None:
     """The entry's speculative decoding as its Options cell says it (None: the node's)."""
     method, num = entry.speculative_method, entry.num_speculative_tokens
-    if method is None and num is None:
-        return None
-    words = [f"speculative {method or 'as the node'}", entry.speculative_model]
-    words.append(f"×{num}" if num else None)
-    return " ".join(w for w in words if w)
+    words = []
+    if method is not None or num is not None:
+        words = [f"speculative {method or 'as the node'}", entry.speculative_model]
+        words.append(f"×{num}" if num else None)
+    if entry.revision:
+        words.append(f"revision {entry.revision}")
+    return " ".join(w for w in words if w) or None
 
 
 def _page(request: Request, gateway: Gateway, status: int = 200, **extra: Any) -> Response:
