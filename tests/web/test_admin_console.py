@@ -324,6 +324,15 @@ def test_a_models_speculative_decoding_is_chosen_shown_and_edited_here(page):
     row = page.get_by_role("row").filter(has=page.get_by_role("cell", name="org/spec", exact=True))
     assert "speculative draft_model org/draft" in row.inner_text()
     assert "×" not in row.inner_text()
+    # the hub revision its cold loads fetch: set, shown, kept through an edit
+    row.get_by_text("Edit").click()
+    row.locator("input[name=revision]").fill("v2.1")
+    row.get_by_role("button", name="Save").click()
+    page.get_by_text("Saved org/spec.").wait_for()
+    row = page.get_by_role("row").filter(has=page.get_by_role("cell", name="org/spec", exact=True))
+    assert "revision v2.1" in row.inner_text()
+    row.get_by_text("Edit").click()
+    assert row.locator("input[name=revision]").input_value() == "v2.1"
 
 
 # -- fleet and spend ---------------------------------------------------------------------
