@@ -83,6 +83,8 @@ Device = Annotated[
     Check('"auto", "cpu", "cuda" or "cuda:N"', lambda v: re.fullmatch(r"auto|cpu|cuda(:\d+)?", v)),
 ]
 DType = Literal["auto", "float32", "bfloat16", "float16"]
+KvCacheDType = Literal["auto", "float32", "float16"]
+KV_CACHE_DTYPES = get_args(KvCacheDType)
 DTYPES: tuple[str, ...] = get_args(DType)  # the one list: config, loads and the console
 InSituQuant = Literal["int8", "int4", "fp8"]
 IN_SITU_QUANTS: tuple[str, ...] = get_args(InSituQuant)
@@ -163,6 +165,9 @@ class DefaultModel:
     num_speculative_tokens: (
         Annotated[int, Check("an integer from 1 to 16", lambda v: 1 <= v <= 16)] | None
     ) = None
+    kv_cache_dtype: KvCacheDType | None = None
+    max_model_len: PositiveInt | None = None
+    kv_cache_memory_mb: PositiveInt | None = None
 
     def load_body(self) -> dict[str, Any]:
         """The `POST /models/load` body this entry stands for."""
@@ -251,7 +256,7 @@ class EngineConfig:
     # The KV cache's element type. "auto": float16 on the CPU under a float32 model (half the
     # bytes a decode step reads and holds, as llama.cpp's default cache), else the model's
     # dtype. "float32" or "float16" to choose; on CUDA only the model's own dtype.
-    kv_cache_dtype: Literal["auto", "float32", "float16"] = "auto"
+    kv_cache_dtype: KvCacheDType = "auto"
     # CPU: GGUF Q4_0/Q4_1/Q8_0 weights as the file's blocks, run by helexa's C kernels (built
     # at first use with the system compiler, -march=native; engine/layers/native.py), "auto";
     # or torch's packed int4 kernel, "torch". Without a compiler "auto" is "torch" (logged).

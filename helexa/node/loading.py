@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from helexa.config import DTYPES, IN_SITU_QUANTS, Config
+from helexa.config import DTYPES, IN_SITU_QUANTS, KV_CACHE_DTYPES, Config
 from helexa.engine import EngineArgs
 from helexa.engine.parallel import PlacementError
 from helexa.engine.rank_worker import placement
@@ -65,6 +65,11 @@ class LoadOptions:
     speculative_method: str | None = None
     speculative_model: str | None = None
     num_speculative_tokens: int | None = None
+    # the KV cache for this model, each None for the [engine] setting: its dtype ("auto",
+    # "float32", "float16"), the longest context, the pool's size in MiB
+    kv_cache_dtype: str | None = None
+    max_model_len: int | None = None
+    kv_cache_memory_mb: int | None = None
     # what to load when it differs from model_id: a path's real location, or a hub id
     # with its source scheme (see node/security.loadable_ref); `draft_ref` is the same
     # for speculative_model
@@ -94,6 +99,10 @@ def parse_load_options(body: Any) -> LoadOptions:
     tp = opt("tensor_parallel", int, "an integer")
     if tp is not None and tp < 1:
         raise invalid_request("tensor_parallel: must be >= 1", "tensor_parallel")
+    for name in ("max_model_len", "kv_cache_memory_mb"):
+        value = opt(name, int, "an integer")
+        if value is not None and value < 1:
+            raise invalid_request(f"{name}: must be >= 1", name)
     return LoadOptions(
         model_id=model_id,
         quant=opt("quant", str, "a string"),
@@ -104,6 +113,9 @@ def parse_load_options(body: Any) -> LoadOptions:
         speculative_method=opt("speculative_method", str, "a string"),
         speculative_model=opt("speculative_model", str, "a string"),
         num_speculative_tokens=opt("num_speculative_tokens", int, "an integer"),
+        kv_cache_dtype=opt("kv_cache_dtype", str, "a string"),
+        max_model_len=opt("max_model_len", int, "an integer"),
+        kv_cache_memory_mb=opt("kv_cache_memory_mb", int, "an integer"),
     )
 
 
@@ -138,6 +150,7 @@ def engine_args(cfg: Config, options: LoadOptions) -> EngineArgs:
             )
         kw["dtype"] = options.dtype
     kw |= _speculative(options)
+    kw |= _kv(options)
     kw |= _placement(cfg, options)
     ref = options.ref or model_id
     _check_heads(model_id, ref, options.tensor_parallel)
@@ -148,6 +161,27 @@ def engine_args(cfg: Config, options: LoadOptions) -> EngineArgs:
     except PlacementError as e:
         raise LoadError("invalid_placement", model_id, str(e), e.suggestion) from e
     return args
+
+
+def _kv(options: LoadOptions) -> dict[str, Any]:
+    """EngineArgs for this model's KV cache, over [engine]'s (each option left out keeps the
+    node's), or the 422 `invalid_kv` naming the field."""
+    kw: dict[str, Any] = {}
+    dtype = options.kv_cache_dtype
+    if dtype is not None:
+        if dtype not in KV_CACHE_DTYPES:
+            raise LoadError(
+                "invalid_kv",
+                options.model_id,
+                f"unknown kv_cache_dtype {dtype!r}; supported: {list(KV_CACHE_DTYPES)}",
+                _nearest(dtype, list(KV_CACHE_DTYPES)),
+                param="kv_cache_dtype",
+            )
+        kw["kv_cache_dtype"] = dtype
+    for name in ("max_model_len", "kv_cache_memory_mb"):
+        if (value := getattr(options, name)) is not None:
+            kw[name] = value
+    return kw
 
 
 def _speculative(options: LoadOptions) -> dict[str, Any]:

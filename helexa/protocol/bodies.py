@@ -396,6 +396,10 @@ class LoadBody(TypedDict, total=False):
     speculative_method: str  # "ngram" | "draft_model" | "mtp" | "off"
     speculative_model: str  # the draft model's id; with "draft_model" only, and required there
     num_speculative_tokens: int  # 1..16 tokens a draft proposes; absent: [engine]'s
+    # this model's KV cache; absent: [engine]'s
+    kv_cache_dtype: str  # "auto" | "float32" | "float16"
+    max_model_len: int  # the longest context it serves
+    kv_cache_memory_mb: int  # its KV pool
 
 
 class UnloadBody(TypedDict):

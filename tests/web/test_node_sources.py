@@ -229,7 +229,10 @@ def test_helexa_chat_fetches_from_a_source_and_shows_the_download(hub, tmp_path)
 def test_a_default_model_table_loads_with_its_options_and_a_bad_one_fails_alone(tmp_path, tiny_id):
     node = start_node(
         tmp_path,
-        [{"model": tiny_id, "dtype": "bfloat16"}, {"model": "org/absent", "quant": "Q9_9"}],
+        [
+            {"model": tiny_id, "dtype": "bfloat16", "max_model_len": 100},
+            {"model": "org/absent", "quant": "Q9_9"},
+        ],
         wait_ready=False,
     )
     try:
@@ -246,6 +249,10 @@ def test_a_default_model_table_loads_with_its_options_and_a_bad_one_fails_alone(
         assert failed["model_id"] == "org/absent" and "unknown quant 'Q9_9'" in failed["error"]
         (model,) = node.get("/models").json()
         assert model["id"] == tiny_id and model["dtype"] == "bfloat16"
+        assert model["limit"]["context"] == 100  # the table's max_model_len, not the 256 it has
+        r = node.post("/models/load", {"model_id": "org/x", "kv_cache_dtype": "fp8"})
+        assert r.status_code == 422 and r.json()["error"]["code"] == "invalid_kv"
+        assert r.json()["error"]["param"] == "kv_cache_dtype"
     finally:
         node.stop(signal.SIGTERM)
 
