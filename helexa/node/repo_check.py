@@ -1,5 +1,6 @@
 """What a node refuses of a hub repository before downloading it (issue 39's preflight): from
-its file list and its config.json (one small file), an architecture the engine does not run,
+its file list and its config.json (one small file) or a GGUF's header (one ranged request of
+its first bytes), an architecture the engine does not run,
 a pre-quantized format it does not read, heads that `tensor_parallel` cannot split, and
 weights that cannot fit the memory of the devices they would load on, each a 422 with what
 to do instead. A GGUF quant that is not there is refused by the file choice itself
@@ -17,10 +18,11 @@ from typing import Any
 
 from helexa.engine import EngineArgs
 from helexa.engine.layers.linear import UnsupportedQuantError
+from helexa.engine.loader.gguf import SUPPORTED_ARCHS
 from helexa.engine.loader.prequant import scheme_of
 from helexa.engine.models import SUPPORTED_MODEL_TYPES, UnsupportedModelError, check_model_type
 from helexa.node.loading import LoadError, check_heads
-from helexa.sources.fetch import RepoFile
+from helexa.sources.fetch import RepoFile, RepoReader, gguf_architecture
 
 MIB = 1024 * 1024
 WEIGHTS = (".safetensors", ".gguf")
@@ -30,15 +32,25 @@ _SHRINK = {"int8": 0.5, "int4": 0.25, "fp8": 0.5}
 
 def repo_checker(
     model_id: str, args: EngineArgs, device_total_mb: Callable[[], list[int]]
-) -> Callable[[list[RepoFile], Callable[[str], dict | None]], None]:
+) -> Callable[[list[RepoFile], RepoReader], None]:
     """The check `sources.fetch.fetch` runs before downloading a load's files;
     `device_total_mb`: the total memory of each device the load could use (read only if the
     weights are worth comparing)."""
 
-    def check(files: list[RepoFile], read_json: Callable[[str], dict | None]) -> None:
-        gguf = any(f.name.lower().endswith(".gguf") for f in files)
-        if not gguf:
-            config = read_json("config.json")
+    def check(files: list[RepoFile], repo: RepoReader) -> None:
+        ggufs = [f.name for f in files if f.name.lower().endswith(".gguf")]
+        if ggufs:  # its architecture from the first part's header (one ranged request)
+            head = repo.head(ggufs[0])
+            arch = gguf_architecture(head) if head is not None else None
+            if arch is not None and arch not in SUPPORTED_ARCHS:
+                raise LoadError(
+                    "unsupported_architecture",
+                    model_id,
+                    f"{model_id!r}: unsupported GGUF architecture {arch!r}",
+                    f"pick a GGUF of a supported architecture ({', '.join(SUPPORTED_ARCHS)})",
+                )
+        else:
+            config = repo.json("config.json")
             if config is None:
                 raise LoadError(
                     "model_not_found",

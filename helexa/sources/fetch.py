@@ -239,9 +239,47 @@ def _checkpoint_file(name: str) -> bool:
 
 
 # -- fetching -----------------------------------------------------------------------------------
-# what a caller checks before anything large downloads: the files chosen, and a reader of
-# one small JSON file of the repository (None where it has none), e.g. its config.json
-Check = Callable[[list[RepoFile], Callable[[str], dict | None]], None]
+class RepoReader:
+    """What a check may read of a repository before its download: one small JSON file
+    (fetched into the cache alone), or the first bytes of a large one (a GGUF's header)."""
+
+    def __init__(
+        self, source: HubSource, repo_id: str, revision: str | None, files: list[RepoFile]
+    ) -> None:
+        self.source, self.repo_id, self.revision, self.files = source, repo_id, revision, files
+
+    def json(self, name: str) -> dict | None:
+        """The file `name` parsed, None where the repository has none."""
+        return _read_json(self.source, self.repo_id, self.revision, self.files, name)
+
+    def head(self, name: str, size: int = 1 << 20) -> bytes | None:
+        """The first `size` bytes of `name` (one ranged request; from the cache where it holds
+        the file), None where they cannot be read."""
+        import httpx
+        from huggingface_hub import hf_hub_url, try_to_load_from_cache
+
+        cached = try_to_load_from_cache(
+            self.repo_id, name, cache_dir=self.source.cache_dir, revision=self.revision
+        )
+        if isinstance(cached, str):
+            with open(cached, "rb") as f:
+                return f.read(size)
+        if self.source.offline:
+            return None
+        url = hf_hub_url(self.repo_id, name, revision=self.revision, endpoint=self.source.endpoint)
+        headers = {"Range": f"bytes=0-{size - 1}"}
+        if self.source.token:
+            headers["Authorization"] = f"Bearer {self.source.token}"
+        try:  # httpx drops Authorization on a redirect to another host (the hub's CDN)
+            r = httpx.get(url, headers=headers, follow_redirects=True, timeout=30)
+        except httpx.HTTPError:
+            return None
+        return r.content[:size] if r.status_code in (200, 206) else None
+
+
+# what a caller checks before anything large downloads: the files chosen, and what it may
+# read of the repository first (its config.json, a GGUF's header)
+Check = Callable[[list[RepoFile], RepoReader], None]
 
 
 def fetch(
@@ -263,7 +301,7 @@ def fetch(
     listed = list_repo(source, repo_id, revision)
     files = select(repo_id, listed, gguf_quant)
     if check is not None:
-        check(files, lambda name: _read_json(source, repo_id, revision, listed, name))
+        check(files, RepoReader(source, repo_id, revision, listed))
     names = [f.name for f in files]
     missing = [f for f in files if not f.cached]
     watch = None
@@ -291,6 +329,49 @@ def fetch(
     if gguf and (gguf_quant is not None or is_gguf_repo(files)):
         return local / gguf[0]
     return local
+
+
+def gguf_architecture(head: bytes) -> str | None:
+    """`general.architecture` from the first bytes of a GGUF file (its header's key-value
+    pairs, read until that key), None where the bytes do not reach it or are not GGUF."""
+    import struct
+
+    if head[:4] != b"GGUF":
+        return None
+    sizes = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+    pos = 24  # magic, version (u32), tensor count (u64), key-value count (u64)
+
+    def take(n: int) -> bytes:
+        nonlocal pos
+        if pos + n > len(head):
+            raise EOFError
+        out, pos = head[pos : pos + n], pos + n
+        return out
+
+    def string() -> bytes:
+        return take(struct.unpack("<Q", take(8))[0])
+
+    def skip(kind: int) -> None:
+        if kind == 8:
+            string()
+        elif kind == 9:
+            inner, count = struct.unpack("<IQ", take(12))
+            for _ in range(count):
+                skip(inner)
+        else:
+            take(sizes[kind])
+
+    try:
+        (count,) = struct.unpack("<Q", head[16:24])
+        for _ in range(count):
+            key = string()
+            (kind,) = struct.unpack("<I", take(4))
+            if key == b"general.architecture" and kind == 8:
+                return string().decode("utf-8", "replace")
+            skip(kind)
+    except (EOFError, KeyError, struct.error):
+        return None
+    return None
 
 
 def _read_json(

@@ -61,6 +61,7 @@ def hub(tmp_path_factory):
     ):
         hub.add(repo, {"config.json": json.dumps(config), "model.safetensors": weights})
     hub.add("org/Huge-GGUF", {"Huge-Q4_K_M.gguf": b"never fetched"})
+    hub.add("org/Bert-GGUF", {"bert-Q8_0.gguf": _gguf_of_arch("bert") + b"\0" * (4 << 20)})
     hub.listed_sizes[("org/Huge-GGUF", "Huge-Q4_K_M.gguf")] = 10 * 1024**4  # 10 TiB
     yield hub
     hub.stop()
@@ -179,6 +180,8 @@ def test_refusals_name_what_is_there_and_never_the_token(node, hub):
          "9 attention heads do not divide across 2 ranks"),
         ({"model_id": "mine:org/Huge-GGUF", "quant": "Q4_K_M"}, 422, "model_too_large",
          "needs at least 10,485,760 MiB of weights on the device"),
+        ({"model_id": "mine:org/Bert-GGUF", "quant": "Q8_0"}, 422, "unsupported_architecture",
+         "unsupported GGUF architecture 'bert'"),
     ]  # fmt: skip
     before = hub.downloads()
     for body, status, kind, message in cases:
@@ -186,8 +189,11 @@ def test_refusals_name_what_is_there_and_never_the_token(node, hub):
         assert r.status_code == status, (body, r.text)
         error = r.json()["error"]
         assert error["code"] == kind and message in error["message"], (body, error)
-    # refused before any weights were fetched: config.json files alone
-    assert [d.rsplit("/", 1)[1] for d in hub.downloads()[len(before) :]] == ["config.json"] * 3
+    # refused before any weights were fetched: config.json files, and GGUFs' first MiB alone
+    fetched = [d.rsplit("/", 1)[1] for d in hub.downloads()[len(before) :]]
+    assert fetched == ["config.json"] * 3 + ["Huge-Q4_K_M.gguf", "bert-Q8_0.gguf"]
+    heads = [r for r in hub.requests if r.path.endswith("Q8_0.gguf") and "/Bert-" in r.path]
+    assert [r.range for r in heads if r.method == "GET"] == ["bytes=0-1048575"]
     texts = [
         node.log(),
         node.get("/discovery").text,
@@ -324,3 +330,12 @@ def test_a_catalogue_entrys_revision_and_quant_reach_the_hub_through_a_cold_load
     finally:
         gw.stop()
         node.post("/models/unload", {"model_id": model})
+
+
+def _gguf_of_arch(arch: str) -> bytes:
+    """A GGUF header whose first key is general.architecture = `arch` (as gguf-py writes)."""
+    import struct
+
+    key, value = b"general.architecture", arch.encode()
+    kv = struct.pack("<Q", len(key)) + key + struct.pack("<IQ", 8, len(value)) + value
+    return b"GGUF" + struct.pack("<IQQ", 3, 0, 1) + kv
