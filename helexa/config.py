@@ -385,6 +385,10 @@ class ModelEntry:
         Annotated[int, Check("an integer from 1 to 16", lambda v: 1 <= v <= 16)] | None
     ) = None
     revision: str | None = None  # the hub branch, tag or commit cold loads fetch; None: main
+    # its KV cache on the node (each unset: the node's [engine] setting)
+    kv_cache_dtype: KvCacheDType | None = None
+    max_model_len: PositiveInt | None = None
+    kv_cache_memory_mb: PositiveInt | None = None
 
     @property
     def required_devices(self) -> int:

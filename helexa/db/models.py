@@ -188,6 +188,10 @@ class CatalogueModel(Base):
     speculative_model: Mapped[str | None] = mapped_column(String(500))
     num_speculative_tokens: Mapped[int | None] = mapped_column(Integer)
     revision: Mapped[str | None] = mapped_column(String(200))  # NULL: the repo's main
+    # the node's KV options for this model; NULL: the node's [engine] setting
+    kv_cache_dtype: Mapped[str | None] = mapped_column(String(20))
+    max_model_len: Mapped[int | None] = mapped_column(Integer)
+    kv_cache_memory_mb: Mapped[int | None] = mapped_column(Integer)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
     updated_at: Mapped[datetime] = mapped_column(
         DateTime(timezone=True), default=utcnow, onupdate=utcnow

@@ -53,6 +53,9 @@ def row_of(m: ModelEntry) -> CatalogueModel:
         speculative_model=m.speculative_model,
         num_speculative_tokens=m.num_speculative_tokens,
         revision=m.revision,
+        kv_cache_dtype=m.kv_cache_dtype,
+        max_model_len=m.max_model_len,
+        kv_cache_memory_mb=m.kv_cache_memory_mb,
     )
 
 
@@ -71,4 +74,7 @@ def entry_of(row: CatalogueModel) -> ModelEntry:
         speculative_model=row.speculative_model,
         num_speculative_tokens=row.num_speculative_tokens,
         revision=row.revision,
+        kv_cache_dtype=row.kv_cache_dtype,  # type: ignore[arg-type]  # as dtype
+        max_model_len=row.max_model_len,
+        kv_cache_memory_mb=row.kv_cache_memory_mb,
     )

@@ -11,7 +11,7 @@ from collections.abc import Mapping, Sequence
 from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
-from helexa.config import DTYPES, ModelEntry
+from helexa.config import DTYPES, KV_CACHE_DTYPES, ModelEntry
 from helexa.db.models import Alias, CatalogueModel, utcnow
 from helexa.db.seed import load_catalogue, row_of
 from helexa.protocol.wire import MAX_SPECULATIVE_TOKENS, SPECULATIVE_METHODS
@@ -85,6 +85,11 @@ def entry_from_form(
     if method is not None and method not in SPECULATIVE_METHODS:
         choices = ", ".join(SPECULATIVE_METHODS)
         raise ValueError(f"speculative_method: expected one of {choices}, got {method!r}")
+    kv_dtype = (params.get("kv_cache_dtype") or "").strip() or None
+    if kv_dtype is not None and kv_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(
+            f"kv_cache_dtype: expected one of {', '.join(KV_CACHE_DTYPES)}, got {kv_dtype!r}"
+        )
     num_spec = _int(params, "num_speculative_tokens")
     if num_spec is not None and num_spec > MAX_SPECULATIVE_TOKENS:
         raise ValueError(
@@ -103,6 +108,9 @@ def entry_from_form(
         speculative_model=_model_id(params, "speculative_model"),
         num_speculative_tokens=num_spec,
         revision=_revision(params),
+        kv_cache_dtype=kv_dtype,  # type: ignore[arg-type]  # checked above
+        max_model_len=_int(params, "max_model_len"),
+        kv_cache_memory_mb=_int(params, "kv_cache_memory_mb"),
     )
     if (problem := entry.speculative_problem()) is not None:
         raise ValueError(problem)

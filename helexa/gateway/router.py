@@ -165,6 +165,9 @@ class Router:
                 "dtype": entry.dtype,
                 "tensor_parallel": entry.tensor_parallel,
                 "revision": entry.revision,
+                "kv_cache_dtype": entry.kv_cache_dtype,
+                "max_model_len": entry.max_model_len,
+                "kv_cache_memory_mb": entry.kv_cache_memory_mb,
                 # unset: the node's [engine] setting
                 "speculative_method": entry.speculative_method,
                 "speculative_model": entry.speculative_model,

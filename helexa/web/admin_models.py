@@ -11,7 +11,7 @@ from typing import Any
 from litestar import Request, Response, get, post
 from litestar.datastructures import FormMultiDict
 
-from helexa.config import ModelEntry
+from helexa.config import KV_CACHE_DTYPES, ModelEntry
 from helexa.gateway import catalogue_edit as edit
 from helexa.gateway.service import Gateway
 from helexa.web.admin_common import form_of, render, text, texts
@@ -49,6 +49,7 @@ def _context(gateway: Gateway, **extra: Any) -> dict[str, Any]:
         "up_nodes": [n.name for n in nodes if n.up],
         "dtypes": edit.DTYPES,
         "speculative_methods": edit.SPECULATIVE_METHODS,
+        "kv_cache_dtypes": KV_CACHE_DTYPES,
         "notice": None,
         "error": None,
         "form": {},
@@ -66,6 +67,12 @@ def _speculative(entry: ModelEntry) -> str | None:
         words.append(f"×{num}" if num else None)
     if entry.revision:
         words.append(f"revision {entry.revision}")
+    if entry.kv_cache_dtype:
+        words.append(f"KV {entry.kv_cache_dtype}")
+    if entry.max_model_len:
+        words.append(f"context {entry.max_model_len}")
+    if entry.kv_cache_memory_mb:
+        words.append(f"KV pool {entry.kv_cache_memory_mb} MiB")
     return " ".join(w for w in words if w) or None
 
 

@@ -333,6 +333,13 @@ def test_a_models_speculative_decoding_is_chosen_shown_and_edited_here(page):
     assert "revision v2.1" in row.inner_text()
     row.get_by_text("Edit").click()
     assert row.locator("input[name=revision]").input_value() == "v2.1"
+    # its KV settings on the node, likewise
+    row.locator("select[name=kv_cache_dtype]").select_option("float16")
+    row.locator("input[name=max_model_len]").fill("4096")
+    row.get_by_role("button", name="Save").click()
+    page.get_by_text("Saved org/spec.").wait_for()
+    row = page.get_by_role("row").filter(has=page.get_by_role("cell", name="org/spec", exact=True))
+    assert "KV float16 context 4096" in row.inner_text()
 
 
 # -- fleet and spend ---------------------------------------------------------------------

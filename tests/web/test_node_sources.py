@@ -309,16 +309,16 @@ def test_the_consoles_fleet_page_shows_a_nodes_download_as_it_goes(node, hub, tm
         node.post("/models/unload", {"model_id": f"slow:{REPO}"})
 
 
-def test_a_catalogue_entrys_revision_and_quant_reach_the_hub_through_a_cold_load(
-    node, hub, tmp_path
-):
+def test_a_catalogue_entrys_load_options_reach_the_node_through_a_cold_load(node, hub, tmp_path):
     """The gateway's catalogue takes the load options a node's load takes: its cold load of
     this entry fetches the GGUF quant and the revision it names from the node's source."""
     from tests.gateway.gateway_proc import start_gateway
 
     model = f"mine:{REPO}"
     gw = start_gateway(
-        tmp_path, {"n": node}, models=[{"id": model, "quant": "Q4_1", "revision": "v2"}]
+        tmp_path,
+        {"n": node},
+        models=[{"id": model, "quant": "Q4_1", "revision": "v2", "max_model_len": 512}],
     )
     try:
         r = gw.post(
@@ -327,6 +327,8 @@ def test_a_catalogue_entrys_revision_and_quant_reach_the_hub_through_a_cold_load
         )
         assert r.status_code == 200, r.text
         assert any(req.path == f"/api/models/{REPO}/revision/v2" for req in hub.requests)
+        (entry,) = [m for m in node.get("/models").json() if m["id"] == model]
+        assert entry["limit"]["context"] == 512  # the entry's max_model_len
     finally:
         gw.stop()
         node.post("/models/unload", {"model_id": model})
