@@ -60,9 +60,14 @@ class Hub:
         """A repository holding every file under `root` (names relative to it)."""
         self.add(repo, {p.relative_to(root).as_posix(): p for p in root.rglob("*") if p.is_file()})
 
-    def downloads(self) -> list[str]:
-        """The file paths whose bodies were sent (GET), in order."""
-        return [r.path for r in self.requests if r.method == "GET" and "/resolve/" in r.path]
+    def downloads(self, ranged: bool = False) -> list[str]:
+        """The file paths whose bodies were sent (GET), in order; `ranged`: a part of one
+        (a GGUF's header read before a download) counts too."""
+        return [
+            r.path
+            for r in self.requests
+            if r.method == "GET" and "/resolve/" in r.path and (ranged or r.range is None)
+        ]
 
     def start(self) -> Hub:
         hub = self
