@@ -186,18 +186,7 @@ def _sentencepiece(meta: dict[str, Any]) -> tokenizers.Tokenizer:
             decoders.Strip(" ", 1 if meta.get("tokenizer.ggml.add_space_prefix", True) else 0, 0),
         ]
     )
-    typed = list(zip(tokens, types, strict=False))
-    backend.add_special_tokens(
-        [
-            tokenizers.AddedToken(t, special=True, normalized=False)
-            for t, k in typed
-            if k == _CONTROL
-        ]
-    )
-    backend.add_tokens(
-        [tokenizers.AddedToken(t, normalized=False) for t, k in typed if k == _USER_DEFINED]
-    )
-    return backend
+    return _with_typed_tokens(backend, tokens, types)
 
 
 def hf_name(gguf_name: str) -> str:
@@ -467,8 +456,15 @@ def _bpe(meta: dict[str, Any]) -> tokenizers.Tokenizer:
     )
     spec.apply(backend)
     backend.decoder = decoders.ByteLevel()
-    # control and user-defined tokens are matched whole, before any splitting
-    typed = list(zip(tokens, meta.get("tokenizer.ggml.token_type", ()), strict=False))
+    return _with_typed_tokens(backend, tokens, meta.get("tokenizer.ggml.token_type", ()))
+
+
+def _with_typed_tokens(
+    backend: tokenizers.Tokenizer, tokens: list[str], types
+) -> tokenizers.Tokenizer:
+    """`backend` with the vocabulary's control tokens (special) and user-defined ones added:
+    matched whole, before any splitting."""
+    typed = list(zip(tokens, types, strict=False))
     backend.add_special_tokens(
         [
             tokenizers.AddedToken(t, special=True, normalized=False)
