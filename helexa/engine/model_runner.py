@@ -21,7 +21,7 @@ from helexa.engine.attention import AttentionBackend, select_backend
 from helexa.engine.attention import base as paging
 from helexa.engine.cuda_graph import DecodeGraphs, capture_decode_graphs
 from helexa.engine.layers.attention import AttentionContext, PrefillSegment
-from helexa.engine.layers.linear import PREFILL_STEP
+from helexa.engine.layers.linear import PREFILL_STEP, ROWS_ALONE
 from helexa.engine.scheduler import ScheduledBatch
 from helexa.engine.sequence import Sequence, TokenLogprob
 from helexa.engine.spec.verify import accepted, accepted_sampled
@@ -59,6 +59,7 @@ class StepHidden:
     rows: list[int] | None
     seqs: list[int]
     has_prompt: bool
+    checks: bool = False  # StepPlan.checks
 
 
 class ModelRunner:
@@ -230,6 +231,7 @@ class ModelRunner:
             batch.restores,
             batch.snapshots,
             has_prompt=any(s.num_computed_tokens < s.num_prompt_tokens for s in batch.seqs),
+            checks=any(s.draft for s in batch.seqs),
         )
         plan.output_rows = self.selects_output_rows and len(sample_rows) < len(ids)
         if images:
@@ -327,7 +329,7 @@ class ModelRunner:
     def forward(self, plan: StepPlan) -> torch.Tensor:
         """The model over the plan's inputs: hidden [num_tokens, hidden_size]."""
         input_ids, positions, ctx = self.build(plan)
-        with _prompt_step(plan.has_prompt):
+        with _step_kind(plan.has_prompt, plan.checks):
             return self.model(input_ids, positions, ctx)
 
     @torch.inference_mode()
@@ -340,7 +342,7 @@ class ModelRunner:
         if plan.sample_rows:
             # seqs are only read by the scripted test model, never sharded
             rows = hidden if plan.output_rows else hidden[plan.sample_rows]
-            with _prompt_step(plan.has_prompt):  # as rank 0 computes them
+            with _step_kind(plan.has_prompt, plan.checks):  # as rank 0 computes them
                 self.model.compute_logits(rows, None)
 
     @torch.inference_mode()
@@ -372,14 +374,14 @@ class ModelRunner:
         hidden = None if graphs is None else graphs.run(self, batch, not self.recurrent_layers)
         if hidden is not None:  # every sequence decodes and samples, in order, check rows too
             rows = [i for i, seq in enumerate(batch.seqs) for _ in range(1 + len(seq.draft))]
-            return StepHidden(hidden, None, rows, has_prompt=False)
+            return StepHidden(hidden, None, rows, False, len(rows) > len(batch.seqs))
         plan = self.plan(batch)
         if self.broadcast is not None:  # tensor parallel: the followers run it too
             self.broadcast(_travelling(plan))
         hidden = self.forward(plan)
         # where output_rows is set, the model returned the sampled rows alone, in order
         rows = None if plan.output_rows else plan.sample_rows
-        return StepHidden(hidden, rows, plan.sample_seqs, plan.has_prompt)
+        return StepHidden(hidden, rows, plan.sample_seqs, plan.has_prompt, plan.checks)
 
     def sample(
         self, batch: ScheduledBatch, step: StepHidden
@@ -395,7 +397,7 @@ class ModelRunner:
         # a prompt step's logits in float32 too (PREFILL_STEP): its first token is the
         # answer's first word, and SmolLM2's "What is the capital of France?" has "The" and
         # "L" within 0.08 of each other there, which the decode kernels' rounding swapped
-        with _prompt_step(step.has_prompt):
+        with _step_kind(step.has_prompt, step.checks):
             logits = self.model.compute_logits(hidden, seqs)
         # a sampled row's draft is checked on its logits (spec/verify.py), not sampled
         rows_of: dict[int, list[int]] = {}
@@ -464,11 +466,13 @@ def model_memory_mb(model: torch.nn.Module) -> int:
 
 
 @contextlib.contextmanager
-def _prompt_step(has_prompt: bool) -> Iterator[None]:
-    """PREFILL_STEP for what runs inside: a step that carries prompt tokens computes in
-    float32 (layers/linear.py), its forward and its logits alike."""
-    token = PREFILL_STEP.set(has_prompt)
+def _step_kind(has_prompt: bool, checks: bool) -> Iterator[None]:
+    """PREFILL_STEP and ROWS_ALONE for what runs inside (layers/linear.py), its forward and
+    its logits alike: a step that carries prompt tokens computes in float32, and one in which
+    a sequence checks a draft computes each row as a one-row step would."""
+    prompt, alone = PREFILL_STEP.set(has_prompt), ROWS_ALONE.set(checks)
     try:
         yield
     finally:
-        PREFILL_STEP.reset(token)
+        ROWS_ALONE.reset(alone)
+        PREFILL_STEP.reset(prompt)

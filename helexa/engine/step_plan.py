@@ -26,6 +26,8 @@ class StepPlan:
     restores: list[StateCopy]  # state copies before the forward
     snapshots: list[StateCopy]  # and after it
     has_prompt: bool  # PREFILL_STEP: some sequence is still reading its prompt
+    # ROWS_ALONE: some sequence checks a draft, so every row computes as one row would
+    checks: bool = False
     decode_state_slots: list[int] | None = None  # hybrid models: the decode rows' state rows
     # the model returns the sample rows' hidden states only (AttentionContext.output_rows):
     # a prompt step's last layer then runs its MLP on those rows alone

@@ -157,6 +157,28 @@ def test_plans_spread_over_row_counts_take_the_smallest_bucket_that_holds_them()
     assert len(by_rows) == BUCKETS[-1] + 1 == 513
 
 
+@pytest.mark.parametrize("kind", ["Q4_1", "int4", "int8"])
+@pytest.mark.parametrize("one_row", [WHOLE, DENSE])
+def test_a_step_that_checks_drafts_runs_each_row_as_one_row_is_planned(kind, one_row):
+    """Bit for bit: under ROWS_ALONE, a call of 5 rows gives what 5 calls of one row give,
+    whatever the plans of more rows (here a float32 GEMM, whose sums follow the row count);
+    outside it, the 5-row plan runs."""
+    from helexa.engine.layers.linear import ROWS_ALONE
+
+    (lin,) = make_linears(kind, [64], with_bias=False)
+    lin.plans = [one_row, one_row] + [DENSE] * (BUCKETS[-1] - 1)
+    x = torch.randn(5, 576, generator=torch.Generator().manual_seed(3))
+    alone = torch.cat([lin(x[i : i + 1]) for i in range(5)])
+    token = ROWS_ALONE.set(True)
+    try:
+        assert torch.equal(lin(x), alone)
+    finally:
+        ROWS_ALONE.reset(token)
+    lin.plans = [WHOLE] * 2 + [DENSE] * (BUCKETS[-1] - 1)
+    if one_row == WHOLE:  # the GEMM's floats are not the int8 kernel's
+        assert not torch.equal(lin(x), alone)
+
+
 def test_prompt_steps_keep_the_exact_kernel_up_to_the_last_bucket_where_it_is_quicker():
     dense = [5.0] * 8  # 1 ... 128 rows
     assert exact_rows([1, 1, 1, 1, 2, 4, 8, 16], dense) == 32

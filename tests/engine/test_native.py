@@ -83,6 +83,34 @@ def test_rows_in_8s_interleaved_are_the_same_bytes_and_the_same_products(kind):
         assert rel(exact, x.double() @ ref.double().T) < 1e-6
 
 
+@pytest.mark.parametrize("kind", [*KINDS, *native.K_KINDS])
+def test_each_row_of_the_int8_kernel_is_what_it_gives_alone(kind):
+    """Bit for bit, in both forms a weight is held in and over 1 and 2 threads: a row of x
+    in a call of 2..12 rows (the 4-row tiles whole and cut) equals that row alone. A
+    speculative step's check rows rely on it (linear.ROWS_ALONE): each is its one-row step."""
+    from helexa.kernels.quant_pack import make_gguf_blocks
+
+    n, k = 64, 1024
+    if kind in native.K_KINDS:
+        raw = make_gguf_blocks(kind, n, k, generator=torch.Generator().manual_seed(1))
+    else:
+        raw, _ = blocks(kind, n, k)
+    forms = [(raw, kind)]
+    if f"{kind}x8" in native.KINDS:
+        forms.append(native.interleave(raw, kind))
+    x = torch.randn(12, k, generator=torch.Generator().manual_seed(2))
+    threads = torch.get_num_threads()
+    try:
+        for w, held in forms:
+            for t in (1, 2):
+                torch.set_num_threads(t)
+                alone = torch.cat([native.matmul(x[i : i + 1], w, held, n) for i in range(12)])
+                for m in range(2, 13):
+                    assert torch.equal(native.matmul(x[:m], w, held, n), alone[:m]), (held, t, m)
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_the_scalar_build_for_cpus_without_avx2_agrees(scalar):
     for kind in KINDS:
         raw, ref = blocks(kind, 40, 576)

@@ -71,6 +71,14 @@ DENSE_DTYPE = torch.float32
 # Marseillaise…" instead of "Paris"; and a prompt's logits then do not depend on how much
 # of it came from the prefix cache (a cold 123-token prefill and an 11-token cached one agree).
 PREFILL_STEP: ContextVar[bool] = ContextVar("PREFILL_STEP", default=False)
+# Set by the model runner for steps in which a sequence checks a draft (speculative
+# decoding): every call then runs as a call of one row would, so that each check row's floats
+# are those of the one-row decode step it stands for. The packed kernels compute each row
+# alone (tests/engine/test_native.py); a dense plan then runs one row a call. The plans of
+# more rows are this machine's timings: where a busy CI machine timed a float32 GEMM quicker
+# for 5 rows than the int8 kernel, SmolLM2's code edit parted from its answer without
+# speculation at the 35th token.
+ROWS_ALONE: ContextVar[bool] = ContextVar("ROWS_ALONE", default=False)
 # block_kind of a Linear fused from parts held as different GGUF kinds (`Linear.block_parts`)
 MIXED = "mixed"
 _HAS_INT4 = hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu")  # torch >= 2.6
@@ -79,6 +87,11 @@ _HAS_INT4 = hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu")  # torch >= 2
 # rather than unpacking the whole weight for a GEMM: until the autotune has measured where
 # the GEMM starts to pay on this machine (Linear.exact_rows).
 EXACT_ROWS = 8
+
+
+def planned_rows(rows: int) -> int:
+    """The row count whose plan a call of `rows` rows takes: 1 in a ROWS_ALONE step."""
+    return 1 if ROWS_ALONE.get() else rows
 
 
 def kernel_layout(device: torch.device) -> bool:
@@ -305,6 +318,9 @@ class Linear(nn.Module):
             dense, chunk = not exact, 0
         elif plans is None:
             dense, chunk = WHOLE
+        elif ROWS_ALONE.get():  # see ROWS_ALONE
+            dense = plans[1][0]
+            chunk = 1 if dense else 0
         else:
             dense, chunk = plans[rows] if rows < len(plans) else plans[-1]
         if dense:

@@ -20,6 +20,7 @@ from helexa.engine.layers.linear import (
     int4_scales,
     kernel_layout,
     lm_head,
+    planned_rows,
     row_parallel,
 )
 from helexa.engine.layers.norm import RMSNorm
@@ -169,7 +170,7 @@ class DecoderLayer(nn.Module):
             plan = self.native_layer_plan()
             if (
                 plan is not None
-                and plan.rows_ok[min(x.shape[0], len(plan.rows_ok) - 1)]
+                and plan.rows_ok[min(planned_rows(x.shape[0]), len(plan.rows_ok) - 1)]
                 and native.usable(x, ctx.cos, caches=(plan.attn.k_cache, plan.attn.v_cache))
             ):
                 return output_rows(*native.decode_layer(plan, x, residual, ctx), rows)
@@ -342,7 +343,7 @@ class LlamaForCausalLM(nn.Module):
         stack = self._native_stack() if _native_decode_step(ctx) else None
         if (
             stack is not None
-            and stack.rows_ok[min(x.shape[0], len(stack.rows_ok) - 1)]
+            and stack.rows_ok[min(planned_rows(x.shape[0]), len(stack.rows_ok) - 1)]
             and native.usable(x, ctx.cos, caches=stack.caches)
         ):
             x, residual = native.decode_layers(stack, x, ctx)  # every layer, one C call
