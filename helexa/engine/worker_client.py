@@ -55,9 +55,14 @@ from helexa.engine.worker import (
 
 log = logging.getLogger(__name__)
 SOCKET_BUFFER = 4 << 20  # a step's deltas rarely need more than a few KiB
-# How long an aborted request waits for the worker's last word on it (normally the next
-# step, milliseconds away) before it ends with what is known.
-ABORT_REPORT_TIMEOUT_S = 2.0
+# An aborted request waits for the worker's last word on it: normally the next step,
+# milliseconds away, but a step on a loaded CPU can take seconds, and what the engine
+# generated meanwhile is spent (a fixed 2 s wait lost such tokens from the books). A worker
+# that says nothing at all is the watchdog's (step_timeout_s: every request, the aborted
+# ones included, then fails). Only a worker that goes on stepping and never reports on one
+# aborted request (a fault of ours) leaves it to end with what is known, after this many
+# step timeouts.
+ABORT_REPORT_STEP_TIMEOUTS = 2
 _NO_REPORT = object()  # an aborted request's stream: no report came in time
 
 
@@ -236,8 +241,9 @@ class WorkerClient:
     def abort(self, request_id: str) -> None:
         """Stop a request, and learn what the engine spent on it: its iterator goes on with
         the deltas already on their way and ends with the worker's report, an
-        `AbortedOutput` (in the worker's next step); or, when none comes within
-        ABORT_REPORT_TIMEOUT_S (a hung worker), without one. Its tokens then count every
+        `AbortedOutput` (in the worker's next step, however long it takes); a worker that
+        falls silent meanwhile is faulted by the watchdog, and one that steps on without a
+        report ends it after ABORT_REPORT_STEP_TIMEOUTS step timeouts, without one. Its tokens then count every
         token the engine generated for it. No-op for a request that has ended or is being
         aborted; a request whose last delta crossed the abort ends with that delta."""
         if request_id not in self._streams or request_id in self._aborting:
@@ -246,7 +252,7 @@ class WorkerClient:
             return
         self._send(Abort(request_id))
         self._aborting[request_id] = asyncio.get_running_loop().call_later(
-            ABORT_REPORT_TIMEOUT_S, self._no_report, request_id
+            ABORT_REPORT_STEP_TIMEOUTS * self.step_timeout_s, self._no_report, request_id
         )
 
     def _no_report(self, request_id: str) -> None:
@@ -257,7 +263,7 @@ class WorkerClient:
                 "worker for %s: no report on aborted request %s within %gs",
                 self.model_id,
                 request_id,
-                ABORT_REPORT_TIMEOUT_S,
+                ABORT_REPORT_STEP_TIMEOUTS * self.step_timeout_s,
             )
             stream.put_nowait(_NO_REPORT)
 

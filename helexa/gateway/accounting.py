@@ -49,6 +49,7 @@ class Tally:
         "error",
         "finish_reason",
         "first_byte",
+        "first_token",
         "last_byte",
         "text_events",
         "usage",
@@ -60,6 +61,9 @@ class Tally:
         self.finish_reason: str | None = None  # the last one the node sent
         self.usage: dict[str, Any] | None = None  # the last usage object the node sent
         self.first_byte: float | None = None
+        # when the first generated text arrived: a stream's first byte is the role chunk the
+        # node sends before its engine has run, so this, not it, is the time to first token
+        self.first_token: float | None = None
         self.last_byte: float | None = None
         self.ended = False  # the stream's last event arrived (`[DONE]`, response.completed…)
         self.error = False  # the node sent an error (an envelope, or an error event)
@@ -67,6 +71,7 @@ class Tally:
     def feed(self, chunk: bytes) -> bool:
         """One chunk of a stream, as it is relayed; True when it holds the stream's end."""
         self._arrived()
+        had_text = self.text_events
         for event in self._reader.feed(chunk):
             if event.data.strip() == "[DONE]":
                 self.ended = True
@@ -78,12 +83,15 @@ class Tally:
                 self.ended = True
             elif isinstance(obj, dict) and isinstance(obj.get("error"), dict):
                 self.ended = True  # the node's error event: nothing follows but `[DONE]`
+        if self.first_token is None and self.text_events > had_text:
+            self.first_token = self.last_byte
         return self.ended
 
     def whole(self, body: bytes) -> None:
         """A non-stream answer, all of it."""
         self._arrived()
         self._read(_parse(body), None, "message")
+        self.first_token = self.first_byte  # all of it at once: its time is the first token's
 
     def _arrived(self) -> None:
         now = time.monotonic()
@@ -189,18 +197,18 @@ def usage_counts(usage: dict[str, Any]) -> tuple[int, int, int, int]:
 
 def settled_counts(ex: Exchange) -> tuple[int, int, int, int]:
     """(prompt, completion, cached, reasoning) tokens to settle: the node's usage of its
-    answer; for an answer cut before it, what the node said the exchange used, and never
-    fewer completion tokens than generated-text events arrived (nor, with nothing from the
-    node, a prompt below its estimate)."""
+    answer; for an answer cut before it, what the node said the exchange used (its engine's
+    count after its last word on the request: the tokens the client never got included),
+    never fewer completion tokens than generated-text events arrived; only where the node
+    cannot say, what arrived (a text event a token, the prompt's estimate)."""
     usage = ex.tally.usage  # the node's own, of a whole answer (an error's included)
     if usage:
         return usage_counts(usage)
-    events = ex.tally.text_events
-    if ex.node_usage:
+    if ex.node_usage:  # never believed below what arrived (each text event is a token)
         prompt, completion, cached, reasoning = usage_counts(ex.node_usage)
-        return prompt, max(completion, events), cached, reasoning
+        return prompt, max(completion, ex.tally.text_events), cached, reasoning
     if ex.cut and ex.tally.first_byte is not None:  # cut, the node silent: count what came
-        return ex.prompt_estimate, events, 0, 0
+        return ex.prompt_estimate, ex.tally.text_events, 0, 0
     return 0, 0, 0, 0  # never ran
 
 
@@ -243,7 +251,7 @@ class Accountant:
             cost_usd=cost_usd(prompt, completion, *ex.price),
             status=status,
             finish_reason=tally.finish_reason,
-            ttft_ms=(tally.first_byte - ex.started) * 1000 if tally.first_byte else None,
+            ttft_ms=(tally.first_token - ex.started) * 1000 if tally.first_token else None,
             latency_ms=((tally.last_byte or tally.first_byte or ex.started) - ex.started) * 1000,
         )
         op = self.budgets.settle_op(ex.reservation, row)

@@ -48,6 +48,10 @@ log = logging.getLogger(__name__)
 # prompts): reserved on top of the ~4 characters a token estimate.
 TEMPLATE_MARGIN_TOKENS = 64
 DATABASE_RETRY_AFTER_S = 2
+# A key whose cap is reached only with its in-flight requests' reservations: those settle to
+# what they used as their answers end (usually less than reserved), so the refusal is
+# temporary and says when to try again
+HELD_RETRY_AFTER_S = 1
 LEASE_EXPIRED = "lease_expired"  # a ledger row's finish_reason for a reservation booked whole
 INSTANCE_FORGOTTEN_AFTER = timedelta(days=1)
 
@@ -76,9 +80,11 @@ class Reservation:
 
 @dataclass(slots=True, frozen=True)
 class _Refused:
-    """Not even one output token fits; for a rolling window, when the oldest spend leaves."""
+    """Not even one output token fits; for a rolling window, when the oldest spend leaves;
+    `held`: it would fit but for the reservations of requests still in flight."""
 
     oldest: datetime | None
+    held: int = 0  # tokens those reservations hold
 
 
 def database_unavailable(why: str) -> HelexaError:
@@ -129,7 +135,7 @@ class Budgets:
         except DatabaseUnavailable as e:
             raise database_unavailable(str(e)) from None
         if isinstance(got, _Refused):
-            raise _over_cap(budget, got.oldest)
+            raise _over_cap(budget, got.oldest, got.held)
         out, tokens, cost = got
         res = Reservation(rid, key.id, tokens, cost, out, n)
         self._live[rid] = res
@@ -247,7 +253,14 @@ def _reserve_op(
         room = output_room(prompt_tokens, tokens_left, cost_left, *price)
         out = max_output if room is None else min(max_output, room // n)
         if out < 1:
-            return _Refused(None if oldest is None else as_utc(oldest))
+            unheld = output_room(
+                prompt_tokens,
+                None if tokens_left is None else tokens_left + int(reserved_tokens),
+                None if cost_left is None else cost_left + float(reserved_cost),
+                *price,
+            )
+            held = int(reserved_tokens) if unheld is None or unheld // n >= 1 else 0
+            return _Refused(None if oldest is None else as_utc(oldest), held)
         tokens, cost = prompt_tokens + out * n, cost_usd(prompt_tokens, out * n, *price)
         conn.execute(
             _INSERT_RESERVATION,
@@ -336,8 +349,27 @@ def _expire(conn: Connection, lease_s: float) -> int:
     return booked
 
 
-def _over_cap(budget: BudgetInfo, oldest: datetime | None) -> HelexaError:
+def _over_cap(budget: BudgetInfo, oldest: datetime | None, held: int = 0) -> HelexaError:
+    """429: the key's cap reached. `held`: reached only with the reservations of its
+    requests still in flight, which settle to what they used as they end: the refusal says
+    so, and a balance's carries Retry-After (a rolling window's names when its oldest spend
+    leaves, as when nothing is held)."""
+    in_flight = (
+        f"; {held} of its tokens are only reserved by its requests still in flight, and "
+        "what those do not use frees as they finish"
+        if held
+        else ""
+    )
     if budget.window != "rolling" or not budget.window_seconds:
+        if held:
+            return HelexaError(
+                429,
+                "insufficient_quota",
+                f"this key's budget is held, not spent ({budget.describe()}){in_flight}: "
+                "retry shortly",
+                code="insufficient_quota",
+                retry_after=HELD_RETRY_AFTER_S,
+            )
         return insufficient_quota(
             f"this key's budget is spent ({budget.describe()}); ask for a higher cap or another key"
         )
@@ -345,7 +377,7 @@ def _over_cap(budget: BudgetInfo, oldest: datetime | None) -> HelexaError:
     leaves = (oldest or now) + timedelta(seconds=budget.window_seconds)
     retry = max(1.0, (leaves - now).total_seconds())
     return rate_limit_exceeded(
-        f"this key's budget for the rolling window is used up ({budget.describe()}); "
+        f"this key's budget for the rolling window is used up ({budget.describe()}){in_flight}; "
         "room frees as older requests leave the window",
         retry,
     )

@@ -168,7 +168,7 @@ class Exchanges:
             if tried:  # the client left while the node worked: settled from its count
                 ex.route = tried[-1]
                 self.router.begin(ex.route)
-                self._later(self._settle_cut(ex, 499))
+                self._cut_later(ex, 499)
             else:
                 self.finish(ex, 499)
             raise
@@ -237,46 +237,47 @@ class Exchanges:
     # -- the answer ----------------------------------------------------------------------
     async def relay(self, reply: Reply) -> AsyncIterator[bytes]:
         """The node's stream, chunk by chunk as it arrives; the books read its events on
-        the way, and the ledger row is durable before the stream's last event is relayed.
-        A stream the node breaks off ends with an error event; one the client leaves is
-        settled from what the node says it used."""
+        the way and queue its settlement with its last event, never waiting for the
+        database (docs/gateway.md § Budgets says why a cap still holds). A stream the node
+        breaks off ends with an error event; one the client leaves is settled from what the
+        node says it used."""
         ex, resp = reply.exchange, reply.resp
         tally = ex.tally
         try:
             try:
                 async for chunk in resp.content.iter_any():
                     if tally.feed(chunk) and not ex.settled:
-                        await self.settle(ex, resp.status)  # before the last event leaves
+                        self.finish(ex, resp.status)
                     yield chunk
             except (aiohttp.ClientError, TimeoutError) as e:
                 warn("upstream stream broke", _route(ex), reply.path, error=repr(e))
             resp.release() if tally.ended else resp.close()
             if not ex.settled:  # the node went before its stream's end
-                await self._settle_cut(ex, 502)
+                self._cut_later(ex, 502)
                 yield _cut_event(reply.path, reply.node)
         finally:
             if not ex.settled:  # the client left: the node's usage is asked off this path
                 resp.close()
-                self._later(self._settle_cut(ex, 499))
+                self._cut_later(ex, 499)
 
     async def read(self, reply: Reply, *, log_error: bool = True) -> bytes:
-        """The node's whole answer, its ledger row durable before it is returned. A node
-        that breaks off settles as a 502 and raises; a client that leaves (the read
+        """The node's whole answer, its settlement queued (not awaited) as it is returned. A
+        node that breaks off settles as a 502 and raises; a client that leaves (the read
         cancelled) drops the node's request and is settled from what the node used."""
         ex, resp = reply.exchange, reply.resp
         try:
             data = await resp.read()
         except asyncio.CancelledError:
             resp.close()
-            self._later(self._settle_cut(ex, 499))
+            self._cut_later(ex, 499)
             raise
         except BaseException:
             resp.close()
-            await self._settle_cut(ex, 502)
+            self._cut_later(ex, 502)
             raise
         resp.release()
         ex.tally.whole(data)
-        await self.settle(ex, resp.status)
+        self.finish(ex, resp.status)
         if resp.status >= 400 and log_error and ex.route is not None:
             body = data[:500].decode("utf-8", "replace")
             warn("upstream error", ex.route, reply.path, status=resp.status, body=body)
@@ -308,23 +309,10 @@ class Exchanges:
         return NodeAnswer(route, resp.status, data, resp.headers)
 
     # -- after ---------------------------------------------------------------------------
-    async def settle(self, ex: Exchange, status: int) -> None:
-        """`finish`, then wait (up to the database timeout) for the ledger row to be
-        durable; past it the row stays queued in the books' backlog."""
-        future = self.finish(ex, status)
-        if future is None:
-            return
-        try:
-            async with asyncio.timeout(self.budgets.timeout_s):
-                await asyncio.shield(future)
-        except TimeoutError:
-            log.warning("ledger row for %s queued: the database is slow or down", ex.id)
-        except Exception:
-            pass  # refused by the database: the writer logged and dropped it
-
     def finish(self, ex: Exchange, status: int) -> asyncio.Future[Any] | None:
-        """The exchange is over: the router's count, the books (queued), the metrics, the
-        log line. Idempotent: only the first call counts."""
+        """The exchange is over: the router's count, the books (queued: the writer's next
+        batch makes them durable, and nobody waits for it), the metrics, the log line.
+        Idempotent: only the first call counts."""
         if ex.settled:
             return None
         ex.settled = True
@@ -336,7 +324,7 @@ class Exchanges:
         if record is not None:
             record.prompt_tokens, record.completion_tokens = prompt, completion
             record.finish_reason = ex.tally.finish_reason
-            record.first_byte = ex.tally.first_byte
+            record.first_token = ex.tally.first_token
             record.node = ex.route.node.name if ex.route is not None else None
             record.release()
         return future
@@ -348,16 +336,22 @@ class Exchanges:
             return
         if ex.closer is not None:
             ex.closer()
-        self._later(self._settle_cut(ex, 499))
+        self._cut_later(ex, 499)
 
-    async def _settle_cut(self, ex: Exchange, status: int) -> None:
-        """Settle an answer that ended before the node finished it, from what the node
-        says the exchange used (it waits briefly for the node to see the cut)."""
-        if ex.settled:
+    def _cut_later(self, ex: Exchange, status: int) -> None:
+        """The answer ended before the node finished it: settle it off the request's path,
+        from what the node says the exchange used. Once per exchange: the first cut seen
+        (the node's 502, the client's 499) is the one booked."""
+        if ex.settled or ex.cut:
             return
         ex.cut = True
         if ex.record is not None and ex.tally.finish_reason is None:
             ex.record.cut = True
+        self._later(self._settle_cut(ex, status))
+
+    async def _settle_cut(self, ex: Exchange, status: int) -> None:
+        """Ask the node what the cut exchange used (it answers once its engine has reported
+        on the request, however long that takes), then settle."""
         try:
             if ex.route is not None:
                 ex.node_usage = await self.upstream.exchange_usage(ex.route, ex.id)
@@ -366,7 +360,7 @@ class Exchanges:
         except BaseException:
             self.finish(ex, status)  # cancelled: settled on what arrived
             raise
-        await self.settle(ex, status)
+        self.finish(ex, status)
 
     def _later(self, work: Coroutine[Any, Any, None]) -> None:
         task = asyncio.get_running_loop().create_task(work)
@@ -381,8 +375,8 @@ class Exchanges:
     def _observe(self, ex: Exchange, route: Route, status: int) -> None:
         labels = (ex.model, route.node.name)
         m, tally = self.metrics, ex.tally
-        if tally.first_byte is not None and status == 200:
-            m.ttft.labels(*labels).observe(tally.first_byte - ex.started)
+        if tally.first_token is not None and status == 200:
+            m.ttft.labels(*labels).observe(tally.first_token - ex.started)
         usage = ex.tally.usage
         if not usage or status != 200:
             return

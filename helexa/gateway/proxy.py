@@ -5,6 +5,7 @@ hop-by-hop ones. Relaying the answer and settling its books is the exchange's (e
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -41,7 +42,12 @@ _DROP_RESPONSE = {
     "date",
 }
 PRINCIPAL_PREFIX = "x-helexa-"
-USAGE_WAIT_S = 2.0  # how long a node may take to see a cut exchange end
+USAGE_WAIT_S = 10.0  # each ask's wait for a cut exchange to end (the node's most)
+# A cut exchange's usage is asked for (off the request's path) until the node has it: the
+# node answers once its engine reported on the request, which a loaded CPU can take seconds
+# over, and a worker that never does is faulted by the node's watchdog (step_timeout_s,
+# 120 s by default) within this
+USAGE_ASK_FOR_S = 300.0
 
 
 def warn(what: str, route: Route, path: str, **fields: object) -> None:
@@ -73,26 +79,36 @@ class Upstream:
         # a node silent this long while answering (a hung or stopped process) is cut
         self.timeout = aiohttp.ClientTimeout(total=None, sock_read=idle_timeout_s)
 
-    async def exchange_usage(self, route: Route, exchange_id: str) -> dict[str, Any] | None:
-        """What the node says an exchange used, once it has seen it end (it waits briefly
-        for that); None when the node cannot say (gone, too old, or a node that predates
+    async def exchange_usage(
+        self, route: Route, exchange_id: str, ask_for_s: float = USAGE_ASK_FOR_S
+    ) -> dict[str, Any] | None:
+        """What the node says an exchange used, once it has seen it end: asked again while
+        it answers 409 (still running: its engine has not reported yet), for up to
+        `ask_for_s`; None when the node cannot say (gone, too old, or a node that predates
         the endpoint)."""
         url = route.base_url + exchange_usage_path(exchange_id)
-        try:
-            async with self.connections.session.get(
-                url,
-                params={"wait_s": str(USAGE_WAIT_S)},
-                headers=route.node.auth_headers(),
-                timeout=aiohttp.ClientTimeout(total=USAGE_WAIT_S + 2),
-            ) as resp:
-                if resp.status != 200:
-                    return None
-                answer = await resp.json(content_type=None)
-        except (aiohttp.ClientError, TimeoutError, ValueError) as e:
-            warn("could not ask the node what a cut exchange used", route, url, error=repr(e))
-            return None
-        usage = answer.get("usage") if isinstance(answer, dict) else None
-        return usage if isinstance(usage, dict) else None
+        deadline = time.monotonic() + ask_for_s
+        while True:
+            wait_s = max(0.0, min(USAGE_WAIT_S, deadline - time.monotonic()))
+            try:
+                async with self.connections.session.get(
+                    url,
+                    params={"wait_s": f"{wait_s:.3f}"},
+                    headers=route.node.auth_headers(),
+                    timeout=aiohttp.ClientTimeout(total=wait_s + 5),
+                ) as resp:
+                    status = resp.status
+                    answer = await resp.json(content_type=None) if status == 200 else None
+            except (aiohttp.ClientError, TimeoutError, ValueError) as e:
+                warn("could not ask the node what a cut exchange used", route, url, error=repr(e))
+                return None
+            if status == 200:
+                usage = answer.get("usage") if isinstance(answer, dict) else None
+                return usage if isinstance(usage, dict) else None
+            if status != 409 or time.monotonic() >= deadline:
+                if status == 409:
+                    warn("a cut exchange still ran when the gateway stopped asking", route, url)
+                return None
 
     async def open(
         self,

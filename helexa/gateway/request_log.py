@@ -30,7 +30,7 @@ class RequestRecord:
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
     finish_reason: str | None = None
-    first_byte: float | None = None  # of the node's answer (all of it, for a non-stream)
+    first_token: float | None = None  # the first generated text (a non-stream: all of it)
     cut: bool = False  # a stream that ended before its node finished
     open_parts: int = 1  # the response, plus each exchange with a node not yet settled
     written: bool = False
@@ -71,7 +71,7 @@ class RequestRecord:
             prompt_tokens=self.prompt_tokens,
             completion_tokens=self.completion_tokens,
             finish_reason=self.finish_reason,
-            ttft_ms=None if self.first_byte is None else (self.first_byte - self.started) * 1000,
+            ttft_ms=None if self.first_token is None else (self.first_token - self.started) * 1000,
             total_ms=(now - self.started) * 1000,
             **extra,
         )

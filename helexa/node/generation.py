@@ -230,7 +230,8 @@ class Generation:
         included. When it ends before its choices do, each one still running is aborted
         and its reader goes on to the engine's final report on it (the deltas that were on
         their way, and how much of the prompt a cut prefill had computed); the count is
-        final once the readers have settled (`when_settled`), a step later, 2 s at most.
+        final once the readers have settled (`when_settled`): the worker's next step, however
+        long a loaded machine takes over it (worker_client.WorkerClient.abort).
         Ending waits for that, unless it is cancelled again meanwhile."""
         self._t0 = time.monotonic()
         queue: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue()
@@ -273,7 +274,7 @@ class Generation:
 
     def when_settled(self, callback: Callable[[], None]) -> None:
         """Call `callback` once every count is final: now if it is (or no choice ever ran),
-        else when the last reader settles (each within ABORT_REPORT_TIMEOUT_S of `abort`)."""
+        else when the last reader settles (at the worker's report on its abort)."""
         if self.is_settled:
             self._settle()
             callback()
@@ -391,7 +392,7 @@ class Generation:
     def _record_finish(self) -> None:
         self._recorded = True
         m, model = self.metrics, self.served.id
-        m.prompt_tokens.labels(model).inc(len(self.prompt_ids))
+        m.prompt_tokens.labels(model).inc(self.num_prompt_spent)  # as `spent` counts them
         m.generation_tokens.labels(model).inc(sum(c.num_tokens for c in self.choices))
         for c in self.choices:
             m.success.labels(model, c.finish_reason or "abort").inc()

@@ -20,14 +20,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import weakref
-from collections.abc import AsyncIterator, MutableMapping
+from collections.abc import AsyncIterator, Callable, MutableMapping
 from contextlib import aclosing
 from typing import Any
 
 from helexa.errors import HelexaError
 from helexa.node import openai_out
 from helexa.node.admission import Permit
-from helexa.node.exchanges import NOTHING_RAN, Exchange
+from helexa.node.exchanges import NOTHING_RAN, Exchange, Usage
 from helexa.node.generation import Generation, prepare_prompt, render_prompt
 from helexa.node.responses_out import ResponsesView
 from helexa.node.service import Node
@@ -147,10 +147,22 @@ class Run:
         notes["finish_reason"] = ",".join(sorted(reasons))
         if gen.ttft_s is not None:
             notes["ttft_ms"] = gen.ttft_s * 1000
-        if self.exchange is not None:  # once the engine's count of a cut request is in
-            settle = self.exchange.settle_later()
-            gen.when_settled(lambda: settle(gen.spent()))
+        settle = self.exchange.settle_later() if self.exchange is not None else None
+        if not gen.is_settled:  # cut: the log line waits for the engine's count (NodeGuard)
+            notes["settling"] = []
+        gen.when_settled(lambda: self._settled(settle))
         self.permit.release()
+
+    def _settled(self, settle: Callable[[Usage], None] | None) -> None:
+        """The engine's count is final: what the request spent goes to its exchange and
+        its log line (a cut one's, held until now, is written)."""
+        spent, notes = self.gen.spent(), self.notes
+        notes["prompt_tokens"] = spent.prompt_tokens
+        notes["completion_tokens"] = spent.completion_tokens
+        if settle is not None:
+            settle(spent)
+        for write in notes.pop("settling", ()):
+            write()
 
 
 class AnswerStream:

@@ -59,6 +59,13 @@ class NodeGuard:
             quiet = method in ("GET", "HEAD") and seen["status"] < 400
             if quiet and not log.isEnabledFor(logging.DEBUG):
                 return
+            settling = state.get("settling")
+            if settling is not None:  # a cut answer: written once the engine's count is in
+                settling.append(write)
+            else:
+                write()
+
+        def write() -> None:
             request_done(
                 log,
                 request_id=rid,

@@ -107,7 +107,11 @@ def test_two_hundred_concurrent_requests_never_spend_past_the_cap(gw, node, tiny
     code = "insufficient_quota" if window == "balance" else "rate_limit_exceeded"
     assert {r.json()["error"]["code"] for r in refused} == {code}
     if window == "balance":
-        assert all("Retry-After" not in r.headers for r in refused)
+        # spent: no Retry-After; refused while others' reservations held the rest (issue
+        # 40): temporary, said so, with Retry-After
+        for r in refused:
+            held = "held, not spent" in r.json()["error"]["message"]
+            assert ("Retry-After" in r.headers) == held, (r.headers, r.text)
     else:
         assert all(int(r.headers["Retry-After"]) >= 1 for r in refused)
     used = sum(r.json()["usage"]["total_tokens"] for r in served)
