@@ -143,11 +143,19 @@ def _gemm_past_one_row(llm: LLM) -> None:
     """Plans as a busy machine once timed them: every call of more than one row quicker
     through a float32 GEMM than through the int8 kernel that one row takes."""
     from helexa.engine.layers.autotune import BUCKETS, DENSE, WHOLE
+
+    for _, m in _block_linears(llm):
+        m.plans = [WHOLE, WHOLE] + [DENSE] * (BUCKETS[-1] - 1)
+
+
+def _block_linears(llm: LLM) -> list:
     from helexa.engine.layers.linear import Linear
 
-    for m in llm.engine.loaded.model.modules():
-        if isinstance(m, Linear) and m.format == "blocks":
-            m.plans = [WHOLE, WHOLE] + [DENSE] * (BUCKETS[-1] - 1)
+    model = llm.engine.loaded.model
+    return [
+        (name, m) for name, m in model.named_modules()
+        if isinstance(m, Linear) and m.format == "blocks"
+    ]  # fmt: skip
 
 
 @pytest.mark.parametrize("plans", ["timed", "gemm_past_one_row"])
@@ -155,26 +163,29 @@ def test_the_bundled_model_answers_a_code_edit_the_same_and_accepts_most_drafts(
     """SmolLM2 on its CPU GGUF kernels, as a node serves it by default, rewriting the
     benchmark's 60-line function: the same greedy answer with prompt lookup on and off (each
     check row computes what its one-row decode step would: the same kernels, a span split
-    that depends on the row alone), and most drafts accepted. Whatever this machine's
-    timings chose for calls of several rows: with plans that send them through a float32
-    GEMM (as CI's busy machine once timed them), the answers parted at the 35th token while
-    check rows took the plans of their row count."""
+    that depends on the row alone), and most drafts accepted. Both engines run the same
+    plans: this machine's timings (measured once, by the first), or plans that send every
+    call of more rows through a float32 GEMM (as CI's busy machine once timed them: the
+    answers parted at the 35th token while check rows took the plans of their row count).
+    Two engines timing the machine each for itself may choose differently (a prompt's
+    floats then differ before any draft is checked)."""
     from helexa.bench.speculative import code_edit_prompt
 
     msgs = [{"role": "user", "content": code_edit_prompt()}]
     params = SamplingParams(temperature=0, max_tokens=160)
-    args = dict(max_num_seqs=1, kv_cache_memory_mb=64, autotune=plans == "timed")
+    args = dict(max_num_seqs=1, kv_cache_memory_mb=64)
     try:
-        off = LLM(None, **args)
+        off = LLM(None, **args, autotune=plans == "timed")
     except FileNotFoundError:
         pytest.skip("the bundled SmolLM2 is not installed")
     with off:
         if plans != "timed":
             _gemm_past_one_row(off)
         (want,) = off.chat(msgs, params)
-    with LLM(None, **args, speculative_method="ngram") as spec:
-        if plans != "timed":
-            _gemm_past_one_row(spec)
+        measured = {name: (m.plans, m.exact_rows) for name, m in _block_linears(off)}
+    with LLM(None, **args, autotune=False, speculative_method="ngram") as spec:
+        for name, m in _block_linears(spec):
+            m.plans, m.exact_rows = measured[name]
         (got,) = spec.chat(msgs, params)
         sched = spec.engine.scheduler
     assert got.token_ids == want.token_ids
