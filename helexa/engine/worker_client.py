@@ -243,7 +243,7 @@ class WorkerClient:
         the deltas already on their way and ends with the worker's report, an
         `AbortedOutput` (in the worker's next step, however long it takes); a worker that
         falls silent meanwhile is faulted by the watchdog, and one that steps on without a
-        report ends it after ABORT_REPORT_STEP_TIMEOUTS step timeouts, without one. Its tokens then count every
+        report ends it after `abort_report_s`, without one. Its tokens then count every
         token the engine generated for it. No-op for a request that has ended or is being
         aborted; a request whose last delta crossed the abort ends with that delta."""
         if request_id not in self._streams or request_id in self._aborting:
@@ -252,8 +252,13 @@ class WorkerClient:
             return
         self._send(Abort(request_id))
         self._aborting[request_id] = asyncio.get_running_loop().call_later(
-            ABORT_REPORT_STEP_TIMEOUTS * self.step_timeout_s, self._no_report, request_id
+            self.abort_report_s, self._no_report, request_id
         )
+
+    @property
+    def abort_report_s(self) -> float:
+        """How long an aborted request waits for a stepping worker's report on it."""
+        return ABORT_REPORT_STEP_TIMEOUTS * self.step_timeout_s
 
     def _no_report(self, request_id: str) -> None:
         self._aborting.pop(request_id, None)
@@ -263,7 +268,7 @@ class WorkerClient:
                 "worker for %s: no report on aborted request %s within %gs",
                 self.model_id,
                 request_id,
-                ABORT_REPORT_STEP_TIMEOUTS * self.step_timeout_s,
+                self.abort_report_s,
             )
             stream.put_nowait(_NO_REPORT)
 

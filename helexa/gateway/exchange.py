@@ -309,17 +309,17 @@ class Exchanges:
         return NodeAnswer(route, resp.status, data, resp.headers)
 
     # -- after ---------------------------------------------------------------------------
-    def finish(self, ex: Exchange, status: int) -> asyncio.Future[Any] | None:
+    def finish(self, ex: Exchange, status: int) -> None:
         """The exchange is over: the router's count, the books (queued: the writer's next
         batch makes them durable, and nobody waits for it), the metrics, the log line.
         Idempotent: only the first call counts."""
         if ex.settled:
-            return None
+            return
         ex.settled = True
         if ex.route is not None:
             self.router.end(ex.route)
             self._observe(ex, ex.route, status)
-        (prompt, completion, _, _), future = self.accountant.close(ex, status)
+        (prompt, completion, _, _), _ = self.accountant.close(ex, status)
         record = ex.record
         if record is not None:
             record.prompt_tokens, record.completion_tokens = prompt, completion
@@ -327,7 +327,6 @@ class Exchanges:
             record.first_token = ex.tally.first_token
             record.node = ex.route.node.name if ex.route is not None else None
             record.release()
-        return future
 
     def abandon(self, ex: Exchange) -> None:
         """The request is over and its exchange was never settled (its handler raised, or
@@ -357,10 +356,8 @@ class Exchanges:
                 ex.node_usage = await self.upstream.exchange_usage(ex.route, ex.id)
         except Exception:
             log.exception("asking node what exchange %s used failed", ex.id)
-        except BaseException:
-            self.finish(ex, status)  # cancelled: settled on what arrived
-            raise
-        self.finish(ex, status)
+        finally:
+            self.finish(ex, status)  # cancelled too: settled on what arrived
 
     def _later(self, work: Coroutine[Any, Any, None]) -> None:
         task = asyncio.get_running_loop().create_task(work)

@@ -79,15 +79,13 @@ class Upstream:
         # a node silent this long while answering (a hung or stopped process) is cut
         self.timeout = aiohttp.ClientTimeout(total=None, sock_read=idle_timeout_s)
 
-    async def exchange_usage(
-        self, route: Route, exchange_id: str, ask_for_s: float = USAGE_ASK_FOR_S
-    ) -> dict[str, Any] | None:
+    async def exchange_usage(self, route: Route, exchange_id: str) -> dict[str, Any] | None:
         """What the node says an exchange used, once it has seen it end: asked again while
         it answers 409 (still running: its engine has not reported yet), for up to
-        `ask_for_s`; None when the node cannot say (gone, too old, or a node that predates
+        USAGE_ASK_FOR_S; None when the node cannot say (gone, too old, or a node that predates
         the endpoint)."""
         url = route.base_url + exchange_usage_path(exchange_id)
-        deadline = time.monotonic() + ask_for_s
+        deadline = time.monotonic() + USAGE_ASK_FOR_S
         while True:
             wait_s = max(0.0, min(USAGE_WAIT_S, deadline - time.monotonic()))
             try:

@@ -143,7 +143,6 @@ class Run:
             return
         gen, notes = self.gen, self.notes
         reasons = {c.finish_reason or "abort" for c in gen.choices}
-        notes["completion_tokens"] = sum(c.num_tokens for c in gen.choices)
         notes["finish_reason"] = ",".join(sorted(reasons))
         if gen.ttft_s is not None:
             notes["ttft_ms"] = gen.ttft_s * 1000
