@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal, Union, get_args, get_origin, get_type_hints
 from urllib.parse import urlsplit
 
+from helexa.protocol.wire import Price
 from helexa.sources.hub import HF_ALIASES, HubSource, hf_cache_dir, resolve_source
 
 
@@ -187,6 +188,10 @@ class NodeConfig(_Listens):
     # (env HELEXA_NODE_API_KEY). A node listening beyond loopback refuses to start without
     # one unless allow_unauthenticated is true.
     api_key: str | None = field(default=None, repr=False)
+    # A token that opens `GET /metrics` alone (env HELEXA_NODE_METRICS_TOKEN), for a
+    # Prometheus that must not hold the api_key that loads and unloads models; the api_key
+    # opens /metrics too. Needs api_key: without one /metrics is open anyway.
+    metrics_token: str | None = field(default=None, repr=False)
     allow_unauthenticated: bool = False
     gateway_secret: str | None = field(default=None, repr=False)  # deprecated: api_key
     # Where POST /models/load may read local models from; None: the hub cache and
@@ -356,10 +361,20 @@ class NodeEntry:
 
 @dataclass(slots=True)
 class Cost:
-    """USD per 1M tokens."""
+    """USD per 1M tokens: prompt tokens computed afresh (`input`), generated (`output`),
+    read from the node's prefix cache (`cache_read`) and computed and stored in it
+    (`cache_write`); each of the last two unset: the input price."""
 
     input: NonNegativeFloat = 0.0
     output: NonNegativeFloat = 0.0
+    cache_read: NonNegativeFloat | None = None
+    cache_write: NonNegativeFloat | None = None
+
+    def price(self) -> Price:
+        """The prices the books use, the cache's unset ones at the input price."""
+        read = self.input if self.cache_read is None else self.cache_read
+        write = self.input if self.cache_write is None else self.cache_write
+        return Price(self.input, self.output, read, write)
 
 
 @dataclass(slots=True)
@@ -581,6 +596,11 @@ def _resolve(cfg: Config, env: Mapping[str, str], path: Path | None) -> None:
 def _check(cfg: Config, problems: list[str], bad: set[str]) -> None:
     """Rules that span keys; each runs only when the sections it reads converted cleanly."""
     e, g = cfg.engine, cfg.gateway
+    if "node" not in bad and cfg.node.metrics_token and not cfg.node.api_key:
+        problems.append(
+            "[node] metrics_token: set without [node] api_key, which /metrics would otherwise "
+            "need; without one, every route, /metrics included, is open"
+        )
     if cfg.node.debug_fault not in (None, *DEBUG_FAULTS):
         problems.append(
             f"HELEXA_DEBUG_FAULT: {cfg.node.debug_fault!r} is not one of {', '.join(DEBUG_FAULTS)}"

@@ -18,6 +18,7 @@ from helexa.config import (
     SourceConfig,
     load_config,
 )
+from helexa.protocol.wire import Price
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "helexa.toml.example"
 
@@ -505,3 +506,17 @@ def test_engine_section_becomes_engine_args_with_overrides(tmp_path):
     path.write_text("[engine]\nblock_size = 32\nnum_threads = 4\n")
     args = EngineArgs.from_config(load_config(path, env={}).engine, "m", num_threads=2)
     assert (args.model, args.block_size, args.num_threads) == ("m", 32, 2)
+
+
+def test_a_metrics_token_comes_from_the_file_or_env_and_needs_an_api_key(tmp_path):
+    env = {"HELEXA_NODE_API_KEY": "k", "HELEXA_NODE_METRICS_TOKEN": "scrape-secret"}
+    cfg = load_config(env=env)
+    assert (cfg.node.api_key, cfg.node.metrics_token) == ("k", "scrape-secret")
+    assert "scrape-secret" not in repr(cfg.node)  # a secret, like the api_key
+    text = '[node]\nmetrics_token = "m"\n'
+    assert "metrics_token: set without [node] api_key" in problems_of(text, tmp_path)
+
+
+def test_cache_prices_default_to_the_input_price():
+    assert Cost(input=2.0, output=8.0).price() == Price(2.0, 8.0, 2.0, 2.0)
+    assert Cost(input=2.0, cache_read=0.2, cache_write=0.0).price() == Price(2.0, 0.0, 0.2, 0.0)

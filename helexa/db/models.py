@@ -82,7 +82,7 @@ class Budget(Base):
     key: Mapped[ApiKey] = relationship(back_populates="budget")
 
 
-_SUMS = ("prompt_tokens", "completion_tokens", "cost_usd")
+_SUMS = ("prompt_tokens", "completion_tokens", "cached_tokens", "cost_usd")
 
 
 class SpendRecord(Base):
@@ -106,7 +106,8 @@ class SpendRecord(Base):
     node: Mapped[str | None] = mapped_column(String(200))
     prompt_tokens: Mapped[int] = mapped_column(Integer, default=0)
     completion_tokens: Mapped[int] = mapped_column(Integer, default=0)
-    cached_tokens: Mapped[int] = mapped_column(Integer, default=0)
+    cached_tokens: Mapped[int] = mapped_column(Integer, default=0)  # read from the cache
+    cache_write_tokens: Mapped[int] = mapped_column(Integer, default=0)  # stored in it
     reasoning_tokens: Mapped[int] = mapped_column(Integer, default=0)
     cost_usd: Mapped[float] = mapped_column(Float, default=0.0)
     status: Mapped[int] = mapped_column(Integer)
@@ -183,6 +184,9 @@ class CatalogueModel(Base):
     pinned_on: Mapped[list[str]] = mapped_column(JSON, default=list)
     cost_input: Mapped[float] = mapped_column(Float, default=0.0)  # USD per 1M tokens
     cost_output: Mapped[float] = mapped_column(Float, default=0.0)
+    # prompt tokens read from / stored in the node's prefix cache; NULL: the input price
+    cost_cache_read: Mapped[float | None] = mapped_column(Float)
+    cost_cache_write: Mapped[float | None] = mapped_column(Float)
     # the node's `POST /models/load` speculative options; NULL: the node's [engine] setting
     speculative_method: Mapped[str | None] = mapped_column(String(20))
     speculative_model: Mapped[str | None] = mapped_column(String(500))

@@ -49,6 +49,8 @@ def row_of(m: ModelEntry) -> CatalogueModel:
         pinned_on=list(m.pinned_on),
         cost_input=m.cost.input,
         cost_output=m.cost.output,
+        cost_cache_read=m.cost.cache_read,
+        cost_cache_write=m.cost.cache_write,
         speculative_method=m.speculative_method,
         speculative_model=m.speculative_model,
         num_speculative_tokens=m.num_speculative_tokens,
@@ -69,7 +71,12 @@ def entry_of(row: CatalogueModel) -> ModelEntry:
         min_devices=row.min_devices,
         min_device_vram_mb=row.min_device_vram_mb,
         pinned_on=list(row.pinned_on or []),
-        cost=Cost(input=row.cost_input, output=row.cost_output),
+        cost=Cost(
+            input=row.cost_input,
+            output=row.cost_output,
+            cache_read=row.cost_cache_read,
+            cache_write=row.cost_cache_write,
+        ),
         speculative_method=row.speculative_method,  # type: ignore[arg-type]  # as dtype
         speculative_model=row.speculative_model,
         num_speculative_tokens=row.num_speculative_tokens,

@@ -163,6 +163,7 @@ class Scheduler:
                 break
             if seq.num_output_tokens == 0:
                 seq.num_cached_tokens = cached
+                seq.num_cache_written_tokens = self._cache_written(seq, cached)
             bm.allocate(seq, seq.num_computed_tokens + n)
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
@@ -279,6 +280,20 @@ class Scheduler:
         if at is not None and seq.num_computed_tokens < at:
             return min(n, at - seq.num_computed_tokens)
         return n
+
+    def _cache_written(self, seq: Sequence, cached: int) -> int:
+        """The prompt tokens past `cached` that computing `seq` stores for later requests to
+        reuse: its full blocks (their hashes join the prefix index once computed); for a
+        hybrid model, the tokens up to its snapshot, if it takes one (only a snapshot
+        resumes a recurrent state); 0 with prefix caching off."""
+        bm = self.block_manager
+        if not bm.enable_prefix_caching:
+            return 0
+        if self.state_manager is not None:
+            at = seq.snapshot_at
+            return at - cached if at is not None else 0
+        full = seq.num_prompt_tokens // bm.block_size * bm.block_size
+        return max(0, full - cached)
 
     def _maybe_snapshot(self, batch: ScheduledBatch, seq: Sequence, n: int) -> None:
         """Reserve a snapshot when this step computes `seq` up to its boundary."""

@@ -46,6 +46,8 @@ class RequestOutput:
     stop_reason: str | int | None = None  # the stop string or stop token id that matched
     logprobs: list[TokenLogprob] | None = None
     num_cached_tokens: int = 0
+    # of the prompt, computed and stored in the prefix cache for later requests to reuse
+    num_cache_written_tokens: int = 0
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -79,6 +81,7 @@ class Sequence:
         self.status = SequenceStatus.WAITING
         self.num_computed_tokens = 0  # tokens whose KV is in the cache
         self.num_cached_tokens = 0  # of the prompt, reused from the prefix cache
+        self.num_cache_written_tokens = 0  # of the prompt, stored there for later reuse
         self.block_table: list[int] = []
         # Hybrid models: the row of the recurrent-state pools this sequence holds (-1: none),
         # and the prompt position to snapshot that state at for the prefix cache (None: none).
@@ -231,6 +234,7 @@ class Sequence:
             stop_reason=self.stop_reason,
             logprobs=lps,
             num_cached_tokens=self.num_cached_tokens,
+            num_cache_written_tokens=self.num_cache_written_tokens,
         )
 
     def to_output(self) -> RequestOutput:
@@ -245,4 +249,5 @@ class Sequence:
             stop_reason=self.stop_reason,
             logprobs=self.logprobs,
             num_cached_tokens=self.num_cached_tokens,
+            num_cache_written_tokens=self.num_cache_written_tokens,
         )

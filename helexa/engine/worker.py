@@ -125,6 +125,7 @@ class Delta(msgspec.Struct, array_like=True):
     # only in the last delta of an aborted request: the prompt tokens whose KV the engine
     # had (computed, or reused from the prefix cache); None in every other delta
     num_computed_prompt_tokens: int | None = None
+    num_cache_written_tokens: int = 0  # of the prompt, stored in the prefix cache
 
 
 class Failed(msgspec.Struct, array_like=True):
@@ -462,6 +463,7 @@ class Worker:
                     out.stop_reason,
                     out.logprobs,
                     out.num_cached_tokens,
+                    num_cache_written_tokens=out.num_cache_written_tokens,
                 )
             )
 
@@ -501,6 +503,7 @@ def aborted_delta(seq: Sequence) -> Delta:
         None,
         seq.num_cached_tokens,
         computed_prompt_tokens(seq),
+        seq.num_cache_written_tokens,
     )
 
 

@@ -403,6 +403,7 @@ def _output(delta: Delta, prompt_ids: list[int]) -> RequestOutput:
         delta.stop_reason,
         delta.logprobs,
         delta.num_cached_tokens,
+        delta.num_cache_written_tokens,
     )
     if delta.num_computed_prompt_tokens is not None:  # an aborted request's report
         return AbortedOutput(*fields, delta.num_computed_prompt_tokens)

@@ -22,7 +22,7 @@ from helexa.gateway.ledger import Ledger
 from helexa.gateway.metrics import GatewayMetrics
 from helexa.gateway.request_log import RequestRecord
 from helexa.gateway.router import Route
-from helexa.protocol.wire import SSEReader, cost_usd
+from helexa.protocol.wire import Price, SSEReader
 
 _decode = msgspec.json.Decoder().decode
 # Responses API events whose `delta` is generated text (answer, reasoning, call arguments)
@@ -163,7 +163,7 @@ class Exchange:
     route: Route | None = None  # once a node took it
     reservation: Reservation | None = None
     prompt_estimate: int = 0
-    price: tuple[float, float] = (0.0, 0.0)  # USD per 1M input, output tokens
+    price: Price = field(default_factory=Price)  # the catalogue's, USD per 1M tokens
     started: float = field(default_factory=time.monotonic)
     tally: Tally = field(default_factory=Tally)
     record: RequestRecord | None = None  # the request's log line, held open until settled
@@ -174,9 +174,14 @@ class Exchange:
     settled: bool = False
 
 
-def usage_counts(usage: dict[str, Any]) -> tuple[int, int, int, int]:
-    """(prompt, completion, cached, reasoning) tokens of a chat/completions usage object or
-    of a Responses one (`input_tokens`, `output_tokens`, `*_details`)."""
+Counts = tuple[int, int, int, int, int]  # prompt, completion, cached, cache-written, reasoning
+
+
+def usage_counts(usage: dict[str, Any]) -> Counts:
+    """(prompt, completion, cached, cache-written, reasoning) tokens of a chat/completions
+    usage object or of a Responses one (`input_tokens`, `output_tokens`, `*_details`);
+    `cache_write_tokens` (OpenRouter's name) counts the prompt tokens the node stored in its
+    prefix cache."""
 
     def num(obj: Any, key: str) -> int | None:
         value = obj.get(key) if isinstance(obj, dict) else None
@@ -187,16 +192,17 @@ def usage_counts(usage: dict[str, Any]) -> tuple[int, int, int, int]:
 
     prompt_details = usage.get("prompt_tokens_details") or usage.get("input_tokens_details")
     output_details = usage.get("completion_tokens_details") or usage.get("output_tokens_details")
-    return (
+    return (  # the details at the top level: the node's exchange usage (a cut answer's)
         first(num(usage, "prompt_tokens"), num(usage, "input_tokens")),
         first(num(usage, "completion_tokens"), num(usage, "output_tokens")),
-        first(num(prompt_details, "cached_tokens")),
-        first(num(output_details, "reasoning_tokens")),
+        first(num(prompt_details, "cached_tokens"), num(usage, "cached_tokens")),
+        first(num(prompt_details, "cache_write_tokens"), num(usage, "cache_write_tokens")),
+        first(num(output_details, "reasoning_tokens"), num(usage, "reasoning_tokens")),
     )
 
 
-def settled_counts(ex: Exchange) -> tuple[int, int, int, int]:
-    """(prompt, completion, cached, reasoning) tokens to settle: the node's usage of its
+def settled_counts(ex: Exchange) -> Counts:
+    """(prompt, completion, cached, cache-written, reasoning) tokens to settle: the node's usage of its
     answer; for an answer cut before it, what the node said the exchange used (its engine's
     count after its last word on the request: the tokens the client never got included),
     never fewer completion tokens than generated-text events arrived; only where the node
@@ -205,11 +211,11 @@ def settled_counts(ex: Exchange) -> tuple[int, int, int, int]:
     if usage:
         return usage_counts(usage)
     if ex.node_usage:  # never believed below what arrived (each text event is a token)
-        prompt, completion, cached, reasoning = usage_counts(ex.node_usage)
-        return prompt, max(completion, ex.tally.text_events), cached, reasoning
+        prompt, completion, cached, written, reasoning = usage_counts(ex.node_usage)
+        return prompt, max(completion, ex.tally.text_events), cached, written, reasoning
     if ex.cut and ex.tally.first_byte is not None:  # cut, the node silent: count what came
-        return ex.prompt_estimate, ex.tally.text_events, 0, 0
-    return 0, 0, 0, 0  # never ran
+        return ex.prompt_estimate, ex.tally.text_events, 0, 0, 0
+    return 0, 0, 0, 0, 0  # never ran
 
 
 class Accountant:
@@ -218,7 +224,7 @@ class Accountant:
         self.ledger = ledger
         self.metrics = metrics
 
-    def close(self, ex: Exchange, status: int) -> tuple[tuple[int, int, int, int], Any]:
+    def close(self, ex: Exchange, status: int) -> tuple[Counts, Any]:
         """Queue the exchange's settlement (its reservation replaced by its ledger row) and
         count its spend; returns the counts settled (as `settled_counts`) and the op's
         future, answered once the row is durable. An exchange on which no model ran (every
@@ -237,7 +243,7 @@ class Accountant:
             return counts, self.ledger.submit(
                 self.budgets.release_op(ex.reservation), keep=True, lock=lock
             )
-        prompt, completion, cached, reasoning = counts
+        prompt, completion, cached, written, reasoning = counts
         tally = ex.tally
         row = dict(
             account_id=key.account_id if key else None,
@@ -247,8 +253,9 @@ class Accountant:
             prompt_tokens=prompt,
             completion_tokens=completion,
             cached_tokens=cached,
+            cache_write_tokens=written,
             reasoning_tokens=reasoning,
-            cost_usd=cost_usd(prompt, completion, *ex.price),
+            cost_usd=ex.price.cost(prompt, completion, cached, written),
             status=status,
             finish_reason=tally.finish_reason,
             ttft_ms=(tally.first_token - ex.started) * 1000 if tally.first_token else None,

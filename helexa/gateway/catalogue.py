@@ -21,7 +21,13 @@ def model_list(router: Router, created: int) -> list[dict[str, Any]]:
         ]
         card = _card(model_id, node_id, fleet.nodes.values(), created)
         card["feasible_on"] = feasible
-        card["cost"] = {"input": entry.cost.input, "output": entry.cost.output}
+        price = entry.cost.price()  # USD per 1M tokens, the cache's unset ones at input's
+        card["cost"] = {
+            "input": price.input,
+            "output": price.output,
+            "cache_read": price.cache_read,
+            "cache_write": price.cache_write,
+        }
         card["pinned_on"] = list(entry.pinned_on)
         entries[model_id] = card
     for node in fleet.up():

@@ -33,9 +33,14 @@ def _int(params: Mapping[str, str], name: str, *, minimum: int = 1) -> int | Non
 
 
 def _price(params: Mapping[str, str], name: str) -> float:
+    return _price_or_none(params, name) or 0.0
+
+
+def _price_or_none(params: Mapping[str, str], name: str) -> float | None:
+    """A price a person typed; None when blank."""
     text = (params.get(name) or "").strip()
     if not text:
-        return 0.0
+        return None
     try:
         value = float(text)
     except ValueError:
@@ -116,6 +121,8 @@ def entry_from_form(
         raise ValueError(problem)
     entry.cost.input = _price(params, "cost_input")
     entry.cost.output = _price(params, "cost_output")
+    entry.cost.cache_read = _price_or_none(params, "cost_cache_read")  # blank: input's
+    entry.cost.cache_write = _price_or_none(params, "cost_cache_write")
     return entry
 
 

@@ -34,6 +34,7 @@ from helexa.protocol.wire import (
     EXCHANGE_HEADER,
     KEY_HEADER,
     VIA_HEADER,
+    Price,
     SpendBudget,
     sse_data,
     sse_event,
@@ -144,7 +145,7 @@ class Exchanges:
         _note_model(record, concrete)  # the ledger's name for it, not an alias
         ex = Exchange(concrete, principal)
         entry = self.router.catalogue.get(concrete)
-        ex.price = (entry.cost.input, entry.cost.output) if entry else (0.0, 0.0)
+        ex.price = entry.cost.price() if entry else Price()
         rewrite = routes[0].model_id != model  # an alias, or a catalogue id known by source
         body["model"] = routes[0].model_id
         if principal.key is not None and principal.key.budget is not None:
@@ -156,7 +157,7 @@ class Exchanges:
         headers[EXCHANGE_HEADER] = ex.id  # the node keeps its usage under it, for a cut
         if ex.reservation is not None:  # the node enforces it against the real prompt length
             res = ex.reservation
-            headers[BUDGET_HEADER] = SpendBudget(res.tokens, res.cost, *ex.price).header()
+            headers[BUDGET_HEADER] = SpendBudget(res.tokens, res.cost, *ex.price.bound).header()
         ex.record = record
         if record is not None:
             record.hold()  # the exchange settles it (however it ends)
@@ -228,7 +229,7 @@ class Exchanges:
             requested = min(requested, max(1, limit["context"] - ex.prompt_estimate))
         choices = 1 if path == RESPONSES_PATH else _choices(body.get("n"))
         ex.reservation = await self.budgets.reserve(
-            key, ex.model, ex.prompt_estimate, requested, ex.price, choices
+            key, ex.model, ex.prompt_estimate, requested, ex.price.bound, choices
         )
         if ex.reservation is not None:
             for name in names:
@@ -319,7 +320,7 @@ class Exchanges:
         if ex.route is not None:
             self.router.end(ex.route)
             self._observe(ex, ex.route, status)
-        (prompt, completion, _, _), _ = self.accountant.close(ex, status)
+        (prompt, completion, *_), _ = self.accountant.close(ex, status)
         record = ex.record
         if record is not None:
             record.prompt_tokens, record.completion_tokens = prompt, completion
@@ -377,7 +378,7 @@ class Exchanges:
         usage = ex.tally.usage
         if not usage or status != 200:
             return
-        prompt, completion, _, _ = usage_counts(usage)
+        prompt, completion, *_ = usage_counts(usage)
         m.prompt_tokens.labels(*labels).inc(prompt)
         m.completion_tokens.labels(*labels).inc(completion)
         window = (tally.last_byte or 0) - (tally.first_byte or 0)

@@ -206,7 +206,7 @@ class KeyStore:
         since: datetime | None = None,
     ) -> builtins.list[dict]:
         """Ledger totals per (key_id, account_id, model): requests, prompt_tokens,
-        completion_tokens, cost_usd. Anonymous requests have key_id None."""
+        cached_tokens, completion_tokens, cost_usd. Anonymous requests have key_id None."""
         r = SpendRecord
         q = select(
             r.key_id,
@@ -214,6 +214,7 @@ class KeyStore:
             r.model,
             func.count().label("requests"),
             func.coalesce(func.sum(r.prompt_tokens), 0).label("prompt_tokens"),
+            func.coalesce(func.sum(r.cached_tokens), 0).label("cached_tokens"),
             func.coalesce(func.sum(r.completion_tokens), 0).label("completion_tokens"),
             func.coalesce(func.sum(r.cost_usd), 0.0).label("cost_usd"),
         ).group_by(r.key_id, r.account_id, r.model)

@@ -111,6 +111,8 @@ class LedgerRow:
     node: str | None
     prompt_tokens: int
     completion_tokens: int
+    cached_tokens: int  # of the prompt, read from the node's prefix cache
+    cache_write_tokens: int  # of the prompt, stored in it
     cost_usd: float
     status: int
     ttft_ms: float | None
@@ -133,6 +135,8 @@ _COLUMNS = (
     SpendRecord.node,
     SpendRecord.prompt_tokens,
     SpendRecord.completion_tokens,
+    SpendRecord.cached_tokens,
+    SpendRecord.cache_write_tokens,
     SpendRecord.cost_usd,
     SpendRecord.status,
     SpendRecord.ttft_ms,
@@ -182,6 +186,7 @@ class Totals:
     requests: int
     prompt_tokens: int
     completion_tokens: int
+    cached_tokens: int  # of the prompt tokens, read from the prefix cache
     cost_usd: float
 
     @property
@@ -196,13 +201,14 @@ def _sums(*columns) -> Select:
         func.count().label("requests"),
         func.coalesce(func.sum(r.prompt_tokens), 0),
         func.coalesce(func.sum(r.completion_tokens), 0),
+        func.coalesce(func.sum(r.cached_tokens), 0),
         func.coalesce(func.sum(r.cost_usd), 0.0),
     )
 
 
 def grand_total(s: Session, f: SpendFilter) -> Totals:
-    n, prompt, completion, cost = s.execute(f.apply(_sums())).one()
-    return Totals(None, int(n), int(prompt), int(completion), float(cost))
+    n, prompt, completion, cached, cost = s.execute(f.apply(_sums())).one()
+    return Totals(None, int(n), int(prompt), int(completion), int(cached), float(cost))
 
 
 def add_up(rows: Iterable[Totals]) -> Totals:
@@ -213,6 +219,7 @@ def add_up(rows: Iterable[Totals]) -> Totals:
         sum(t.requests for t in rows),
         sum(t.prompt_tokens for t in rows),
         sum(t.completion_tokens for t in rows),
+        sum(t.cached_tokens for t in rows),
         sum(t.cost_usd for t in rows),
     )
 
@@ -226,8 +233,8 @@ def totals_by(s: Session, f: SpendFilter, by: str, top: int | None = TOP_N) -> l
     q = f.apply(_sums(column)).group_by(column)
     q = q.order_by(func.sum(SpendRecord.cost_usd).desc(), tokens.desc(), column).limit(top)
     return [
-        Totals(name, int(n), int(prompt), int(completion), float(cost))
-        for name, n, prompt, completion, cost in s.execute(q)
+        Totals(name, int(n), int(prompt), int(completion), int(cached), float(cost))
+        for name, n, prompt, completion, cached, cost in s.execute(q)
     ]
 
 

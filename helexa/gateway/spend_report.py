@@ -7,6 +7,8 @@ from datetime import UTC, datetime, timedelta
 
 from helexa.gateway.keys import format_table
 
+# the counted columns, in the table's order (cached: prompt tokens read from the cache)
+COUNTS = ("requests", "prompt_tokens", "cached_tokens", "completion_tokens")
 UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
 
 
@@ -33,23 +35,20 @@ def per_key(rows: list[dict]) -> list[dict]:
         t = totals.setdefault(
             (r["key_id"], r["account_id"]),
             {"key_id": r["key_id"], "account_id": r["account_id"], "models": []}
-            | dict.fromkeys(("requests", "prompt_tokens", "completion_tokens"), 0)
+            | dict.fromkeys(COUNTS, 0)
             | {"cost_usd": 0.0},
         )
         t["models"].append(r["model"])
-        for field in ("requests", "prompt_tokens", "completion_tokens", "cost_usd"):
-            t[field] += r[field]
+        for field in (*COUNTS, "cost_usd"):
+            t[field] += r.get(field, 0)
     return list(totals.values())
 
 
 def format_spend(rows: list[dict]) -> str:
     """One line per key (anonymous requests as `(anonymous)`), then the grand total."""
     keys = per_key(rows)
-    header = ("KEY", "ACCOUNT", "REQUESTS", "PROMPT", "COMPLETION", "COST_USD", "MODELS")
-    total = {
-        f: sum(k[f] for k in keys)
-        for f in ("requests", "prompt_tokens", "completion_tokens", "cost_usd")
-    }
+    header = ("KEY", "ACCOUNT", "REQUESTS", "PROMPT", "CACHED", "COMPLETION", "COST_USD", "MODELS")
+    total = {f: sum(k[f] for k in keys) for f in (*COUNTS, "cost_usd")}
     lines = [header]
     for k in keys:
         lines.append(
@@ -65,5 +64,4 @@ def format_spend(rows: list[dict]) -> str:
 
 
 def _numbers(t: dict) -> tuple[str, ...]:
-    cost = f"{t['cost_usd']:.6f}"
-    return str(t["requests"]), str(t["prompt_tokens"]), str(t["completion_tokens"]), cost
+    return (*(str(t[f]) for f in COUNTS), f"{t['cost_usd']:.6f}")

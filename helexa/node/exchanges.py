@@ -32,7 +32,8 @@ class Usage:
 
     prompt_tokens: int = 0
     completion_tokens: int = 0
-    cached_tokens: int = 0
+    cached_tokens: int = 0  # read from the prefix cache
+    cache_write_tokens: int = 0  # computed and stored in it for later requests
     reasoning_tokens: int = 0
 
     def to_dict(self) -> dict[str, int]:
@@ -41,6 +42,7 @@ class Usage:
             "completion_tokens": self.completion_tokens,
             "total_tokens": self.prompt_tokens + self.completion_tokens,
             "cached_tokens": self.cached_tokens,
+            "cache_write_tokens": self.cache_write_tokens,
             "reasoning_tokens": self.reasoning_tokens,
         }
 

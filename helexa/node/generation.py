@@ -193,6 +193,7 @@ class Generation:
             given = req.prompt
             self.echo_text = given if isinstance(given, str) else served.tokenizer.decode(given)
         self.num_cached_tokens = 0
+        self.num_cache_written_tokens = 0  # of the prompt, stored in the prefix cache
         # of a request cut before its first token: the prompt tokens its engine had computed
         self.num_prompt_computed = 0
         self._params = choice_params(req)
@@ -306,6 +307,9 @@ class Generation:
             ):
                 c.num_tokens += len(out.token_ids)
                 self.num_cached_tokens = max(self.num_cached_tokens, out.num_cached_tokens)
+                self.num_cache_written_tokens = max(
+                    self.num_cache_written_tokens, out.num_cache_written_tokens
+                )
                 if isinstance(out, AbortedOutput):
                     self.num_prompt_computed = max(
                         self.num_prompt_computed, out.num_computed_prompt_tokens
@@ -405,7 +409,11 @@ class Generation:
             "prompt_tokens": prompt,
             "completion_tokens": completion,
             "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": self.num_cached_tokens},
+            # cache_write_tokens: OpenRouter's name for prompt tokens stored for reuse
+            "prompt_tokens_details": {
+                "cached_tokens": self.num_cached_tokens,
+                "cache_write_tokens": self.num_cache_written_tokens,
+            },
             "completion_tokens_details": {"reasoning_tokens": self.num_reasoning_tokens},
         }
 
@@ -439,6 +447,7 @@ class Generation:
             prompt_tokens=self.num_prompt_spent,
             completion_tokens=sum(c.num_tokens for c in self.choices),
             cached_tokens=self.num_cached_tokens,
+            cache_write_tokens=self.num_cache_written_tokens,
             reasoning_tokens=self.num_reasoning_tokens,
         )
 

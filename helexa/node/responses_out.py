@@ -59,7 +59,7 @@ class ResponsesView(OneBlockOpen[dict[str, Any]]):
         u = self.gen.usage
         return {
             "input_tokens": u["prompt_tokens"],
-            "input_tokens_details": {"cached_tokens": u["prompt_tokens_details"]["cached_tokens"]},
+            "input_tokens_details": dict(u["prompt_tokens_details"]),
             "output_tokens": u["completion_tokens"],
             "output_tokens_details": {
                 "reasoning_tokens": u["completion_tokens_details"]["reasoning_tokens"]

@@ -105,16 +105,19 @@ def stop_reason(
 
 
 def usage(u: object) -> dict[str, int]:
-    """Anthropic usage from OpenAI usage: cached prompt tokens are counted apart, as
-    Anthropic's input_tokens excludes them."""
+    """Anthropic usage from OpenAI usage: the prompt tokens read from the prefix cache
+    (`cached_tokens`) and those stored in it (`cache_write_tokens`) are counted apart, as
+    Anthropic's input_tokens excludes both."""
     u = u if isinstance(u, dict) else {}
     prompt = _count(u.get("prompt_tokens"))
-    cached = _count(_dict(u.get("prompt_tokens_details")).get("cached_tokens"))
+    details = _dict(u.get("prompt_tokens_details"))
+    cached = min(prompt, _count(details.get("cached_tokens")))
+    written = min(prompt - cached, _count(details.get("cache_write_tokens")))
     return {
-        "input_tokens": max(0, prompt - cached),
+        "input_tokens": prompt - cached - written,
         "output_tokens": _count(u.get("completion_tokens")),
         "cache_read_input_tokens": cached,
-        "cache_creation_input_tokens": 0,
+        "cache_creation_input_tokens": written,
     }
 
 

@@ -65,6 +65,40 @@ def cost_usd(
     return (prompt_tokens * in_price + completion_tokens * out_price) / 1e6
 
 
+@dataclass(slots=True, frozen=True)
+class Price:
+    """A model's prices, USD per 1M tokens: prompt tokens computed afresh (`input`),
+    generated (`output`), read from the prefix cache (`cache_read`) and computed and stored
+    there for later requests (`cache_write`)."""
+
+    input: float = 0.0
+    output: float = 0.0
+    cache_read: float = 0.0
+    cache_write: float = 0.0
+
+    def cost(
+        self, prompt_tokens: int, completion_tokens: int, cached: int = 0, cache_written: int = 0
+    ) -> float:
+        """What a request's tokens cost: of its prompt, `cached` read from the cache and
+        `cache_written` stored in it, the rest at the input price."""
+        cached = min(cached, prompt_tokens)
+        cache_written = min(cache_written, prompt_tokens - cached)
+        fresh = prompt_tokens - cached - cache_written
+        return (
+            fresh * self.input
+            + cached * self.cache_read
+            + cache_written * self.cache_write
+            + completion_tokens * self.output
+        ) / 1e6
+
+    @property
+    def bound(self) -> tuple[float, float]:
+        """(prompt, output) prices a budget reserves at before the node says what it
+        cached: each prompt token at the dearest of its three prices, so a reservation is
+        never below what the request is booked at."""
+        return max(self.input, self.cache_read, self.cache_write), self.output
+
+
 def output_room(
     prompt_tokens: int,
     tokens_left: int | None,

@@ -2,7 +2,8 @@
 
 - Authentication: with `[node] api_key` set, every route but `GET /health` and the API
   document (`/openapi.json`, `/docs`) needs `Authorization: Bearer <api_key>` (compared in
-  constant time); anything else is a 401.
+  constant time); anything else is a 401. `[node] metrics_token`, where set, opens
+  `GET /metrics` alone: a Prometheus scrapes without the key that loads models.
 - Trust: whether the gateway's `x-helexa-*` headers on this request may be believed
   (`scope["state"]["trusted"]`): with an api_key, only requests that carry it get this
   far; without one, only loopback peers are believed.
@@ -30,6 +31,7 @@ from helexa.web.openapi import DOCUMENT_ROUTES
 log = logging.getLogger("helexa.node.requests")
 # /health, and the API document with its page (see helexa/web/openapi.py)
 _OPEN = {(method, path) for method in ("GET", "HEAD") for path in ("/health", *DOCUMENT_ROUTES)}
+_SCRAPE = {("GET", "/metrics"), ("HEAD", "/metrics")}  # what a metrics_token opens
 _REQUEST_ID, _SECRET = REQUEST_ID_HEADER.encode(), SECRET_HEADER.encode()
 
 
@@ -39,6 +41,7 @@ class NodeGuard:
     def __init__(self, app: ASGIApp, node: NodeConfig) -> None:
         self.app = app
         self.api_key = node.api_key
+        self.metrics_token = node.metrics_token
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -91,10 +94,13 @@ class NodeGuard:
             if message["type"] == "http.response.body" and not message.get("more_body"):
                 finish()
 
+        trusted = bool(self.api_key) or is_loopback(peer)
         if self.api_key and (method, path) not in _OPEN:
             given = bearer_token(scope_header(scope, b"authorization"))
             given = given or scope_header(scope, _SECRET)  # the deprecated header
-            if not key_matches(given, self.api_key):
+            if self._scrapes(method, path, given):
+                trusted = False  # a scraper, not the gateway
+            elif not key_matches(given, self.api_key):
                 await _unauthorized(
                     send_with_id,
                     "Authorization: Bearer <api_key> required"
@@ -102,11 +108,16 @@ class NodeGuard:
                     else "Invalid API key",
                 )
                 return
-        state["trusted"] = bool(self.api_key) or is_loopback(peer)
+        state["trusted"] = trusted
         try:
             await self.app(scope, receive, send_with_id)
         finally:
             finish()
+
+    def _scrapes(self, method: str, path: str, given: str | None) -> bool:
+        """Whether `given` is the metrics token and this request a scrape."""
+        token = self.metrics_token
+        return token is not None and (method, path) in _SCRAPE and key_matches(given, token)
 
 
 async def _unauthorized(send: Send, message: str) -> None:

@@ -93,6 +93,28 @@ def test_a_repeated_prompt_prefix_reuses_cached_blocks():
     assert (bm.num_prefix_queries, bm.num_prefix_hits) == (20, 8)
 
 
+def test_a_prompt_counts_what_it_read_from_the_cache_and_what_it_stored_there():
+    """What prompt-cache pricing bills: of each prompt, the tokens read from the prefix
+    cache and those of its full blocks computed and stored for later requests."""
+    bm = BlockManager(num_blocks=16, block_size=4)
+    sched = Scheduler(SchedulerConfig(), bm)
+    first = seq(10, max_tokens=1)
+    sched.add(first)
+    run_step(sched)
+    assert (first.num_cached_tokens, first.num_cache_written_tokens) == (0, 8)
+    longer = seq(15, max_tokens=1)  # the first's 10 tokens, then 5 more
+    sched.add(longer)
+    run_step(sched)
+    assert (longer.num_cached_tokens, longer.num_cache_written_tokens) == (8, 4)
+    out = longer.to_output()
+    assert (out.num_cached_tokens, out.num_cache_written_tokens) == (8, 4)
+    off = Scheduler(SchedulerConfig(), BlockManager(16, 4, enable_prefix_caching=False))
+    for s in (seq(10, max_tokens=1), seq(10, max_tokens=1)):
+        off.add(s)
+        run_step(off)
+        assert (s.num_cached_tokens, s.num_cache_written_tokens) == (0, 0)
+
+
 def test_a_cached_block_is_evicted_only_when_its_memory_is_needed():
     bm = BlockManager(num_blocks=3, block_size=4)
     sched = Scheduler(SchedulerConfig(), bm)

@@ -410,7 +410,9 @@ def test_a_budgeted_key_is_metered_and_capped_like_on_the_openai_routes(gw, scri
     assert {r.model for r in rows} == {scripted_id}
     for row, msg in zip(rows, (whole, streamed), strict=True):
         u = msg.usage
-        assert row.prompt_tokens == u.input_tokens + u.cache_read_input_tokens
+        cached, written = u.cache_read_input_tokens, u.cache_creation_input_tokens
+        assert row.prompt_tokens == u.input_tokens + cached + written
+        assert (row.cached_tokens, row.cache_write_tokens) == (cached, written)
         assert row.completion_tokens == u.output_tokens
         assert row.cost_usd > 0  # the catalogue's prices applied
     metrics = httpx.get(gw.metrics_url + "/metrics", timeout=10).text

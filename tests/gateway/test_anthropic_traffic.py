@@ -72,8 +72,10 @@ def test_a_claude_code_request_is_answered_as_it_was_sent(gw, capture: Path):
         assert message["stop_reason"] == "end_turn"
     assert message["model"] == record["body"]["model"]
     usage = message["usage"]
-    # the system prompt and tools counted, in full or from the node's prefix cache
-    prompt = usage["input_tokens"] + usage["cache_read_input_tokens"]
+    # the system prompt and tools counted, in full, from the node's prefix cache or into it
+    prompt = sum(
+        usage[k] for k in ("input_tokens", "cache_read_input_tokens", "cache_creation_input_tokens")
+    )
     assert prompt > (2000 if record["body"].get("tools") else 100)
     assert message["usage"]["output_tokens"] > 0
 

@@ -29,7 +29,7 @@ from helexa.gateway.ledger import Ledger
 from helexa.gateway.metrics import GatewayMetrics
 from helexa.gateway.request_log import RequestRecord
 from helexa.gateway.service import Gateway, build_gateway
-from helexa.protocol.wire import cost_usd, sse_data, sse_event
+from helexa.protocol.wire import Price, cost_usd, sse_data, sse_event
 from tests.web.node_proc import free_port
 
 REPO = Path(__file__).resolve().parents[2]
@@ -355,12 +355,12 @@ def _close_cut(sessions, ex: Exchange) -> tuple[tuple[int, int, int, int], Spend
 def test_a_cut_stream_the_node_cannot_account_for_is_booked_from_its_estimate_and_events(
     sessions,
 ):
-    ex = Exchange(MODEL, prompt_estimate=40, price=(IN_PRICE, OUT_PRICE), cut=True)
+    ex = Exchange(MODEL, prompt_estimate=40, price=Price(IN_PRICE, OUT_PRICE), cut=True)
     stream = chunk(content="one") + chunk(reasoning_content="two") + chunk(content="thr")
     fed(ex.tally, stream[:-3], sizes=10)  # the client left mid-event
 
     counts, row = _close_cut(sessions, ex)
-    assert counts == (40, 2, 0, 0)
+    assert counts == (40, 2, 0, 0, 0)
     assert (row.prompt_tokens, row.completion_tokens, row.finish_reason) == (40, 2, None)
     assert (row.status, row.cost_usd) == (499, pytest.approx(cost_usd(40, 2, IN_PRICE, OUT_PRICE)))
 
@@ -372,12 +372,12 @@ def test_a_cut_stream_is_booked_from_what_the_node_says_it_generated_never_below
     fed(ex.tally, chunk(content="a") + chunk(content="b") + chunk(content="c"), sizes=7)
     # held back in the node's detokenizer, or generated after the client left: more
     ex.node_usage = {"prompt_tokens": 31, "completion_tokens": 9, "total_tokens": 40}
-    assert _close_cut(sessions, ex)[0] == (31, 9, 0, 0)
+    assert _close_cut(sessions, ex)[0] == (31, 9, 0, 0, 0)
     # a node that under-reports is never believed below what arrived
     ex2 = Exchange(MODEL, prompt_estimate=40, cut=True)
     fed(ex2.tally, chunk(content="a") + chunk(content="b") + chunk(content="c"), sizes=7)
     ex2.node_usage = {"prompt_tokens": 31, "completion_tokens": 1}
-    assert settled_counts(ex2) == (31, 3, 0, 0)
+    assert settled_counts(ex2) == (31, 3, 0, 0, 0)
 
 
 def test_an_error_envelope_that_ran_the_model_is_booked_from_its_usage():
@@ -385,11 +385,11 @@ def test_an_error_envelope_that_ran_the_model_is_booked_from_its_usage():
     usage = {"prompt_tokens": 20, "completion_tokens": 17, "total_tokens": 37}
     envelope = {"error": {"message": "no tool call", "type": "x", "code": "y", "usage": usage}}
     ex.tally.whole(msgspec.json.encode(envelope))
-    assert settled_counts(ex) == (20, 17, 0, 0)
+    assert settled_counts(ex) == (20, 17, 0, 0, 0)
     # an error that never ran the model books nothing (not the prompt estimate)
     ex2 = Exchange(MODEL, prompt_estimate=40)
     ex2.tally.whole(b'{"error": {"message": "bad", "type": "x", "code": null}}')
-    assert settled_counts(ex2) == (0, 0, 0, 0)
+    assert settled_counts(ex2) == (0, 0, 0, 0, 0)
 
 
 def test_a_streams_end_is_its_done_or_its_error_event_however_its_bytes_are_split():

@@ -52,7 +52,8 @@ def test_v1_models_lists_the_catalogue_what_is_loaded_and_the_aliases(fleet, tin
     assert tiny["limit"]["context"] == 256 and tiny["max_model_len"] == 256
     scripted = models[scripted_id]
     assert scripted["status"] == "available" and not scripted["loaded"]
-    assert scripted["cost"] == {"input": 1.5, "output": 0.0}
+    # the prompt cache's prices, unset, are the input price
+    assert scripted["cost"] == {"input": 1.5, "output": 0.0, "cache_read": 1.5, "cache_write": 1.5}
     assert models["small"]["alias_of"] == tiny_id
     assert models["small"]["limit"] == tiny["limit"]
 

@@ -183,6 +183,7 @@ def test_spend_totals_group_by_key_account_and_model_and_filter(store):
             model="m1",
             prompt_tokens=20,
             completion_tokens=7,
+            cached_tokens=8,
             cost_usd=0.02,
         ),
         dict(
@@ -207,6 +208,7 @@ def test_spend_totals_group_by_key_account_and_model_and_filter(store):
         "model": "m1",
         "requests": 2,
         "prompt_tokens": 30,
+        "cached_tokens": 8,
         "completion_tokens": 12,
         "cost_usd": pytest.approx(0.03),
     }
@@ -218,7 +220,7 @@ def test_spend_totals_group_by_key_account_and_model_and_filter(store):
     assert store.spend_totals(key_id="key_000000000000") == []
 
     report = format_spend(rows)
-    assert report.splitlines()[-1].split() == ["TOTAL", "5", "134", "66", "1.030000"]
+    assert report.splitlines()[-1].split() == ["TOTAL", "5", "134", "8", "66", "1.030000"]
 
 
 def test_parse_since_takes_dates_and_spans_back_from_now():
@@ -287,11 +289,11 @@ def test_the_keys_and_spend_commands_end_to_end(config, tmp_path):
     spent = helexa("spend", "--since", "24h", "--config", config)
     assert spent.returncode == 0, spent.stderr
     [line] = [ln for ln in spent.stdout.splitlines() if ln.startswith(key_id)]
-    assert line.split()[:6] == [key_id, "acme", "1", "40", "2", "0.500000"]
-    assert spent.stdout.splitlines()[-1].split() == ["TOTAL", "1", "40", "2", "0.500000"]
+    assert line.split()[:7] == [key_id, "acme", "1", "40", "0", "2", "0.500000"]
+    assert spent.stdout.splitlines()[-1].split() == ["TOTAL", "1", "40", "0", "2", "0.500000"]
     future = helexa("spend", "--since", "2099-01-01", "--config", config).stdout
     assert future.splitlines()[1:] == [future.splitlines()[-1]]  # only the total
-    assert future.splitlines()[-1].split() == ["TOTAL", "0", "0", "0", "0.000000"]
+    assert future.splitlines()[-1].split() == ["TOTAL", "0", "0", "0", "0", "0.000000"]
 
     revoked = helexa("keys", "revoke", key_id, "--config", config)
     assert revoked.returncode == 0 and key_id in revoked.stdout

@@ -50,6 +50,7 @@ def ledger(sessions):
         else:
             rows.append(
                 {"ts": ts, "key_id": "b", "account_id": "beta", "model": "y", "cost_usd": 0.02}
+                | {"cached_tokens": 4, "cache_write_tokens": 2}
             )
     add_rows(sessions, rows)
     return sessions
@@ -93,6 +94,7 @@ def test_totals_per_key_and_per_model_biggest_spender_first(ledger):
         assert [t.name for t in by_key] == ["b", "a", None]
         b = by_key[0]
         assert (b.requests, b.prompt_tokens, b.completion_tokens) == (60, 600, 300)
+        assert b.cached_tokens == 240 and by_key[1].cached_tokens == 0
         assert b.cost_usd == pytest.approx(1.2) and b.tokens == 900
         by_model = totals_by(s, SpendFilter(), "model")
         assert {t.name: t.requests for t in by_model} == {"x": 60, "y": 60}
@@ -101,6 +103,9 @@ def test_totals_per_key_and_per_model_biggest_spender_first(ledger):
         assert (summed.requests, summed.tokens) == (total.requests, total.tokens)
         assert summed.cost_usd == pytest.approx(total.cost_usd)
         assert total.requests == 120 and total.cost_usd == pytest.approx(1.2 + 48 * 0.01)
+        assert total.cached_tokens == summed.cached_tokens == 240
+        newest = ledger_page(s, SpendFilter(key_id="b"), limit=1).rows[0]
+        assert (newest.cached_tokens, newest.cache_write_tokens) == (4, 2)
 
 
 def test_spend_over_time_is_bucketed_on_round_times_with_empty_buckets_as_zero(ledger):

@@ -10,7 +10,13 @@ import pytest
 from helexa.errors import HelexaError
 from helexa.node.exchanges import NOTHING_RAN, Exchanges, Usage, parse_wait_s
 
-SPENT = Usage(prompt_tokens=30, completion_tokens=12, cached_tokens=16, reasoning_tokens=4)
+SPENT = Usage(
+    prompt_tokens=30,
+    completion_tokens=12,
+    cached_tokens=16,
+    cache_write_tokens=8,
+    reasoning_tokens=4,
+)
 
 
 def _status(coro) -> int:
@@ -32,6 +38,7 @@ def test_an_ended_exchange_answers_its_usage_at_once():
             "completion_tokens": 12,
             "total_tokens": 42,
             "cached_tokens": 16,
+            "cache_write_tokens": 8,
             "reasoning_tokens": 4,
         },
     }

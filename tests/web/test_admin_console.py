@@ -252,7 +252,8 @@ def test_a_catalogue_entry_and_an_alias_added_here_are_served(page, fleet, model
     _, secret = create_key(page, "reader")
     listed = httpx.get(gw.v1 + "/models", headers={"Authorization": f"Bearer {secret}"}).json()
     models = {m["id"]: m for m in listed["data"]}
-    assert models[tiny2]["cost"] == {"input": 0.0, "output": 0.25}
+    prices = {"input": 0.0, "output": 0.25, "cache_read": 0.0, "cache_write": 0.0}
+    assert models[tiny2]["cost"] == prices  # the cache's prices at the input price
     assert models["helexa/tiny"]["alias_of"] == tiny2
 
 
@@ -370,7 +371,10 @@ def test_the_ledger_filters_by_key_and_model(page, fleet, scripted_id):
     page.wait_for_url(re.compile(rf"key={key_id}"))
     rows = wait_for(lambda: _ledger_rows(page, key_id), timeout=10)
     assert len(rows) == 3 and all(key_id in r for r in rows)
-    assert "3 requests" in page.locator("#spend-total").inner_text()
+    total = page.locator("#spend-total").inner_text()
+    assert "3 requests" in total and re.search(r"prompt \(\d+ cached\)", total)
+    headers = page.locator("table.ledger thead th").all_inner_texts()
+    assert headers[5:7] == ["Prompt", "Cached"]
     assert page.locator(".chart rect.bar").count() > 0
     page.locator("#f-model").select_option(scripted_id)
     page.locator("#f-since").fill("1h")

@@ -193,6 +193,7 @@ def test_a_finished_exchange_reports_the_usage_its_answer_gave(node, scripted_id
             "completion_tokens": usage["completion_tokens"],
             "total_tokens": usage["total_tokens"],
             "cached_tokens": usage["prompt_tokens_details"]["cached_tokens"],
+            "cache_write_tokens": usage["prompt_tokens_details"]["cache_write_tokens"],
             "reasoning_tokens": usage["completion_tokens_details"]["reasoning_tokens"],
         },
     }
@@ -269,7 +270,14 @@ def test_a_request_refused_before_running_ends_its_exchange_with_nothing_spent(n
     assert node.post("/v1/chat/completions", body, headers=headers).status_code == 400
     usage = _final_usage(node, exchange_id, wait_s=0).json()["usage"]
     assert usage == dict.fromkeys(
-        ("prompt_tokens", "completion_tokens", "total_tokens", "cached_tokens", "reasoning_tokens"),
+        (
+            "prompt_tokens",
+            "completion_tokens",
+            "total_tokens",
+            "cached_tokens",
+            "cache_write_tokens",
+            "reasoning_tokens",
+        ),
         0,
     )
     bad = node.post("/v1/chat/completions", {"model": tiny_id}, headers=headers)

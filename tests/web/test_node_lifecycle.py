@@ -137,7 +137,7 @@ def gated_node(tmp_path_factory, model_dirs):
     node = start_node(
         tmp_path_factory.mktemp("gated"),
         [model_dirs["long"]],
-        node={"api_key": "s3cret", "per_principal_max": 2},
+        node={"api_key": "s3cret", "per_principal_max": 2, "metrics_token": "scrape-only"},
     )
     yield node
     node.stop()
@@ -184,6 +184,29 @@ def test_exchange_usage_needs_the_key_and_is_kept_for_keyed_requests(gated_node,
     assert httpx.get(gated_node.base_url + path, timeout=10).status_code == 401
     usage = gated_node.get(path).json()["usage"]
     assert usage["completion_tokens"] == answer.json()["usage"]["completion_tokens"] == 3
+
+
+def test_the_metrics_token_lets_prometheus_scrape_and_opens_nothing_else(gated_node, long_id):
+    def call(method: str, path: str, token: str | None, **kw) -> httpx.Response:
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        return httpx.request(method, gated_node.base_url + path, headers=headers, timeout=10, **kw)
+
+    scrape = call("GET", "/metrics", "scrape-only")
+    assert scrape.status_code == 200 and "helexa_requests_running" in scrape.text
+    assert call("GET", "/metrics", "s3cret").status_code == 200  # the api_key still opens it
+    for token in (None, "wrong"):
+        assert call("GET", "/metrics", token).status_code == 401
+    # the scrape token is not the api_key anywhere else: no models, no loads, no answers
+    refused = [
+        call("GET", "/v1/models", "scrape-only"),
+        call("POST", "/models/load", "scrape-only", json={"model_id": long_id}),
+        call("POST", "/models/unload", "scrape-only", json={"model_id": long_id}),
+        call("POST", "/v1/chat/completions", "scrape-only", json=_chat(long_id, max_tokens=3)),
+    ]
+    for r in refused:
+        assert r.status_code == 401, r.text
+        assert r.json()["error"]["code"] == "invalid_api_key"
+    assert long_id in [m["id"] for m in gated_node.get("/v1/models").json()["data"]]
 
 
 # -- loading and unloading ----------------------------------------------------------------

@@ -222,7 +222,11 @@ def test_claude_codes_image_blocks_pass_the_gateway(served):
     }
     r = httpx.post(f"{served['gw'].base_url}/v1/messages", json=body, headers=headers, timeout=120)
     assert r.status_code == 200, r.text
-    assert r.json()["usage"]["input_tokens"] > 2 * 72  # both images' tokens
+    usage = r.json()["usage"]
+    prompt = sum(
+        usage[k] for k in ("input_tokens", "cache_read_input_tokens", "cache_creation_input_tokens")
+    )
+    assert prompt > 2 * 72  # both images' tokens
 
 
 def test_models_advertise_images_for_the_vision_checkpoint_only(served):
