@@ -35,6 +35,7 @@ from helexa.db.models import Reservation as ReservationRow
 from helexa.errors import HelexaError, insufficient_quota, rate_limit_exceeded, service_unavailable
 from helexa.gateway.keys import BudgetInfo, KeyInfo, as_utc
 from helexa.gateway.ledger import (
+    BookRow,
     DatabaseUnavailable,
     Ledger,
     book_row,
@@ -148,7 +149,7 @@ class Budgets:
         if res is not None:
             self._live.pop(res.id, None)
             return lambda s: _settle(s, res.id, row)
-        return lambda s: book_row(s, row)
+        return BookRow(row)
 
     def release_op(self, res: Reservation) -> Callable[[Connection], Any]:
         """The op that drops a reservation whose request ran no model: nothing to book."""

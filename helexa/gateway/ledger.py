@@ -9,6 +9,12 @@ an op the database refuses is rolled back alone, logged and dropped, and never b
 rows behind it. A caller's `await` returns once its batch has committed: a ledger row is
 durable when `book()` returns.
 
+An op someone waits for (`write`: a reservation, a heartbeat) is written at once, with
+whatever is queued. Ops nobody waits for (settlements, queued as requests end) linger up
+to `LINGER_S` first, so that every request finishing in that instant shares one
+transaction: the writer's thread, which competes with the event loop for the GIL, then
+costs a fraction of a millisecond per batch instead of per request.
+
 When the database is down or locked, a batch fails whole: the ops that must not be lost
 (settlements, ledger rows) stay queued and are retried with backoff; the others (a
 reservation, a heartbeat) fail, and the caller answers 503. The queue of kept ops is the
@@ -18,6 +24,7 @@ backlog; `full` tells the exchange to refuse new work before it grows past its b
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections import deque
@@ -36,6 +43,9 @@ log = logging.getLogger(__name__)
 _LEDGER = SpendRecord.__table__
 
 MAX_BATCH = 256
+# how long a batch of ops nobody waits for gathers company before it is written (an op
+# someone waits for, a full batch or shutdown writes at once)
+LINGER_S = 0.05
 BACKLOG_MAX = 10_000  # kept ops waiting for the database before new requests get 503
 RETRY_MIN_S, RETRY_MAX_S = 0.05, 2.0
 SQLITE_LOCK_WAIT_MS = 500  # the writer's wait for another process's lock, per try
@@ -58,6 +68,7 @@ class Op:
     # called with the op's result when it committed after its caller stopped waiting
     # (a reservation nobody will use): undoes it
     abandoned: Callable[[Any], None] | None = None
+    awaited: bool = False  # its caller waits for it: its batch does not linger
 
 
 @dataclass(slots=True)
@@ -76,6 +87,7 @@ class WriterState:
 class _Queue:
     ops: deque[Op] = field(default_factory=deque)
     kept: int = 0  # of them, ops with keep=True
+    awaited: int = 0  # of them, ops their caller waits for (`write`)
 
 
 class Ledger:
@@ -87,6 +99,7 @@ class Ledger:
         self.state = WriterState()
         self._queue = _Queue()
         self._wake = asyncio.Event()
+        self._hurry = asyncio.Event()  # an awaited op is queued, or the writer is closing
         self._task: asyncio.Task[None] | None = None
         self._closing = False
         # one thread of its own: batches never wait behind other work in the default pool
@@ -134,12 +147,18 @@ class Ledger:
         keep: bool,
         lock: str = "",
         abandoned: Callable[[Any], None] | None = None,
+        awaited: bool = False,
     ) -> asyncio.Future[Any]:
-        """Queue one op; the future is answered once its batch committed (or failed)."""
+        """Queue one op; the future is answered once its batch committed (or failed).
+        `awaited`: its caller waits for it, so its batch is written without lingering."""
         future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-        self._queue.ops.append(Op(run, future, keep, lock, abandoned))
-        self._queue.kept += keep
+        queue = self._queue
+        queue.ops.append(Op(run, future, keep, lock, abandoned, awaited))
+        queue.kept += keep
+        queue.awaited += awaited
         self._wake.set()
+        if awaited or len(queue.ops) >= MAX_BATCH:
+            self._hurry.set()
         return future
 
     async def write(
@@ -153,7 +172,7 @@ class Ledger:
         """Run an op that may fail (not kept) and wait for it, at most `timeout` seconds;
         DatabaseUnavailable when the database did not take it in time. `abandoned` undoes
         what the op wrote if its caller has gone by the time it commits."""
-        future = self.submit(run, keep=False, lock=lock, abandoned=abandoned)
+        future = self.submit(run, keep=False, lock=lock, abandoned=abandoned, awaited=True)
         try:
             # asyncio.timeout, not wait_for: 3.11's wait_for can swallow a cancellation
             # that lands as the future completes, leaving the caller running on
@@ -171,7 +190,7 @@ class Ledger:
 
     def record(self, **row: Any) -> asyncio.Future[Any]:
         """Queue one ledger row (SpendRecord columns) with nothing else to settle."""
-        return self.submit(lambda s: book_row(s, row), keep=True, lock=row.get("key_id") or "")
+        return self.submit(BookRow(row), keep=True, lock=row.get("key_id") or "")
 
     # -- the writer --------------------------------------------------------------------
     def start(self) -> None:
@@ -187,6 +206,10 @@ class Ledger:
                     return
                 await self._wake.wait()
                 continue
+            if not self._hurry.is_set():  # nobody waits: let the instant's other ops join
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(LINGER_S):
+                        await self._hurry.wait()
             batch = self._take()
             if not batch:
                 continue
@@ -205,9 +228,12 @@ class Ledger:
         ops = self._queue.ops
         while ops and len(batch) < MAX_BATCH:
             op = ops.popleft()
+            self._queue.awaited -= op.awaited
             if op.future.done() and not op.keep:  # its caller gave up before it ran
                 continue
             batch.append(op)
+        if not self._closing and not self._queue.awaited and len(ops) < MAX_BATCH:
+            self._hurry.clear()
         batch.sort(key=lambda op: op.lock)  # stable: one key's ops keep their order
         return batch
 
@@ -224,8 +250,23 @@ class Ledger:
     def _write_batch(self, batch: list[Op], *, savepoints: bool) -> list[tuple[bool, Any]]:
         results: list[tuple[bool, Any]] = []
         alone = len(batch) == 1  # its failure is the transaction's: no savepoint needed
+        # without savepoints, the batch's plain rows go in first, in one statement: they
+        # only add to the books, so what the other ops read is never less than before
+        rows = [] if savepoints else [op.run for op in batch if isinstance(op.run, BookRow)]
         with self.engine.connect() as conn, conn.begin():
+            if len(rows) > 1:
+                try:
+                    book_rows(conn, [r.row for r in rows])
+                except Exception as e:
+                    if _database_down(e):
+                        raise  # the batch fails and is retried
+                    raise _OpFailed from e  # rolled back; each op again in a savepoint
+            else:
+                rows = []
             for op in batch:
+                if rows and isinstance(op.run, BookRow):
+                    results.append((True, None))  # written above
+                    continue
                 try:
                     if savepoints and not alone:
                         with conn.begin_nested():
@@ -282,6 +323,7 @@ class Ledger:
         """Write what is queued (up to `timeout`), then stop the writer."""
         self._closing = True
         self._wake.set()
+        self._hurry.set()
         if self._task is None:
             return
         try:
@@ -293,6 +335,38 @@ class Ledger:
         self._pool.shutdown(wait=False)
         if self._queue.kept:
             log.error("%d writes to the books could not be made at shutdown", self._queue.kept)
+
+
+class BookRow:
+    """The op that books one ledger row with nothing else to settle (an unbudgeted
+    request's): a batch writes all of its own in one statement."""
+
+    __slots__ = ("row",)
+
+    def __init__(self, row: dict[str, Any]) -> None:
+        self.row = row
+
+    def __call__(self, conn: Connection) -> None:
+        book_row(conn, self.row)
+
+
+def book_rows(conn: Connection, rows: list[dict[str, Any]]) -> None:
+    """Insert ledger rows (one statement per set of columns), and add their spend to
+    their keys' lifetime totals (one upsert per key)."""
+    by_columns: dict[tuple[str, ...], list[dict[str, Any]]] = {}
+    spend: dict[str, list[float]] = {}
+    for row in rows:
+        by_columns.setdefault(tuple(sorted(row)), []).append(row)
+        key_id = row.get("key_id")
+        if key_id:
+            total = spend.setdefault(key_id, [0, 0.0])
+            total[0] += int(row.get("prompt_tokens") or 0) + int(row.get("completion_tokens") or 0)
+            total[1] += float(row.get("cost_usd") or 0.0)
+    for same in by_columns.values():
+        conn.execute(_LEDGER.insert(), same)
+    for key_id, (tokens, cost) in spend.items():
+        if tokens or cost:
+            _add_key_spend(conn, key_id, int(tokens), cost)
 
 
 def book_row(conn: Connection, row: dict[str, Any]) -> None:
@@ -315,6 +389,13 @@ _ADD_KEY_SPEND = text(
 
 def _add_key_spend(conn: Connection, key_id: str, tokens: int, cost: float) -> None:
     conn.execute(_ADD_KEY_SPEND, {"key_id": key_id, "tokens": tokens, "cost": cost})
+
+
+def _database_down(e: Exception) -> bool:
+    """Whether an op's error is the database's (the batch is retried), not the op's."""
+    return isinstance(e, OperationalError) or (
+        isinstance(e, DBAPIError) and e.connection_invalidated
+    )
 
 
 def _describe(error: BaseException) -> str:

@@ -49,6 +49,33 @@ def test_a_row_the_database_refuses_is_logged_and_dropped_alone(db, caplog):
     assert "refused a write to the books; it is dropped" in caplog.text
 
 
+def test_rows_ending_together_share_one_transaction_and_an_awaited_op_does_not_wait(db):
+    """Settlements nobody awaits linger for company; an op its caller awaits (a
+    reservation) takes them all with it at once, the plain rows in one statement."""
+    keys = KeyStore(session_factory(db))
+    a, b = keys.create("acme")[0].id, keys.create("beta")[0].id
+
+    async def main() -> int:
+        books = Ledger.over(db)
+        books.start()
+        owners = [a, b, None, a]
+        rows = [books.record(**_row(owners[i % 4], tokens=i + 1)) for i in range(40)]
+        assert await books.write(lambda conn: "reserved", timeout=5) == "reserved"
+        await asyncio.gather(*rows)
+        await books.close()
+        return books.state.batches
+
+    assert asyncio.run(main()) == 1
+    with session_factory(db)() as s:
+        tokens = s.scalars(select(SpendRecord.prompt_tokens)).all()
+        assert sorted(tokens) == list(range(1, 41))
+        spend = {k.key_id: k.tokens for k in s.scalars(select(KeySpend))}
+    assert spend == {
+        a: sum(i + 1 for i in range(40) if i % 4 in (0, 3)),
+        b: sum(i + 1 for i in range(40) if i % 4 == 1),
+    }
+
+
 def test_gateways_with_their_own_writers_never_pass_a_cap_together(db):
     cap = 1000
     key, _ = KeyStore(session_factory(db)).create("acme", cap_tokens=cap)
