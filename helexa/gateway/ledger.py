@@ -273,16 +273,12 @@ class Ledger:
                             results.append((True, op.run(conn)))
                     else:
                         results.append((True, op.run(conn)))
-                except (OperationalError, DBAPIError) as e:
-                    if isinstance(e, OperationalError) or e.connection_invalidated:
+                except Exception as e:
+                    if _database_down(e):
                         raise  # the database, not this op: the batch fails and is retried
                     if not (savepoints or alone):
                         raise _OpFailed from e  # rolled back; run again with savepoints
-                    results.append((False, e))
-                except Exception as e:  # the op's own fault: this op alone is dropped
-                    if not (savepoints or alone):
-                        raise _OpFailed from e
-                    results.append((False, e))
+                    results.append((False, e))  # the op's own fault: dropped alone
         return results
 
     def _failed(self, batch: list[Op], error: Exception) -> None:
@@ -371,12 +367,7 @@ def book_rows(conn: Connection, rows: list[dict[str, Any]]) -> None:
 
 def book_row(conn: Connection, row: dict[str, Any]) -> None:
     """Insert one ledger row, and add its spend to its key's lifetime total."""
-    conn.execute(_LEDGER.insert(), [row])
-    key_id = row.get("key_id")
-    tokens = int(row.get("prompt_tokens") or 0) + int(row.get("completion_tokens") or 0)
-    cost = float(row.get("cost_usd") or 0.0)
-    if key_id and (tokens or cost):
-        _add_key_spend(conn, key_id, tokens, cost)
+    book_rows(conn, [row])
 
 
 # the same statement on SQLite (3.24+) and PostgreSQL, built once
