@@ -181,6 +181,10 @@ def test_a_hundred_slow_readers_do_not_shut_a_normal_request_out(tmp_path_factor
             "max_running_requests": 4,
             "max_waiting_requests": 8,
             "stream_write_timeout_s": 2.0,
+            # a running stream holds its slot until ~half a MiB of SSE is buffered for it
+            # and then 2 s more: thousands of tokens, which a loaded CI box takes well over
+            # the default 30 s to make. The waits below are about order, not speed.
+            "max_queue_wait_s": 180.0,
         },
         engine={"kv_cache_memory_mb": 64},
     )
@@ -208,7 +212,7 @@ def test_a_hundred_slow_readers_do_not_shut_a_normal_request_out(tmp_path_factor
         # served ahead of the attacker's queue: some of its streams are still waiting
         assert _load(node, model)[1] > 0
 
-        deadline = time.monotonic() + 120  # the rest run in turn, each cut when it stalls
+        deadline = time.monotonic() + 300  # the rest run in turn, each cut when it stalls
         while _load(node, model) != (0, 0) and time.monotonic() < deadline:
             time.sleep(0.5)
         assert _load(node, model) == (0, 0)
