@@ -170,6 +170,7 @@ def _serve(args: argparse.Namespace, cfg: Config) -> int:
 
     if args.role == "node":
         return _serve_node(args, cfg)
+    from helexa.gateway.service import quiet_collector
     from helexa.web.gateway_app import create_gateway_apps
 
     gw = cfg.gateway
@@ -178,6 +179,7 @@ def _serve(args: argparse.Namespace, cfg: Config) -> int:
     if args.model:
         raise ValueError("--model is a node option; the gateway's models are its [[models]]")
     api, metrics_app = create_gateway_apps(cfg)
+    quiet_collector()
     shown, mhost = _reachable(host), _reachable(gw.metrics_host)
     print(
         f"helexa gateway on http://{shown}:{port}  (OpenAI API: http://{shown}:{port}/v1; "

@@ -9,7 +9,6 @@ arrive."""
 from __future__ import annotations
 
 import time
-import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -22,6 +21,7 @@ from helexa.gateway.ledger import Ledger
 from helexa.gateway.metrics import GatewayMetrics
 from helexa.gateway.request_log import RequestRecord
 from helexa.gateway.router import Route
+from helexa.logs import new_id
 from helexa.protocol.wire import Price, SSEReader
 
 _decode = msgspec.json.Decoder().decode
@@ -159,7 +159,7 @@ class Exchange:
 
     model: str  # the catalogue's name for it (never an alias): the ledger's
     principal: Principal = ANONYMOUS
-    id: str = field(default_factory=lambda: "ex_" + uuid.uuid4().hex)  # the node's handle
+    id: str = field(default_factory=lambda: "ex_" + new_id())  # the node's handle
     route: Route | None = None  # once a node took it
     reservation: Reservation | None = None
     prompt_estimate: int = 0
@@ -237,7 +237,7 @@ class Accountant:
         lock = key.id if key else ""
         if not any(counts):  # nothing ran: no row, only its reservation (if any) released
             labels = (key.account_id, key.id) if key else ("", "")
-            self.metrics.unbooked.labels(*labels, str(status)).inc()
+            self.metrics.child(self.metrics.unbooked, *labels, str(status)).inc()
             if ex.reservation is None:
                 return counts, None
             return counts, self.ledger.submit(
@@ -264,5 +264,6 @@ class Accountant:
         op = self.budgets.settle_op(ex.reservation, row)
         future = self.ledger.submit(op, keep=True, lock=lock)
         if key is not None and prompt + completion:
-            self.metrics.spend_tokens.labels(key.account_id, key.id).inc(prompt + completion)
+            m = self.metrics
+            m.child(m.spend_tokens, key.account_id, key.id).inc(prompt + completion)
         return counts, future

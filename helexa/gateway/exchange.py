@@ -374,18 +374,18 @@ class Exchanges:
         labels = (ex.model, route.node.name)
         m, tally = self.metrics, ex.tally
         if tally.first_token is not None and status == 200:
-            m.ttft.labels(*labels).observe(tally.first_token - ex.started)
+            m.child(m.ttft, *labels).observe(tally.first_token - ex.started)
         usage = ex.tally.usage
         if not usage or status != 200:
             return
         prompt, completion, *_ = usage_counts(usage)
-        m.prompt_tokens.labels(*labels).inc(prompt)
-        m.completion_tokens.labels(*labels).inc(completion)
+        m.child(m.prompt_tokens, *labels).inc(prompt)
+        m.child(m.completion_tokens, *labels).inc(completion)
         window = (tally.last_byte or 0) - (tally.first_byte or 0)
         if completion > 1 and window <= 0:
             window = (tally.last_byte or time.monotonic()) - ex.started
         if completion > 0 and window > 0:
-            m.tokens_per_second.labels(*labels).observe(completion / window)
+            m.child(m.tokens_per_second, *labels).observe(completion / window)
 
 
 def _route(ex: Exchange) -> Route:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -20,7 +20,11 @@ _TPS_BUCKETS = (1, 2, 5, 10, 20, 30, 50, 75, 100, 150, 200, 300, 500, 1000)
 
 
 class GatewayMetrics:
+    """Every request touches several labelled series: `child` finds each one in a dict
+    (prometheus_client's `labels()` takes a lock and checks its values on every call)."""
+
     def __init__(self, fleet: Fleet) -> None:
+        self._children: dict[tuple[Any, ...], Any] = {}
         self.registry = CollectorRegistry()
         reg = self.registry
         labels = ["model", "node"]
@@ -64,6 +68,14 @@ class GatewayMetrics:
             "helexa_requests", "Requests by route and status code", ["route", "code"], registry=reg
         )
         reg.register(_FleetCollector(fleet))
+
+    def child(self, metric: Any, *values: str) -> Any:
+        """`metric.labels(*values)`, looked up once per distinct series."""
+        key = (id(metric), *values)
+        found = self._children.get(key)
+        if found is None:
+            found = self._children[key] = metric.labels(*values)
+        return found
 
     def watch_books(self, ledger: Ledger, budgets: Budgets) -> None:
         """Export the books' writer and this gateway's reservations."""

@@ -36,7 +36,7 @@ def scope_header(scope: Any, name: bytes) -> str | None:
 async def send_envelope(send: Send, err: HelexaError) -> None:
     """`err` as a whole ASGI response (the OpenAI envelope, its status and headers), for
     the layers below the apps that answer without a handler."""
-    body = json.dumps(err.to_envelope()).encode()
+    body = json.dumps(err.to_envelope(), separators=(",", ":")).encode()
     headers = [(b"content-type", b"application/json")]
     headers += [(k.lower().encode(), v.encode()) for k, v in err.headers().items()]
     headers.append((b"content-length", str(len(body)).encode()))
@@ -58,6 +58,12 @@ def parse_json_body(raw: bytes, decode: Callable[[bytes], Any] = json.loads) -> 
 
 def as_helexa_error(request: Request, exc: Exception) -> HelexaError:
     """Any exception as the error a client sees (an unexpected one is logged, and a 500)."""
+    return helexa_error(exc, request.method, request.url.path)
+
+
+def helexa_error(exc: Exception, method: str, path: str) -> HelexaError:
+    """`as_helexa_error` for a layer with no Litestar request (the method and path name an
+    unexpected error in the log)."""
     if isinstance(exc, HelexaError):
         return exc
     if isinstance(exc, HTTPException):
@@ -67,7 +73,7 @@ def as_helexa_error(request: Request, exc: Exception) -> HelexaError:
             "invalid_request_error" if status < 500 else "server_error",
             exc.detail if status < 500 else "internal server error",
         )
-    log.exception("unhandled error on %s %s", request.method, request.url.path)
+    log.exception("unhandled error on %s %s", method, path)
     return HelexaError(500, "server_error", f"internal server error: {type(exc).__name__}")
 
 

@@ -9,19 +9,15 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
-import aiohttp
-import msgspec
 from litestar import Litestar, Request, get, head, post
 from litestar.exceptions import HTTPException
-from litestar.response import Response, Stream
+from litestar.response import Response
+from litestar.types import ASGIApp
 
 from helexa.config import Config
-from helexa.errors import HelexaError, invalid_request
-from helexa.gateway.auth import Principal
 from helexa.gateway.catalogue import model_list, nodes_view
 from helexa.gateway.ledger import Ledger
 from helexa.gateway.service import Gateway, build_gateway
-from helexa.logs import event
 from helexa.protocol.bodies import (
     ChatCompletion,
     ChatCompletionBody,
@@ -35,12 +31,7 @@ from helexa.protocol.bodies import (
 )
 from helexa.version import build_info
 from helexa.web.admin import admin_router, admin_static, admin_templates
-from helexa.web.common import (
-    METRICS_CONTENT_TYPE,
-    error_response,
-    parse_json_body,
-    unless_client_leaves,
-)
+from helexa.web.common import METRICS_CONTENT_TYPE, error_response
 from helexa.web.gateway_anthropic import (
     anthropic_error_response,
     count_tokens,
@@ -48,7 +39,8 @@ from helexa.web.gateway_anthropic import (
     messages,
 )
 from helexa.web.gateway_asgi import Cors, GatewayASGI
-from helexa.web.gateway_deps import STATE_KEY, dependencies, gateway_of, record_of
+from helexa.web.gateway_deps import STATE_KEY, dependencies, gateway_of
+from helexa.web.gateway_passthrough import Passthrough, client_error, too_large
 from helexa.web.openapi import (
     API_KEY,
     API_KEY_SCHEME,
@@ -61,45 +53,13 @@ from helexa.web.openapi import (
 
 log = logging.getLogger(__name__)
 
-_decoder = msgspec.json.Decoder()
+PASSTHROUGH_STATE = "helexa_passthrough"
 
 
-def _body_object(raw: bytes) -> dict[str, Any]:
-    body = parse_json_body(raw, _decoder.decode)
-    if not isinstance(body, dict):
-        raise invalid_request("the request body must be a JSON object", "body")
-    model = body.get("model")
-    if not isinstance(model, str) or not model:
-        raise invalid_request("model: expected a non-empty string", "model")
-    return body
-
-
-async def _proxy(request: Request, gateway: Gateway, path: str) -> Response:
-    principal = await gateway.auth.authenticate(request.headers)
-    raw = await request.body()
-    # a client that leaves while the node works (a whole answer comes at its end) drops
-    # the node's request instead of having it finished for nobody
-    return await unless_client_leaves(request, _exchange(request, gateway, path, principal, raw))
-
-
-async def _exchange(
-    request: Request, gateway: Gateway, path: str, principal: Principal, raw: bytes
-) -> Response:
-    exchanges = gateway.exchanges
-    reply = await exchanges.open(
-        principal, path, _body_object(raw), raw, request.headers, record_of(request)
-    )
-    if reply.is_stream:
-        return Stream(
-            exchanges.relay(reply),
-            status_code=reply.status,
-            headers=reply.headers,
-            media_type=reply.media_type,
-        )
-    data = await exchanges.read(reply)
-    return Response(
-        content=data, status_code=reply.status, headers=reply.headers, media_type=reply.media_type
-    )
+def _passthrough(request: Request) -> ASGIApp:
+    """What answers an OpenAI pass-through route: `GatewayASGI` sends these requests to it
+    directly, and a request that comes through Litestar gets the same app."""
+    return request.app.state[PASSTHROUGH_STATE]
 
 
 @post(
@@ -107,20 +67,20 @@ async def _exchange(
     status_code=200,
     opt=wire(ChatCompletionBody, ChatCompletion, events=ChatCompletionChunk),
 )
-async def chat_completions(request: Request, gateway: Gateway) -> Response:
-    return await _proxy(request, gateway, "/v1/chat/completions")
+async def chat_completions(request: Request) -> ASGIApp:
+    return _passthrough(request)
 
 
 @post("/v1/completions", status_code=200, opt=wire(CompletionBody, Completion, events=Completion))
-async def completions(request: Request, gateway: Gateway) -> Response:
-    return await _proxy(request, gateway, "/v1/completions")
+async def completions(request: Request) -> ASGIApp:
+    return _passthrough(request)
 
 
 @post(
     "/v1/responses", status_code=200, opt=wire(ResponsesBody, ResponseObject, events=ResponseEvent)
 )
-async def responses(request: Request, gateway: Gateway) -> Response:
-    return await _proxy(request, gateway, "/v1/responses")
+async def responses(request: Request) -> ASGIApp:
+    return _passthrough(request)
 
 
 @get("/v1/models", opt=wire(answer=ModelList))
@@ -218,8 +178,9 @@ def create_gateway_apps(cfg: Config) -> tuple[GatewayASGI, Litestar]:
     )
     metrics_app = _metrics_app()
     api.state[STATE_KEY] = metrics_app.state[STATE_KEY] = gateway
+    passthrough = api.state[PASSTHROUGH_STATE] = Passthrough(gateway)
     cors = Cors(cfg.gateway.cors_allow_origins) if cfg.gateway.cors_allow_origins else None
-    return GatewayASGI(api, gateway.metrics, cors), metrics_app
+    return GatewayASGI(api, passthrough, gateway.metrics, cors), metrics_app
 
 
 def _api_document(require_auth: bool) -> ApiDocument:
@@ -249,38 +210,12 @@ def _metrics_app() -> Litestar:
 
 
 def _handle_error(request: Request, exc: Exception) -> Response:
-    """The one place an API request's exception becomes its answer: in the Anthropic
-    shape on /v1/messages, the OpenAI envelope elsewhere; logged when it is a refusal."""
-    exc = _as_client_error(request, exc, gateway_of(request).cfg.http.max_body_mb)
-    if isinstance(exc, HelexaError):
-        event(
-            log,
-            logging.WARNING,
-            "request refused",
-            path=request.url.path,
-            status=exc.status,
-            code=exc.code,
-            error=exc.message,
-        )
-    if is_anthropic_path(request.url.path):
-        return anthropic_error_response(request, exc)
-    return error_response(request, exc)
-
-
-def _as_client_error(request: Request, exc: Exception, max_body_mb: int) -> Exception:
-    """The gateway's own wording for a body over the limit, and for a node's answer that
-    broke off while we read it (its wire detail goes to the log only)."""
+    """The one place a Litestar-answered API request's exception becomes its answer: in the
+    Anthropic shape on /v1/messages, the OpenAI envelope elsewhere; logged when it is a
+    refusal (the pass-through routes answer their own, the same way)."""
     if isinstance(exc, HTTPException) and exc.status_code == 413:
-        return HelexaError(
-            413,
-            "invalid_request_error",
-            f"the request body is larger than {max_body_mb} MiB, the gateway's limit "
-            "([http] max_body_mb)",
-            code="request_too_large",
-        )
-    if isinstance(exc, aiohttp.ClientError | TimeoutError):
-        event(log, logging.WARNING, "node answer failed", path=request.url.path, error=repr(exc))
-        return HelexaError(
-            502, "server_error", "the node's answer broke off; retry", code="upstream_error"
-        )
-    return exc
+        exc = too_large(gateway_of(request).cfg.http.max_body_mb)
+    err = client_error(exc, request.method, request.url.path)
+    if is_anthropic_path(request.url.path):
+        return anthropic_error_response(request, err)
+    return error_response(request, err)

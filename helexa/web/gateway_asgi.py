@@ -19,6 +19,7 @@ from helexa.gateway.request_log import RECORD_STATE, RequestRecord
 from helexa.logs import request_id
 from helexa.protocol.wire import REQUEST_ID_HEADER
 from helexa.web.common import scope_header
+from helexa.web.gateway_passthrough import PASSTHROUGH_PATHS, Passthrough
 
 # bounded label values for helexa_requests_total{route}
 ROUTES = {
@@ -108,8 +109,11 @@ class Cors:
 class GatewayASGI:
     """The API app with request ids, CORS, counting and the per-request log line."""
 
-    def __init__(self, app: Litestar, metrics: GatewayMetrics, cors: Cors | None) -> None:
+    def __init__(
+        self, app: Litestar, passthrough: Passthrough, metrics: GatewayMetrics, cors: Cors | None
+    ) -> None:
         self.app = app
+        self.passthrough = passthrough  # the OpenAI pass-through routes, past Litestar
         self.metrics = metrics
         self.cors = cors
         self.state = app.state
@@ -153,10 +157,13 @@ class GatewayASGI:
                 await send({"type": "http.response.start", "status": code, "headers": headers})
                 await send({"type": "http.response.body", "body": body})
                 return
-            await self.app(scope, receive, wrapped_send)
+            if scope["method"] == "POST" and path in PASSTHROUGH_PATHS:
+                await self.passthrough(scope, receive, wrapped_send)
+            else:
+                await self.app(scope, receive, wrapped_send)
         finally:
             route = path if path in ROUTES else "other"
-            self.metrics.requests.labels(route, str(status)).inc()
+            self.metrics.child(self.metrics.requests, route, str(status)).inc()
             record.status = status
             if path.startswith("/v1/") and scope["method"] != "OPTIONS":
                 record.end()  # written now, or when its exchange with a node settles

@@ -1,0 +1,196 @@
+"""The OpenAI pass-through routes (`POST /v1/chat/completions`, `/v1/completions`,
+`/v1/responses`) answered as bare ASGI: the gateway's hot path.
+
+Their Litestar handlers stay registered (they carry the API document), but `GatewayASGI`
+sends these requests here, because framework work per request (routing, dependency
+injection, a response object, a task group per stream) cost more than everything else the
+gateway does for an anonymous request. What the handlers did, this does the same way:
+authenticate, read the body, open the exchange, relay or read the node's answer; a client
+that leaves cancels the work (and so the node's request); every failure is the OpenAI
+envelope `_handle_error` would have sent, logged as it would have logged it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+import aiohttp
+import msgspec
+
+from helexa.errors import HelexaError, invalid_request
+from helexa.gateway.exchange import Reply
+from helexa.gateway.request_log import RECORD_STATE
+from helexa.gateway.service import Gateway
+from helexa.logs import event
+from helexa.web.common import helexa_error, parse_json_body, send_envelope
+
+log = logging.getLogger("helexa.web.gateway_app")  # the handlers' logger: one name for both
+
+PASSTHROUGH_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/responses"})
+CLIENT_LEFT = 499  # nginx's status for a request whose client went first
+
+_decoder = msgspec.json.Decoder()
+_MORE = {"type": "http.response.body", "more_body": True}
+
+
+def body_object(raw: bytes) -> dict[str, Any]:
+    """The request body as the JSON object a pass-through route takes, naming its model."""
+    body = parse_json_body(raw, _decoder.decode)
+    if not isinstance(body, dict):
+        raise invalid_request("the request body must be a JSON object", "body")
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise invalid_request("model: expected a non-empty string", "model")
+    return body
+
+
+def too_large(max_body_mb: int) -> HelexaError:
+    return HelexaError(
+        413,
+        "invalid_request_error",
+        f"the request body is larger than {max_body_mb} MiB, the gateway's limit "
+        "([http] max_body_mb)",
+        code="request_too_large",
+    )
+
+
+def client_error(exc: Exception, method: str, path: str) -> HelexaError:
+    """What a client is told of `exc` on an API route: a node's answer that broke off is
+    the gateway's 502 (its wire detail goes to the log only); a refusal is logged."""
+    if isinstance(exc, aiohttp.ClientError | TimeoutError):
+        event(log, logging.WARNING, "node answer failed", path=path, error=repr(exc))
+        exc = HelexaError(
+            502, "server_error", "the node's answer broke off; retry", code="upstream_error"
+        )
+    err = helexa_error(exc, method, path)
+    if isinstance(exc, HelexaError):
+        event(
+            log,
+            logging.WARNING,
+            "request refused",
+            path=path,
+            status=err.status,
+            code=err.code,
+            error=err.message,
+        )
+    return err
+
+
+def _headers(scope: dict[str, Any]) -> dict[str, str]:
+    """The request's headers by lower-case name (the first of a repeated one)."""
+    out: dict[str, str] = {}
+    for k, v in scope["headers"]:
+        name = k.decode("latin-1").lower()
+        if name not in out:
+            out[name] = v.decode("latin-1")
+    return out
+
+
+async def _read_body(receive: Any, limit: int) -> bytes | None:
+    """The request's whole body; None when it runs past `limit` bytes."""
+    message = await receive()
+    body = message.get("body", b"")
+    if not message.get("more_body"):
+        return body if len(body) <= limit else None
+    parts, size = [body], len(body)
+    while message.get("more_body"):
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise asyncio.CancelledError  # the client left mid-body: nothing to answer
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            return None
+        parts.append(chunk)
+    return b"".join(parts)
+
+
+def _start(reply: Reply, length: int | None = None) -> dict[str, Any]:
+    media_type = reply.media_type
+    if media_type.startswith("text/"):
+        media_type += "; charset=utf-8"
+    headers = [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in reply.headers.items()]
+    headers.append((b"content-type", media_type.encode("latin-1")))
+    if length is not None:
+        headers.append((b"content-length", str(length).encode()))
+    return {"type": "http.response.start", "status": reply.status, "headers": headers}
+
+
+class _Watch:
+    """Cancels the request's task when its client leaves before the answer is whole."""
+
+    __slots__ = ("answered", "left", "task")
+
+    def __init__(self, receive: Any) -> None:
+        self.answered = False  # the last byte is on its way: a disconnect now changes nothing
+        self.left = False
+        self.task = asyncio.ensure_future(self._wait(receive, asyncio.current_task()))
+
+    async def _wait(self, receive: Any, request: asyncio.Task[Any] | None) -> None:
+        while (await receive())["type"] != "http.disconnect":
+            pass
+        if not self.answered and request is not None:
+            self.left = True
+            request.cancel()
+
+    def stop(self) -> None:
+        self.task.cancel()
+
+
+class Passthrough:
+    """The ASGI app for `PASSTHROUGH_PATHS` (POST), over one gateway."""
+
+    def __init__(self, gateway: Gateway) -> None:
+        self.gateway = gateway
+        self.max_body_mb = gateway.cfg.http.max_body_mb
+        self.limit = self.max_body_mb << 20
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        path: str = scope["path"]
+        try:
+            headers = _headers(scope)
+            principal = await self.gateway.auth.authenticate(headers)
+            raw = await _read_body(receive, self.limit)
+            if raw is None:
+                raise too_large(self.max_body_mb)
+            body = body_object(raw)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            await send_envelope(send, client_error(exc, "POST", path))
+            return
+        watch = _Watch(receive)
+        started = False
+        try:
+            exchanges = self.gateway.exchanges
+            record = scope["state"].get(RECORD_STATE)
+            reply = await exchanges.open(principal, path, body, raw, headers, record)
+            if reply.is_stream:
+                await send(_start(reply))
+                started = True
+                async for chunk in exchanges.relay(reply):
+                    await send({**_MORE, "body": chunk})
+                watch.answered = True
+                await send({"type": "http.response.body", "body": b""})
+            else:
+                data = await exchanges.read(reply)
+                watch.answered = True
+                await send(_start(reply, len(data)))
+                started = True
+                await send({"type": "http.response.body", "body": data})
+        except asyncio.CancelledError:
+            current = asyncio.current_task()
+            if not watch.left or current is None:
+                raise  # not the client leaving: the server's own cancellation
+            current.uncancel()
+            if not started:  # into the void, for the log line and the request counter
+                await send({"type": "http.response.start", "status": CLIENT_LEFT, "headers": []})
+                await send({"type": "http.response.body", "body": b""})
+        except Exception as exc:
+            if started:
+                raise  # the head is out: the connection is cut, as any server would
+            await send_envelope(send, client_error(exc, "POST", path))
+        finally:
+            watch.stop()
