@@ -24,6 +24,7 @@ from helexa.gateway.auth import Principal
 from helexa.gateway.budgets import DATABASE_RETRY_AFTER_S, Budgets, estimate_prompt_tokens
 from helexa.gateway.edge import advice, check_context
 from helexa.gateway.metrics import GatewayMetrics
+from helexa.gateway.node_http import NodeResponse
 from helexa.gateway.proxy import Upstream, forward_headers, response_headers, warn
 from helexa.gateway.request_log import RequestRecord
 from helexa.gateway.router import Route, Router
@@ -53,7 +54,7 @@ class Reply:
     it; either settles the exchange however it ends."""
 
     exchange: Exchange
-    resp: aiohttp.ClientResponse
+    resp: NodeResponse
     path: str
     headers: dict[str, str]  # for the client: the node's, less Content-Type, + x-helexa-node
     media_type: str  # bare for text types (the web layer adds the charset)
@@ -246,7 +247,7 @@ class Exchanges:
         tally = ex.tally
         try:
             try:
-                async for chunk in resp.content.iter_any():
+                async for chunk in resp.iter_any():
                     if tally.feed(chunk) and not ex.settled:
                         self.finish(ex, resp.status)
                     yield chunk
@@ -420,7 +421,7 @@ def _note_model(record: RequestRecord | None, model: str) -> None:
         record.model = model
 
 
-def _client_headers(resp: aiohttp.ClientResponse, route: Route) -> dict[str, str]:
+def _client_headers(resp: NodeResponse, route: Route) -> dict[str, str]:
     out = response_headers(resp.headers)
     out["x-helexa-node"] = route.node.name  # which replica answered
     for name in ("Content-Type", "content-type"):
@@ -428,7 +429,7 @@ def _client_headers(resp: aiohttp.ClientResponse, route: Route) -> dict[str, str
     return out
 
 
-def _media_type(resp: aiohttp.ClientResponse) -> str:
+def _media_type(resp: NodeResponse) -> str:
     media_type = resp.headers.get("Content-Type", "application/json")
     if media_type.startswith("text/"):  # Litestar adds "; charset=utf-8" to text types itself
         media_type = media_type.split(";", 1)[0]

@@ -14,6 +14,7 @@ import aiohttp
 from helexa.errors import service_unavailable
 from helexa.gateway.connections import Connections
 from helexa.gateway.fleet import KEY_REFUSED
+from helexa.gateway.node_http import NodeResponse
 from helexa.gateway.poller import KEY_HINT, describe_error
 from helexa.gateway.router import NO_NODE_RETRY_AFTER_S, Route
 from helexa.logs import event
@@ -77,7 +78,7 @@ class Upstream:
     def __init__(self, connections: Connections, idle_timeout_s: float = 300.0) -> None:
         self.connections = connections
         # a node silent this long while answering (a hung or stopped process) is cut
-        self.timeout = aiohttp.ClientTimeout(total=None, sock_read=idle_timeout_s)
+        self.idle_timeout_s = idle_timeout_s
 
     async def exchange_usage(self, route: Route, exchange_id: str) -> dict[str, Any] | None:
         """What the node says an exchange used, once it has seen it end: asked again while
@@ -115,7 +116,7 @@ class Upstream:
         body: bytes,
         headers: dict[str, str],
         tried: list[Route] | None = None,
-    ) -> tuple[Route, aiohttp.ClientResponse]:
+    ) -> tuple[Route, NodeResponse]:
         """Send to the best route; when it fails before answering (refused, reset, 503, our
         key refused), try the next one once. The client is told which node failed, never
         how: the wire detail is logged. `tried` collects each route the request went to."""
@@ -125,11 +126,11 @@ class Upstream:
             if tried is not None:
                 tried.append(route)  # the node may work on it before it answers
             try:
-                resp = await self.connections.session.post(
+                resp = await self.connections.pool.post(
                     route.base_url + path,
-                    data=body,
-                    headers=headers | route.node.auth_headers(),
-                    timeout=self.timeout,
+                    body,
+                    headers | route.node.auth_headers(),
+                    self.idle_timeout_s,
                 )
             except (aiohttp.ClientConnectionError, TimeoutError) as e:
                 error = describe_error(e)
