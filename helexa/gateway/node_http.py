@@ -359,7 +359,8 @@ def _split(url: str) -> tuple[str, str, int, str]:
 def _request_head(
     target: str, host: str, port: int, headers: Mapping[str, str], length: int
 ) -> bytes:
-    lines = [f"POST {target} HTTP/1.1", f"Host: {host}:{port}", f"Content-Length: {length}"]
+    authority = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"  # IPv6 in brackets
+    lines = [f"POST {target} HTTP/1.1", f"Host: {authority}", f"Content-Length: {length}"]
     for name, value in headers.items():
         if "\r" in value or "\n" in value or "\r" in name or "\n" in name:
             raise ValueError(f"header {name!r} holds a line break")

@@ -6,6 +6,8 @@ that break off, a node that goes silent, a refused connection, and backpressure.
 from __future__ import annotations
 
 import asyncio
+import re
+import socket
 from collections.abc import Awaitable, Callable
 
 import aiohttp
@@ -45,8 +47,9 @@ def _chunk(data: bytes) -> bytes:
 class Server:
     """A loopback server whose connections are served by `handler`, counted."""
 
-    def __init__(self, handler: Handler) -> None:
+    def __init__(self, handler: Handler, host: str = "127.0.0.1") -> None:
         self.handler = handler
+        self.host = host
         self.connections = 0
         self.server: asyncio.Server | None = None
 
@@ -58,9 +61,10 @@ class Server:
             finally:
                 writer.close()
 
-        self.server = await asyncio.start_server(serve, "127.0.0.1", 0)
+        self.server = await asyncio.start_server(serve, self.host, 0)
         port = self.server.sockets[0].getsockname()[1]
-        return f"http://127.0.0.1:{port}"
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{port}"
 
     async def __aexit__(self, *exc) -> None:
         assert self.server is not None
@@ -96,6 +100,33 @@ def test_sized_answers_come_whole_and_one_connection_carries_them_all():
     answers, connections = run(main)
     assert answers == [b'{"n":%d}' % i for i in range(5)]
     assert connections == 1
+
+
+def test_a_node_on_an_ipv6_address_gets_a_bracketed_host_header():
+    heads = []
+
+    async def main():
+        async def note(reader, writer):
+            got = await _request(reader)
+            heads.append(got[0])
+            writer.write(_sized(b"ok"))
+            await writer.drain()
+
+        async with Server(note, "::1") as url:
+            pool = NodePool()
+            resp = await pool.post(url + "/x", b"{}", {}, 10)
+            body = await resp.read()
+            resp.release()
+            pool.close()
+            return body
+
+    try:
+        with socket.socket(socket.AF_INET6) as probe:
+            probe.bind(("::1", 0))
+    except OSError:
+        pytest.skip("no IPv6 loopback here")
+    assert run(main) == b"ok"
+    assert re.search(rb"\r\nHost: \[::1\]:\d+\r\n", heads[0])
 
 
 def test_a_chunked_stream_is_relayed_as_it_comes_not_at_its_end():

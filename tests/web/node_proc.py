@@ -18,6 +18,10 @@ import httpx
 from tests.engine.tiny import make_tiny_model
 
 READY_TIMEOUT_S = 120.0
+# a hang guard, not a speed limit: each default model past the first loads in its own
+# worker process (torch imported, the native kernels mapped), 7-18 s apiece on a loaded
+# 2-core CI box, and a node with a dozen of them took past 120 s there
+READY_TIMEOUT_PER_MODEL_S = 30.0
 
 
 def free_port() -> int:
@@ -153,7 +157,9 @@ def start_node(
         )
     node_proc = NodeProcess(proc, f"http://127.0.0.1:{port}", log_path, node_cfg.get("api_key"))
     if wait_ready:
-        wait_ready_or_fail(node_proc)
+        wait_ready_or_fail(
+            node_proc, READY_TIMEOUT_S + READY_TIMEOUT_PER_MODEL_S * max(0, len(models) - 1)
+        )
     return node_proc
 
 
