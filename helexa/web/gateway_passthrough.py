@@ -88,8 +88,13 @@ def _headers(scope: dict[str, Any]) -> dict[str, str]:
     return out
 
 
+class ClientLeft(Exception):
+    """The client went before its request's body had all come."""
+
+
 async def _read_body(receive: Any, limit: int) -> bytes | None:
-    """The request's whole body; None when it runs past `limit` bytes."""
+    """The request's whole body; None when it runs past `limit` bytes. ClientLeft when
+    the client goes first."""
     message = await receive()
     body = message.get("body", b"")
     if not message.get("more_body"):
@@ -98,7 +103,7 @@ async def _read_body(receive: Any, limit: int) -> bytes | None:
     while message.get("more_body"):
         message = await receive()
         if message["type"] == "http.disconnect":
-            raise asyncio.CancelledError  # the client left mid-body: nothing to answer
+            raise ClientLeft
         chunk = message.get("body", b"")
         size += len(chunk)
         if size > limit:
@@ -116,6 +121,13 @@ def _start(reply: Reply, length: int | None = None) -> dict[str, Any]:
     if length is not None:
         headers.append((b"content-length", str(length).encode()))
     return {"type": "http.response.start", "status": reply.status, "headers": headers}
+
+
+async def _client_left(send: Any) -> None:
+    """The answer to a client that has gone: into the void (the server drops it), for the
+    log line and the request counter."""
+    await send({"type": "http.response.start", "status": CLIENT_LEFT, "headers": []})
+    await send({"type": "http.response.body", "body": b""})
 
 
 class _Watch:
@@ -156,8 +168,9 @@ class Passthrough:
             if raw is None:
                 raise too_large(self.max_body_mb)
             body = body_object(raw)
-        except asyncio.CancelledError:
-            raise
+        except ClientLeft:
+            await _client_left(send)
+            return
         except Exception as exc:
             await send_envelope(send, client_error(exc, "POST", path))
             return
@@ -185,9 +198,8 @@ class Passthrough:
             if not watch.left or current is None:
                 raise  # not the client leaving: the server's own cancellation
             current.uncancel()
-            if not started:  # into the void, for the log line and the request counter
-                await send({"type": "http.response.start", "status": CLIENT_LEFT, "headers": []})
-                await send({"type": "http.response.body", "body": b""})
+            if not started:
+                await _client_left(send)
         except Exception as exc:
             if started:
                 raise  # the head is out: the connection is cut, as any server would

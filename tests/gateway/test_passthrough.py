@@ -135,3 +135,28 @@ def test_both_doors_give_the_same_answers_streams_and_errors(tmp_path, node):
         assert (a.status_code, a.json()) == (b.status_code, b.json())
     counts = [r[0].json()["usage"] for r in (through_outer, through_litestar)]
     assert len({(u["prompt_tokens"], u["completion_tokens"]) for u in counts}) == 1
+
+
+def test_a_client_that_leaves_mid_body_is_answered_499_into_the_void(tmp_path):
+    """The ASGI contract straight: the body's first bytes, then the client's disconnect.
+    Nothing is raised into the server (which would log it as the app's failure): the
+    request ends as a 499, which its log line and the request counter then show."""
+    path = tmp_path / "helexa.toml"
+    path.write_text(f'[node]\nstate_dir = "{tmp_path}"\n[gateway]\nlisten = "127.0.0.1:1"\n')
+    outer, _metrics = create_gateway_apps(load_config(path, env={}))
+    messages = [
+        {"type": "http.request", "body": b'{"model": "m", "mess', "more_body": True},
+        {"type": "http.disconnect"},
+    ]
+    sent = []
+
+    async def receive():
+        return messages.pop(0)
+
+    async def send(message):
+        sent.append(message)
+
+    scope = {"type": "http", "method": "POST", "path": "/v1/chat/completions", "headers": []}
+    asyncio.run(outer.passthrough(scope, receive, send))
+    assert [m["type"] for m in sent] == ["http.response.start", "http.response.body"]
+    assert sent[0]["status"] == 499
