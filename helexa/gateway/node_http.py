@@ -27,7 +27,6 @@ from multidict import CIMultiDict, CIMultiDictProxy
 
 CONNECT_TIMEOUT_S = 10.0
 HIGH_WATER = 256 << 10  # answer bytes buffered for a slow client before the node is paused
-LOW_WATER = 64 << 10
 IDLE_KEEP_S = 15.0  # a pooled connection idle this long is closed rather than reused
 
 
@@ -43,7 +42,6 @@ class _Connection(asyncio.Protocol):
         self.parser = httptools.HttpResponseParser(self)
         self.idle_since = 0.0
         self.lost = False
-        self.used = False  # it carried an exchange before this one
 
     # -- the transport's callbacks --------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -206,7 +204,7 @@ class NodeResponse:
                 chunk = chunks.popleft() if len(chunks) == 1 else b"".join(chunks)
                 chunks.clear()
                 self.buffered = 0
-                if self.paused and self.buffered < LOW_WATER and self.conn.transport is not None:
+                if self.paused and self.conn.transport is not None:  # drained: below any mark
                     self.paused = False
                     self.last_read = self.conn.loop.time()
                     self.conn.transport.resume_reading()
@@ -328,7 +326,6 @@ class NodePool:
             conn.close()
             return
         conn.idle_since = time.monotonic()
-        conn.used = True
         self._idle.setdefault(conn.key, []).append(conn)
 
     def forget(self, conn: _Connection) -> None:

@@ -161,6 +161,22 @@ def test_a_chunked_stream_is_relayed_as_it_comes_not_at_its_end():
     assert b"".join(got) == b"data: 1\n\ndata: 2\n\ndata: [DONE]\n\n"
 
 
+async def _two_posts(server: Server, pause_s: float = 0.0) -> tuple[bytes, int]:
+    """Two requests one after the other, the first's connection pooled between them: the
+    second's answer, and how many connections the server saw."""
+    async with server as url:
+        pool = NodePool()
+        first = await pool.post(url + "/a", b"1", {}, 10)
+        assert await first.read() == b"1"
+        first.release()  # pooled: keep-alive was not refused
+        await asyncio.sleep(pause_s)
+        second = await pool.post(url + "/a", b"2", {}, 10)
+        body = await second.read()
+        second.release()
+        pool.close()
+        return body, server.connections
+
+
 def test_a_pooled_connection_the_node_closed_while_idle_is_replaced_not_failed():
     async def main():
         async def once(reader, writer):  # answers one request, then closes (idle timeout)
@@ -168,18 +184,7 @@ def test_a_pooled_connection_the_node_closed_while_idle_is_replaced_not_failed()
             writer.write(_sized(got[1]))
             await writer.drain()
 
-        server = Server(once)
-        async with server as url:
-            pool = NodePool()
-            first = await pool.post(url + "/a", b"1", {}, 10)
-            assert await first.read() == b"1"
-            first.release()  # pooled: keep-alive was not refused
-            await asyncio.sleep(0.2)  # the server has closed it meanwhile
-            second = await pool.post(url + "/a", b"2", {}, 10)
-            body = await second.read()
-            second.release()
-            pool.close()
-            return body, server.connections
+        return await _two_posts(Server(once), pause_s=0.2)  # the server closes it meanwhile
 
     assert run(main) == (b"2", 2)
 
@@ -202,16 +207,7 @@ def test_a_request_on_a_pooled_connection_the_node_drops_unanswered_is_sent_agai
             await _request(reader)  # the next request arrives... and is dropped unanswered
 
         server = Server(first_then_drop)
-        async with server as url:
-            pool = NodePool()
-            first = await pool.post(url + "/a", b"1", {}, 10)
-            assert await first.read() == b"1"
-            first.release()
-            second = await pool.post(url + "/a", b"2", {}, 10)
-            body = await second.read()
-            second.release()
-            pool.close()
-            return body, server.connections
+        return await _two_posts(server)
 
     assert run(main) == (b"2", 2)
 
@@ -292,7 +288,6 @@ def test_a_header_with_a_line_break_is_never_sent():
 
 def test_a_client_slower_than_its_node_pauses_the_node_not_the_memory(monkeypatch):
     monkeypatch.setattr(node_http, "HIGH_WATER", 64 << 10)
-    monkeypatch.setattr(node_http, "LOW_WATER", 16 << 10)
     piece = b"y" * (16 << 10)
 
     async def main():
