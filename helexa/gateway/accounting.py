@@ -240,9 +240,7 @@ class Accountant:
             self.metrics.child(self.metrics.unbooked, *labels, str(status)).inc()
             if ex.reservation is None:
                 return counts, None
-            return counts, self.ledger.submit(
-                self.budgets.release_op(ex.reservation), keep=True, lock=lock
-            )
+            return counts, self.budgets.release(ex.reservation, lock)
         prompt, completion, cached, written, reasoning = counts
         tally = ex.tally
         row = dict(
@@ -261,8 +259,7 @@ class Accountant:
             ttft_ms=(tally.first_token - ex.started) * 1000 if tally.first_token else None,
             latency_ms=((tally.last_byte or tally.first_byte or ex.started) - ex.started) * 1000,
         )
-        op = self.budgets.settle_op(ex.reservation, row)
-        future = self.ledger.submit(op, keep=True, lock=lock)
+        future = self.budgets.settle(ex.reservation, row, lock)
         if key is not None and prompt + completion:
             m = self.metrics
             m.child(m.spend_tokens, key.account_id, key.id).inc(prompt + completion)

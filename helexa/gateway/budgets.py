@@ -26,7 +26,7 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import Connection, bindparam, delete, func, insert, select, update
 
@@ -42,6 +42,9 @@ from helexa.gateway.ledger import (
 )
 from helexa.protocol.images import ImageEstimate, estimate_images
 from helexa.protocol.wire import CHARS_PER_TOKEN, cost_usd, output_room
+
+if TYPE_CHECKING:
+    from helexa.gateway.purses import Purse
 
 log = logging.getLogger(__name__)
 
@@ -77,10 +80,11 @@ class Reservation:
     cost: float
     max_output: int  # what each choice may generate now (its max_tokens, maybe lowered)
     n: int = 1
+    purse: Purse | None = None  # drawn from this gateway's purse (purses.py), not a row
 
 
 @dataclass(slots=True, frozen=True)
-class _Refused:
+class Refused:
     """Not even one output token fits; for a rolling window, when the oldest spend leaves;
     `held`: it would fit but for the reservations of requests still in flight."""
 
@@ -105,6 +109,9 @@ class Budgets:
         self.timeout_s = database_timeout_s
         self.gateway_id = "gw_" + uuid.uuid4().hex[:24]
         self._live: dict[str, Reservation] = {}  # this gateway's, not yet settled
+        from helexa.gateway.purses import Purses  # built on this module's reservations
+
+        self.purses = Purses(self)  # what requests draw on: a round trip per share, not each
         self._task: asyncio.Task[None] | None = None
         self._stopping = False
         self.expired_booked = 0  # reservations of stopped gateways this one booked
@@ -135,8 +142,8 @@ class Budgets:
             )
         except DatabaseUnavailable as e:
             raise database_unavailable(str(e)) from None
-        if isinstance(got, _Refused):
-            raise _over_cap(budget, got.oldest, got.held)
+        if isinstance(got, Refused):
+            raise over_cap(budget, got.oldest, got.held)
         out, tokens, cost = got
         res = Reservation(rid, key.id, tokens, cost, out, n)
         self._live[rid] = res
@@ -156,16 +163,41 @@ class Budgets:
         self._live.pop(res.id, None)
         return lambda s: _release(s, res.id)
 
+    def settle(
+        self, res: Reservation | None, row: dict[str, Any], lock: str
+    ) -> asyncio.Future[Any]:
+        """Queue the request's ledger row in place of its reservation, or of its draw on a
+        purse; the future is answered once it is durable."""
+        if res is None or res.purse is None:
+            return self.ledger.submit(self.settle_op(res, row), keep=True, lock=lock)
+        future = self.ledger.submit(self.purses.settle_op(res, row), keep=True, lock=lock)
+        self.purses.done(res)  # the purse's retirement, if any, queued behind it
+        return future
+
+    def release(self, res: Reservation, lock: str) -> asyncio.Future[Any] | None:
+        """A request on which no model ran gives its reservation back (None: a draw on a
+        purse, nothing to write)."""
+        if res.purse is None:
+            return self.ledger.submit(self.release_op(res), keep=True, lock=lock)
+        self.purses.release(res)
+        self.purses.done(res)
+        return None
+
     def outstanding(self) -> tuple[int, float]:
-        """Tokens and cost this gateway holds reserved and has not settled."""
+        """Tokens and cost this gateway holds reserved for requests in flight and has not
+        settled (a purse's free part is not: no request holds it)."""
         live = self._live.values()
-        return sum(r.tokens for r in live), sum(r.cost for r in live)
+        drawn_tokens, drawn_cost = self.purses.outstanding()
+        return (
+            sum(r.tokens for r in live) + drawn_tokens,
+            sum(r.cost for r in live) + drawn_cost,
+        )
 
     def _undo(self, rid: str) -> Callable[[Any], None]:
         """A reservation that was written after its caller gave up: released again."""
 
         def undo(result: Any) -> None:
-            if not isinstance(result, _Refused):
+            if not isinstance(result, Refused):
                 self.ledger.submit(lambda s: _release(s, rid), keep=True)
 
         return undo
@@ -193,6 +225,9 @@ class Budgets:
             await asyncio.sleep(self.lease_s / 4)
 
     async def stop(self) -> None:
+        """Stop renewing the lease (the ledger is closed after: idle purses' rows are
+        deleted with the last writes)."""
+        self.purses.retire_idle()
         self._stopping = True
         if self._task is not None:
             self._task.cancel()
@@ -219,6 +254,64 @@ _DELETE_RESERVATION = delete(ReservationRow.__table__).where(
 )
 
 
+@dataclass(slots=True, frozen=True)
+class Left:
+    """What a key's cap leaves, read under its lock: None for a dimension it does not cap."""
+
+    tokens: int | None
+    cost: float | None
+    reserved_tokens: int  # of what is used up, the part only reserved (in flight)
+    reserved_cost: float
+    oldest: datetime | None  # a rolling window's oldest spend in it
+
+
+def read_left(conn: Connection, key: KeyInfo, budget: BudgetInfo, now: datetime) -> Left:
+    """Lock the key's books (PostgreSQL: its row; SQLite's BEGIN IMMEDIATE locked them all)
+    and read what its cap leaves after its spend and every gateway's reservations: no other
+    reservation for it, from any gateway, reads the books until this transaction commits."""
+    if conn.dialect.name != "sqlite":
+        conn.execute(_LOCK_KEY, {"key_id": key.id})
+    oldest = None
+    if budget.window == "rolling" and budget.window_seconds:
+        since = now - timedelta(seconds=budget.window_seconds)
+        spent_tokens, spent_cost, oldest = conn.execute(
+            _SPENT_SINCE, {"key_id": key.id, "since": since}
+        ).one()
+    else:
+        spent = conn.execute(_SPENT, {"key_id": key.id}).one_or_none()
+        spent_tokens, spent_cost = spent if spent is not None else (0, 0.0)
+    reserved_tokens, reserved_cost = conn.execute(_RESERVED, {"key_id": key.id}).one()
+    tokens_left = cost_left = None
+    if budget.cap_tokens is not None:
+        tokens_left = budget.cap_tokens - int(spent_tokens) - int(reserved_tokens)
+    if budget.cap_cost_usd is not None:
+        cost_left = budget.cap_cost_usd - float(spent_cost) - float(reserved_cost)
+    return Left(
+        tokens_left,
+        cost_left,
+        int(reserved_tokens),
+        float(reserved_cost),
+        None if oldest is None else as_utc(oldest),
+    )
+
+
+def refused(
+    left: Left, prompt_tokens: int, n: int, price: tuple[float, float], credit: tuple[int, float]
+) -> Refused:
+    """Not one output token per choice fits: whether it would but for the reservations of
+    requests in flight (`credit`: the caller's own share of them, which it offers)."""
+    held_tokens = max(0, left.reserved_tokens - credit[0])
+    held_cost = max(0.0, left.reserved_cost - credit[1])
+    unheld = output_room(
+        prompt_tokens,
+        None if left.tokens is None else left.tokens + credit[0] + held_tokens,
+        None if left.cost is None else left.cost + credit[1] + held_cost,
+        *price,
+    )
+    held = held_tokens if unheld is None or unheld // n >= 1 else 0
+    return Refused(left.oldest, held)
+
+
 def _reserve_op(
     rid: str,
     gateway_id: str,
@@ -230,38 +323,13 @@ def _reserve_op(
     n: int,
     price: tuple[float, float],
 ) -> Callable[[Connection], Any]:
-    def run(conn: Connection) -> tuple[int, int, float] | _Refused:
-        # the key's row locked (PostgreSQL; SQLite's transaction holds the write lock): no
-        # other reservation for it, from any gateway, reads the books until this commits
-        if conn.dialect.name != "sqlite":  # SQLite's BEGIN IMMEDIATE locked everything
-            conn.execute(_LOCK_KEY, {"key_id": key.id})
+    def run(conn: Connection) -> tuple[int, int, float] | Refused:
         now = datetime.now(UTC)
-        oldest = None
-        if budget.window == "rolling" and budget.window_seconds:
-            since = now - timedelta(seconds=budget.window_seconds)
-            spent_tokens, spent_cost, oldest = conn.execute(
-                _SPENT_SINCE, {"key_id": key.id, "since": since}
-            ).one()
-        else:
-            spent = conn.execute(_SPENT, {"key_id": key.id}).one_or_none()
-            spent_tokens, spent_cost = spent if spent is not None else (0, 0.0)
-        reserved_tokens, reserved_cost = conn.execute(_RESERVED, {"key_id": key.id}).one()
-        tokens_left = cost_left = None
-        if budget.cap_tokens is not None:
-            tokens_left = budget.cap_tokens - int(spent_tokens) - int(reserved_tokens)
-        if budget.cap_cost_usd is not None:
-            cost_left = budget.cap_cost_usd - float(spent_cost) - float(reserved_cost)
-        room = output_room(prompt_tokens, tokens_left, cost_left, *price)
+        left = read_left(conn, key, budget, now)
+        room = output_room(prompt_tokens, left.tokens, left.cost, *price)
         out = max_output if room is None else min(max_output, room // n)
         if out < 1:
-            unheld = output_room(
-                prompt_tokens,
-                None if tokens_left is None else tokens_left + int(reserved_tokens),
-                None if cost_left is None else cost_left + float(reserved_cost),
-                *price,
-            )
-            held = int(reserved_tokens) if unheld is None or unheld // n >= 1 else 0
-            return _Refused(None if oldest is None else as_utc(oldest), held)
+            return refused(left, prompt_tokens, n, price, (0, 0.0))
         tokens, cost = prompt_tokens + out * n, cost_usd(prompt_tokens, out * n, *price)
         conn.execute(
             _INSERT_RESERVATION,
@@ -350,7 +418,7 @@ def _expire(conn: Connection, lease_s: float) -> int:
     return booked
 
 
-def _over_cap(budget: BudgetInfo, oldest: datetime | None, held: int = 0) -> HelexaError:
+def over_cap(budget: BudgetInfo, oldest: datetime | None, held: int = 0) -> HelexaError:
     """429: the key's cap reached. `held`: reached only with the reservations of its
     requests still in flight, which settle to what they used as they end: the refusal says
     so, and a balance's carries Retry-After (a rolling window's names when its oldest spend

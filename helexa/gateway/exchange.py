@@ -229,7 +229,7 @@ class Exchanges:
         if isinstance(limit.get("context"), int):
             requested = min(requested, max(1, limit["context"] - ex.prompt_estimate))
         choices = 1 if path == RESPONSES_PATH else _choices(body.get("n"))
-        ex.reservation = await self.budgets.reserve(
+        ex.reservation = await self.budgets.purses.draw(
             key, ex.model, ex.prompt_estimate, requested, ex.price.bound, choices
         )
         if ex.reservation is not None:

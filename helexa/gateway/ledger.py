@@ -33,14 +33,15 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from sqlalchemy import Connection, Engine, event, text
+from sqlalchemy import Connection, Engine, bindparam, event, text, update
 from sqlalchemy.exc import DBAPIError, OperationalError
 
-from helexa.db.models import SpendRecord
+from helexa.db.models import Reservation, SpendRecord
 from helexa.db.session import make_engine
 
 log = logging.getLogger(__name__)
 _LEDGER = SpendRecord.__table__
+_RESERVATIONS = Reservation.__table__
 
 MAX_BATCH = 256
 # how long a batch of ops nobody waits for gathers company before it is written (an op
@@ -49,6 +50,17 @@ LINGER_S = 0.05
 BACKLOG_MAX = 10_000  # kept ops waiting for the database before new requests get 503
 RETRY_MIN_S, RETRY_MAX_S = 0.05, 2.0
 SQLITE_LOCK_WAIT_MS = 500  # the writer's wait for another process's lock, per try
+
+
+class Deferred:
+    """An op whose work is decided as its batch is taken, on the event loop: `decide()`
+    returns the op to run then, or None to drop it (a purse retired only if no request
+    revived it while the op waited: purses.py)."""
+
+    __slots__ = ("decide",)
+
+    def __init__(self, decide: Callable[[], Callable[[Connection], Any] | None]) -> None:
+        self.decide = decide
 
 
 class _OpFailed(Exception):
@@ -61,7 +73,7 @@ class DatabaseUnavailable(Exception):
 
 @dataclass(slots=True, eq=False)
 class Op:
-    run: Callable[[Connection], Any]
+    run: Callable[[Connection], Any] | Deferred
     future: asyncio.Future[Any]
     keep: bool  # retried until written (a settlement, a ledger row); else failed at once
     lock: str = ""  # batches run ops in this order (stable), so replicas lock rows alike
@@ -142,7 +154,7 @@ class Ledger:
 
     def submit(
         self,
-        run: Callable[[Connection], Any],
+        run: Callable[[Connection], Any] | Deferred,
         *,
         keep: bool,
         lock: str = "",
@@ -231,6 +243,14 @@ class Ledger:
             self._queue.awaited -= op.awaited
             if op.future.done() and not op.keep:  # its caller gave up before it ran
                 continue
+            if isinstance(op.run, Deferred):
+                run = op.run.decide()
+                if run is None:  # nothing to do after all
+                    self._queue.kept -= op.keep
+                    if not op.future.done():
+                        op.future.set_result(None)
+                    continue
+                op.run = run
             batch.append(op)
         if not self._closing and not self._queue.awaited and len(ops) < MAX_BATCH:
             self._hurry.clear()
@@ -254,9 +274,11 @@ class Ledger:
         # only add to the books, so what the other ops read is never less than before
         rows = [] if savepoints else [op.run for op in batch if isinstance(op.run, BookRow)]
         with self.engine.connect() as conn, conn.begin():
+            found: set[str] = set()
             if len(rows) > 1:
                 try:
-                    book_rows(conn, [r.row for r in rows])
+                    found = take_reserved(conn, [r.take for r in rows if r.take is not None])
+                    book_rows(conn, [r.row for r in rows if r.take is None or r.take[0] in found])
                 except Exception as e:
                     if _database_down(e):
                         raise  # the batch fails and is retried
@@ -264,8 +286,9 @@ class Ledger:
             else:
                 rows = []
             for op in batch:
-                if rows and isinstance(op.run, BookRow):
-                    results.append((True, None))  # written above
+                if rows and isinstance(op.run, BookRow):  # written above
+                    take = op.run.take
+                    results.append((True, take is None or take[0] in found))
                     continue
                 try:
                     if savepoints and not alone:
@@ -334,16 +357,56 @@ class Ledger:
 
 
 class BookRow:
-    """The op that books one ledger row with nothing else to settle (an unbudgeted
-    request's): a batch writes all of its own in one statement."""
+    """The op that books one ledger row: an unbudgeted request's, or (`take`: a reservation
+    row's id, tokens, cost) one whose use is taken out of the reservation row it drew on (a
+    purse's, purses.py). A batch writes all of its own together: one statement for the rows,
+    one update per reservation row drawn on. Its result: whether it was booked (False: the
+    reservation row was booked whole already, when its gateway's lease ran out)."""
 
-    __slots__ = ("row",)
+    __slots__ = ("row", "take")
 
-    def __init__(self, row: dict[str, Any]) -> None:
+    def __init__(self, row: dict[str, Any], take: tuple[str, int, float] | None = None) -> None:
         self.row = row
+        self.take = take
 
-    def __call__(self, conn: Connection) -> None:
+    def __call__(self, conn: Connection) -> bool:
+        if self.take is not None and not take_reserved(conn, [self.take]):
+            return False
         book_row(conn, self.row)
+        return True
+
+
+_TAKE = (
+    update(_RESERVATIONS)
+    .where(_RESERVATIONS.c.id == bindparam("rid"))
+    .values(
+        output_tokens=_RESERVATIONS.c.output_tokens - bindparam("tokens"),
+        cost_usd=_RESERVATIONS.c.cost_usd - bindparam("cost"),
+    )
+)
+
+
+def take_reserved(conn: Connection, takes: list[tuple[str, int, float]]) -> set[str]:
+    """Take what requests used out of the reservation rows they drew on (summed per row);
+    the ids of the rows that were there. A missing row was booked whole when its gateway's
+    lease ran out: what was drawn on it is not booked again."""
+    per_row: dict[str, list[float]] = {}
+    for rid, tokens, cost in takes:
+        total = per_row.setdefault(rid, [0, 0.0])
+        total[0] += tokens
+        total[1] += cost
+    found = set()
+    for rid, (tokens, cost) in per_row.items():
+        if conn.execute(_TAKE, {"rid": rid, "tokens": int(tokens), "cost": cost}).rowcount:
+            found.add(rid)
+        else:
+            log.warning(
+                "reservation %s was booked whole when its gateway's lease ran out; the %s "
+                "tokens its requests used are not booked again",
+                rid,
+                int(tokens),
+            )
+    return found
 
 
 def book_rows(conn: Connection, rows: list[dict[str, Any]]) -> None:
