@@ -68,9 +68,10 @@ class Tally:
         self.ended = False  # the stream's last event arrived (`[DONE]`, response.completed…)
         self.error = False  # the node sent an error (an envelope, or an error event)
 
-    def feed(self, chunk: bytes) -> bool:
-        """One chunk of a stream, as it is relayed; True when it holds the stream's end."""
-        self._arrived()
+    def feed(self, chunk: bytes, at: float | None = None) -> bool:
+        """One chunk of a stream (arrived at `at`, monotonic; default now), as it is
+        relayed; True when it holds the stream's end."""
+        self._arrived(at)
         had_text = self.text_events
         for event in self._reader.feed(chunk):
             if event.data.strip() == "[DONE]":
@@ -87,14 +88,14 @@ class Tally:
             self.first_token = self.last_byte
         return self.ended
 
-    def whole(self, body: bytes) -> None:
-        """A non-stream answer, all of it."""
-        self._arrived()
+    def whole(self, body: bytes, at: float | None = None) -> None:
+        """A non-stream answer, all of it (arrived at `at`, monotonic; default now)."""
+        self._arrived(at)
         self._read(_parse(body), None, "message")
         self.first_token = self.first_byte  # all of it at once: its time is the first token's
 
-    def _arrived(self) -> None:
-        now = time.monotonic()
+    def _arrived(self, at: float | None) -> None:
+        now = time.monotonic() if at is None else at
         if self.first_byte is None:
             self.first_byte = now
         self.last_byte = now

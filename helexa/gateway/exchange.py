@@ -71,6 +71,13 @@ class Reply:
     def node(self) -> str:
         return self.headers["x-helexa-node"]
 
+    def ends_with(self, chunk: bytes) -> bool:
+        """Whether `chunk`, just relayed, was the last of a whole chat or completions stream
+        (the node's answer complete, nothing after it, `data: [DONE]` last): its client's
+        answer can end before the books read it."""
+        resp = self.resp
+        return resp.complete and not resp.chunks and chunk.endswith(b"data: [DONE]\n\n")
+
 
 @dataclass(slots=True, frozen=True)
 class NodeAnswer:
@@ -238,19 +245,24 @@ class Exchanges:
 
     # -- the answer ----------------------------------------------------------------------
     async def relay(self, reply: Reply) -> AsyncIterator[bytes]:
-        """The node's stream, chunk by chunk as it arrives; the books read its events on
-        the way and queue its settlement with its last event, never waiting for the
-        database (docs/gateway.md § Budgets says why a cap still holds). A stream the node
-        breaks off ends with an error event; one the client leaves is settled from what the
-        node says it used."""
+        """The node's stream, chunk by chunk as it arrives; each chunk goes to the client
+        first and is read for the books after (its arrival time kept), so that neither
+        parsing nor the settlement queued with the last event delays a byte. Nothing is
+        awaited on the database (docs/gateway.md § Budgets says why a cap still holds). A
+        stream the node breaks off ends with an error event; one the client leaves is
+        settled from what the node says it used."""
         ex, resp = reply.exchange, reply.resp
         tally = ex.tally
+        unread: bytes | None = None  # a chunk relayed, or on its way, not yet read
+        arrived = 0.0
         try:
             try:
                 async for chunk in resp.iter_any():
-                    if tally.feed(chunk) and not ex.settled:
-                        self.finish(ex, resp.status)
+                    unread, arrived = chunk, time.monotonic()
                     yield chunk
+                    unread = None
+                    if tally.feed(chunk, arrived) and not ex.settled:
+                        self.finish(ex, resp.status)
             except (aiohttp.ClientError, TimeoutError) as e:
                 warn("upstream stream broke", _route(ex), reply.path, error=repr(e))
             resp.release() if tally.ended else resp.close()
@@ -258,6 +270,10 @@ class Exchanges:
                 self._cut_later(ex, 502)
                 yield _cut_event(reply.path, reply.node)
         finally:
+            if unread is not None and not ex.settled:  # what the node sent counts, and
+                tally.feed(unread, arrived)  # may be its whole answer, usage and all
+                if tally.ended:
+                    self.finish(ex, resp.status)
             if not ex.settled:  # the client left: the node's usage is asked off this path
                 resp.close()
                 self._cut_later(ex, 499)
@@ -266,6 +282,15 @@ class Exchanges:
         """The node's whole answer, its settlement queued (not awaited) as it is returned. A
         node that breaks off settles as a 502 and raises; a client that leaves (the read
         cancelled) drops the node's request and is settled from what the node used."""
+        data, arrived = await self.fetch(reply)
+        self.settle_whole(reply, data, arrived, log_error=log_error)
+        return data
+
+    async def fetch(self, reply: Reply) -> tuple[bytes, float]:
+        """The node's whole answer and when it arrived, not yet read for the books: the
+        caller sends it on, then calls `settle_whole` (however the sending ends). A node that
+        breaks off settles as a 502 and raises; a client that leaves (the read cancelled)
+        drops the node's request and is settled from what the node used."""
         ex, resp = reply.exchange, reply.resp
         try:
             data = await resp.read()
@@ -278,12 +303,18 @@ class Exchanges:
             self._cut_later(ex, 502)
             raise
         resp.release()
-        ex.tally.whole(data)
+        return data, time.monotonic()
+
+    def settle_whole(
+        self, reply: Reply, data: bytes, arrived: float, *, log_error: bool = True
+    ) -> None:
+        """The books of a whole answer `fetch` returned: its usage read, its settlement queued."""
+        ex, resp = reply.exchange, reply.resp
+        ex.tally.whole(data, arrived)
         self.finish(ex, resp.status)
         if resp.status >= 400 and log_error and ex.route is not None:
             body = data[:500].decode("utf-8", "replace")
             warn("upstream error", ex.route, reply.path, status=resp.status, body=body)
-        return data
 
     async def ask(
         self,

@@ -184,15 +184,24 @@ class Passthrough:
                 await send(_start(reply))
                 started = True
                 async for chunk in exchanges.relay(reply):
+                    if watch.answered:
+                        continue  # the answer's end went out; what is left is the books'
                     await send({**_MORE, "body": chunk})
-                watch.answered = True
-                await send({"type": "http.response.body", "body": b""})
+                    if reply.ends_with(chunk):  # the end out before the books read it
+                        watch.answered = True
+                        await send({"type": "http.response.body", "body": b""})
+                if not watch.answered:
+                    watch.answered = True
+                    await send({"type": "http.response.body", "body": b""})
             else:
-                data = await exchanges.read(reply)
+                data, arrived = await exchanges.fetch(reply)
                 watch.answered = True
-                await send(_start(reply, len(data)))
-                started = True
-                await send({"type": "http.response.body", "body": data})
+                try:  # the answer out first, then its books (however the sending ends)
+                    await send(_start(reply, len(data)))
+                    started = True
+                    await send({"type": "http.response.body", "body": data})
+                finally:
+                    exchanges.settle_whole(reply, data, arrived)
         except asyncio.CancelledError:
             current = asyncio.current_task()
             if not watch.left or current is None:
