@@ -10,6 +10,7 @@ placeholder keys); a known key is metered. `require_auth = true`: missing or unk
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -18,11 +19,16 @@ from helexa.errors import invalid_api_key
 from helexa.gateway.keys import KeyInfo, KeyStore, hash_secret
 from helexa.protocol.wire import bearer_token
 
+log = logging.getLogger(__name__)
+
 # A key's lookup (its models, its budget, whether it is revoked) is reused this long; the
 # poller's DatabaseSync also drops every one each poll interval, so a change made through
 # another gateway or `helexa keys` is seen within the shorter of the two.
 CACHE_TTL_S = 2.0
 CACHE_MAX = 10_000
+# a lookup this close to its expiry is read again in the background while it is still
+# served: a busy key's requests never wait for the database, and never all at once
+REFRESH_AHEAD_S = 0.5
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,6 +59,8 @@ class Authenticator:
         self.require_auth = require_auth
         self._cache: dict[str, tuple[float, KeyInfo | None]] = {}  # hash -> (expiry, key)
         self._forgotten = 0  # forget() calls: a lookup that spans one is not cached
+        # hash -> the lookup on its way: every request for that key waits for this one
+        self._reading: dict[str, asyncio.Task[KeyInfo | None]] = {}
 
     async def authenticate(self, headers: Mapping[str, str]) -> Principal:
         secret = bearer_secret(headers)
@@ -75,16 +83,37 @@ class Authenticator:
         self._forgotten += 1
 
     async def _lookup(self, secret: str) -> KeyInfo | None:
+        """The key a secret names: from the cache (read again in the background shortly
+        before it expires), else from one database read shared by every request for it."""
         digest = hash_secret(secret)
         now = time.monotonic()
         hit = self._cache.get(digest)
         if hit is not None and hit[0] > now:
+            if hit[0] - now < REFRESH_AHEAD_S and digest not in self._reading:
+                self._read(digest, secret).add_done_callback(_refresh_done)
             return hit[1]
-        forgotten = self._forgotten
-        key = await asyncio.to_thread(self.store.lookup, secret)
-        if forgotten != self._forgotten:  # it may predate the change that forget() is for
-            return key
-        if len(self._cache) >= CACHE_MAX:
-            self._cache.clear()
-        self._cache[digest] = (now + CACHE_TTL_S, key)
+        reading = self._reading.get(digest) or self._read(digest, secret)
+        return await asyncio.shield(reading)  # a waiter leaving does not cancel the others'
+
+    def _read(self, digest: str, secret: str) -> asyncio.Task[KeyInfo | None]:
+        task = asyncio.get_running_loop().create_task(self._fetch(digest, secret))
+        self._reading[digest] = task
+        return task
+
+    async def _fetch(self, digest: str, secret: str) -> KeyInfo | None:
+        started, forgotten = time.monotonic(), self._forgotten
+        try:
+            key = await asyncio.to_thread(self.store.lookup, secret)
+        finally:
+            self._reading.pop(digest, None)
+        if forgotten == self._forgotten:  # else it may predate the change forget() is for
+            if len(self._cache) >= CACHE_MAX:
+                self._cache.clear()
+            self._cache[digest] = (started + CACHE_TTL_S, key)
         return key
+
+
+def _refresh_done(task: asyncio.Task[KeyInfo | None]) -> None:
+    """A background read that failed leaves the cached lookup to expire as it would."""
+    if not task.cancelled() and task.exception() is not None:
+        log.warning("reading an API key again failed: %s", task.exception())

@@ -22,7 +22,9 @@ What keeps a cap unpassable, with any number of gateways on one database:
 Headroom is about a second of the key's recent use here (at least `HEADROOM_REQUESTS`
 requests like this one) and never more than `1 / HEADROOM_SHARE` of what the cap leaves,
 so near a cap a purse shrinks to each request's own bound (the exact reservation again) and
-leaves the rest to other gateways. A purse whose requests have all ended is retired with
+leaves the rest to other gateways. Once less than half of it is free, the purse is topped
+up in the background (nobody waits: requests draw on the rest meanwhile), so a busy key's
+requests reach the database only when a burst outruns the headroom. A purse whose requests have all ended is retired with
 the settlements queued with it (the row deleted); a request that arrives before that batch
 is taken revives it. The price of the round trips saved: a gateway killed while holding a
 purse has its row booked whole when its lease runs out (budgets.py), its free part
@@ -102,6 +104,7 @@ class Purse:
     retired: bool = False  # its row is (being) deleted, or lost: no more draws
     revivals: int = 0  # a retirement queued before the latest draw no longer applies
     idle_since: float = 0.0  # when its last request ended
+    topping: bool = False  # a top-up (headroom only, nobody waiting) is on its way
     since: float = field(default_factory=time.monotonic)
     used: int = 0  # tokens its requests used since `since`
 
@@ -153,6 +156,7 @@ class Purses:
         if purse.fits(tokens, cost):
             purse.free_tokens -= tokens
             purse.free_cost -= cost
+            self._top_up(purse, key, budget, model, price, tokens)
             return self._hold(purse, tokens, cost, max_output, n)
         try:
             got = await self._grow(purse, key, budget, model, prompt_tokens, max_output, n, price)
@@ -213,6 +217,44 @@ class Purses:
         purse.free_tokens -= need_tokens
         purse.free_cost -= need_cost
         return out, need_tokens, need_cost
+
+    def _top_up(
+        self,
+        purse: Purse,
+        key: KeyInfo,
+        budget: BudgetInfo,
+        model: str,
+        price: tuple[float, float],
+        need: int,
+    ) -> None:
+        """Grow the purse by its headroom, in the background, once under half of it is
+        free: requests keep drawing on the rest meanwhile, so that a busy key's requests
+        never wait for the database (and never all at once, as when the free part runs
+        out under many requests in flight)."""
+        if purse.topping or purse.retired:
+            return
+        headroom = purse.headroom(need)
+        if purse.free_tokens >= headroom // 2:
+            return
+        purse.topping = True
+        op = _grow_op(
+            purse, self.budgets.gateway_id, key, budget, model, None, price, (0, 0.0), headroom
+        )
+        # written at once (awaited, for the writer), but nobody waits: it lands in time
+        future = self.ledger.submit(op, keep=False, lock=key.id, awaited=True)
+        future.add_done_callback(lambda done: self._topped(purse, done))
+
+    def _topped(self, purse: Purse, done: asyncio.Future[Any]) -> None:
+        purse.topping = False
+        if done.cancelled() or done.exception() is not None:
+            return  # the database did not take it: a request short of tokens grows it
+        result = done.result()
+        if purse.retired:
+            return  # its row went after the top-up, with it
+        if result is LOST:
+            self._lose(purse)
+        else:
+            self._granted(purse, result, (0, 0.0))
 
     def _granted(self, purse: Purse, result: Any, credit: tuple[int, float]) -> None:
         """The row grew (by the op's grant, which counted `credit` as already in it)."""
@@ -338,25 +380,28 @@ def _grow_op(
     key: KeyInfo,
     budget: BudgetInfo,
     model: str,
-    ask: tuple[int, int, int],  # prompt tokens, max output, n
+    ask: tuple[int, int, int] | None,  # prompt tokens, max output, n; None: headroom only
     price: tuple[float, float],
     credit: tuple[int, float],
     headroom: int,
 ) -> Callable[[Connection], Any]:
     pid, written = purse.id, purse.written
-    prompt_tokens, max_output, n = ask
 
     def run(conn: Connection) -> tuple[int, int, float, int, float] | Refused | _Lost:
         now = datetime.now(UTC)
         left = read_left(conn, key, budget, now)
         tokens_left = None if left.tokens is None else left.tokens + credit[0]
         cost_left = None if left.cost is None else left.cost + credit[1]
-        room = output_room(prompt_tokens, tokens_left, cost_left, *price)
-        out = max_output if room is None else min(max_output, room // n)
-        if out < 1:
-            return refused(left, prompt_tokens, n, price, credit)
-        need_tokens = prompt_tokens + out * n
-        need_cost = cost_usd(prompt_tokens, out * n, *price)
+        out = need_tokens = 0
+        need_cost = 0.0
+        if ask is not None:
+            prompt_tokens, max_output, n = ask
+            room = output_room(prompt_tokens, tokens_left, cost_left, *price)
+            out = max_output if room is None else min(max_output, room // n)
+            if out < 1:
+                return refused(left, prompt_tokens, n, price, credit)
+            need_tokens = prompt_tokens + out * n
+            need_cost = cost_usd(prompt_tokens, out * n, *price)
         extra = headroom
         per_token = max(price) / 1e6
         if tokens_left is not None:
@@ -366,6 +411,8 @@ def _grow_op(
             extra = min(extra, int(by_cost))
         grant_tokens = need_tokens + extra - credit[0]
         grant_cost = need_cost + extra * per_token - credit[1]
+        if ask is None and extra <= 0:
+            return out, 0, 0.0, 0, 0.0  # near the cap: no headroom to take
         grown = conn.execute(_GROW, {"pid": pid, "tokens": grant_tokens, "cost": grant_cost})
         if not grown.rowcount:
             if written:
