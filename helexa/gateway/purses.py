@@ -22,7 +22,7 @@ What keeps a cap unpassable, with any number of gateways on one database:
 Headroom is about a second of the key's recent use here (at least `HEADROOM_REQUESTS`
 requests like this one) and never more than `1 / HEADROOM_SHARE` of what the cap leaves,
 so near a cap a purse shrinks to each request's own bound (the exact reservation again) and
-leaves the rest to other gateways. Once less than half of it is free, the purse is topped
+leaves the rest to other gateways. Once less than that is free, the purse is topped
 up in the background (nobody waits: requests draw on the rest meanwhile), so a busy key's
 requests reach the database only when a burst outruns the headroom. A purse whose requests have all ended is retired with
 the settlements queued with it (the row deleted); a request that arrives before that batch
@@ -104,7 +104,7 @@ class Purse:
     retired: bool = False  # its row is (being) deleted, or lost: no more draws
     revivals: int = 0  # a retirement queued before the latest draw no longer applies
     idle_since: float = 0.0  # when its last request ended
-    topping: bool = False  # a top-up (headroom only, nobody waiting) is on its way
+    topping: asyncio.Future[Any] | None = None  # a top-up (headroom only) on its way
     since: float = field(default_factory=time.monotonic)
     used: int = 0  # tokens its requests used since `since`
 
@@ -112,13 +112,14 @@ class Purse:
         return self.free_tokens >= tokens and self.free_cost >= cost
 
     def headroom(self, need: int) -> int:
-        """Tokens to grow by past a request's need: about `HEADROOM_S` of recent use."""
+        """Tokens to grow by past a request's need: about `HEADROOM_S` of recent use, and
+        at least `HEADROOM_REQUESTS` bounds like this one or two per request in flight."""
         now = time.monotonic()
         span = now - self.since
         per_s = self.used / max(span, HEADROOM_S)
         if span > 4 * HEADROOM_S:  # the rate of the last few seconds, not of all time
             self.since, self.used = now, 0
-        return max(HEADROOM_REQUESTS * need, int(per_s * HEADROOM_S))
+        return max(max(HEADROOM_REQUESTS, 2 * self.users) * need, int(per_s * HEADROOM_S))
 
 
 class Purses:
@@ -129,7 +130,8 @@ class Purses:
         self.ledger = budgets.ledger
         self._current: dict[str, Purse] = {}  # by key id: where its next request draws
         self._open: dict[str, Purse] = {}  # by purse id: every purse not yet retired
-        self.grows = 0  # round trips to the database (grow ops written)
+        self.grows = 0  # grow ops a request waited for (a round trip on its path)
+        self.top_ups = 0  # grow ops nobody waited for
 
     async def draw(
         self,
@@ -153,6 +155,12 @@ class Purses:
         )
         purse.users += 1
         purse.revivals += 1
+        if purse.topping is not None and not purse.fits(tokens, cost):
+            try:  # short while a top-up is on its way: wait for it, not a round trip more
+                await asyncio.wait([purse.topping])
+            except BaseException:
+                self._leave(purse)
+                raise
         if purse.fits(tokens, cost):
             purse.free_tokens -= tokens
             purse.free_cost -= cost
@@ -213,6 +221,7 @@ class Purses:
             self._lose(purse)
             return LOST
         out, need_tokens, need_cost, _, _ = got
+        self.grows += 1
         self._granted(purse, got, credit)
         purse.free_tokens -= need_tokens
         purse.free_cost -= need_cost
@@ -227,25 +236,25 @@ class Purses:
         price: tuple[float, float],
         need: int,
     ) -> None:
-        """Grow the purse by its headroom, in the background, once under half of it is
+        """Grow the purse by its headroom, in the background, once less than that is
         free: requests keep drawing on the rest meanwhile, so that a busy key's requests
         never wait for the database (and never all at once, as when the free part runs
         out under many requests in flight)."""
-        if purse.topping or purse.retired:
+        if purse.topping is not None or purse.retired:
             return
         headroom = purse.headroom(need)
-        if purse.free_tokens >= headroom // 2:
+        if purse.free_tokens >= headroom:
             return
-        purse.topping = True
         op = _grow_op(
             purse, self.budgets.gateway_id, key, budget, model, None, price, (0, 0.0), headroom
         )
         # written at once (awaited, for the writer), but nobody waits: it lands in time
         future = self.ledger.submit(op, keep=False, lock=key.id, awaited=True)
+        purse.topping = future
         future.add_done_callback(lambda done: self._topped(purse, done))
 
     def _topped(self, purse: Purse, done: asyncio.Future[Any]) -> None:
-        purse.topping = False
+        purse.topping = None
         if done.cancelled() or done.exception() is not None:
             return  # the database did not take it: a request short of tokens grows it
         result = done.result()
@@ -254,12 +263,12 @@ class Purses:
         if result is LOST:
             self._lose(purse)
         else:
+            self.top_ups += 1
             self._granted(purse, result, (0, 0.0))
 
     def _granted(self, purse: Purse, result: Any, credit: tuple[int, float]) -> None:
         """The row grew (by the op's grant, which counted `credit` as already in it)."""
         if isinstance(result, tuple):
-            self.grows += 1
             purse.written = True
             purse.free_tokens += credit[0] + result[3]
             purse.free_cost += credit[1] + result[4]
