@@ -202,6 +202,44 @@ def _serve(args: argparse.Namespace, cfg: Config) -> int:
     )
 
 
+def cmd_acp(args: argparse.Namespace, cfg: Config | None) -> int:
+    """`helexa acp`: the editor agent on stdin/stdout (docs/acp.md); its log on stderr (and
+    in $HELEXA_ACP_LOG_FILE when set), never on stdout, which is the protocol's."""
+    import asyncio
+    from pathlib import Path
+
+    from helexa.acp.config import AcpConfigError
+    from helexa.acp.config import load_config as load_endpoints
+
+    try:
+        endpoints = load_endpoints(Path(args.endpoints) if args.endpoints else None)
+    except AcpConfigError as e:
+        print(f"helexa acp: {e}", file=sys.stderr)
+        return 2
+    handlers: list[logging.Handler] = [logging.StreamHandler(sys.stderr)]
+    if os.environ.get("HELEXA_ACP_LOG_FILE"):
+        handlers.append(logging.FileHandler(os.environ["HELEXA_ACP_LOG_FILE"]))
+    logging.basicConfig(
+        level=logging.INFO,
+        handlers=handlers,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    from acp import run_agent
+
+    from helexa.acp.agent import MAX_ROUNDS, HelexaAgent
+
+    rounds = os.environ.get("HELEXA_ACP_MAX_ROUNDS", "")
+    if rounds and (not rounds.isdigit() or int(rounds) < 1):
+        print(
+            f"helexa acp: HELEXA_ACP_MAX_ROUNDS: expected a positive number, got {rounds!r}",
+            file=sys.stderr,
+        )
+        return 2
+    agent = HelexaAgent(endpoints, max_rounds=int(rounds) if rounds else MAX_ROUNDS)
+    asyncio.run(run_agent(agent))
+    return 0
+
+
 def cmd_config(args: argparse.Namespace, cfg: Config) -> int:
     """Print the effective configuration (file + environment), secrets left out."""
     print(cfg)
@@ -428,6 +466,13 @@ def build_parser(with_bench: bool | str = True) -> argparse.ArgumentParser:
     )
     admin.set_defaults(func=cmd_admin)
 
+    agent = sub.add_parser("acp", help="the coding agent for ACP editors (Zed), on stdio")
+    agent.add_argument(
+        "--endpoints", metavar="PATH",
+        help="the model endpoints' TOML (default: ~/.config/helexa/acp.toml, else HELEXA_ACP_*)",
+    )  # fmt: skip
+    agent.set_defaults(func=cmd_acp)
+
     show = sub.add_parser("config", help="print the effective configuration")
     _add_config_arg(show)
     show.set_defaults(func=cmd_config)
@@ -446,6 +491,8 @@ def _bench_suite(argv: Sequence[str]) -> bool | str:
 def main(argv: Sequence[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser(with_bench=_bench_suite(argv)).parse_args(argv)
+    if args.func is cmd_acp:  # a client of the APIs: helexa.toml is the servers' file
+        return cmd_acp(args, None)
     try:
         cfg = load_config(getattr(args, "config", None))
     except ConfigError as e:

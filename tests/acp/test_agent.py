@@ -1,0 +1,218 @@
+"""`helexa acp` as the editor sees it: the agent a real subprocess, driven through the
+SDK's client side, against a real gateway and node serving scripted models. A session
+lists the endpoint's models and the modes; a prompt streams thoughts and text; a write is
+asked permission for and done through the editor's fs (or refused when the user says no);
+plan mode runs no command; the transcript survives the agent's restart and is replayed on
+load."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from acp import PROTOCOL_VERSION, spawn_agent_process, text_block
+from acp.schema import (
+    AllowedOutcome,
+    ClientCapabilities,
+    FileSystemCapabilities,
+    ReadTextFileResponse,
+    RequestPermissionResponse,
+    WriteTextFileResponse,
+)
+
+from tests.gateway.gateway_proc import start_gateway
+from tests.model_fixtures import AGENT_SCRIPTS, QWEN3, need_shared
+from tests.web.node_proc import scripted_model, start_node
+
+
+def _call(name: str, arguments: dict) -> str:
+    return f"<tool_call>\n{json.dumps({'name': name, 'arguments': arguments})}\n</tool_call>"
+
+
+SCRIPTS = {
+    "think": AGENT_SCRIPTS["think"],
+    "writes": "I will write it.\n"
+    + _call("write_file", {"path": "notes/out.txt", "content": "written\n"}),
+    "runs": _call("bash", {"command": "echo ran > ran.txt"}),
+}
+
+
+class Editor:
+    """The client's side, as an editor plays it: records every update, answers permission
+    requests with `allow`, and serves fs/* from the disk (counting them)."""
+
+    def __init__(self, allow: bool = True) -> None:
+        self.allow = allow
+        self.updates: list[Any] = []
+        self.permissions: list[Any] = []
+        self.fs_writes: list[str] = []
+
+    async def request_permission(self, options, session_id, tool_call, **_: Any):
+        self.permissions.append(tool_call)
+        choice = "allow" if self.allow else "reject"
+        return RequestPermissionResponse(
+            outcome=AllowedOutcome(outcome="selected", option_id=choice)
+        )
+
+    async def session_update(self, session_id, update, **_: Any) -> None:
+        self.updates.append(update)
+
+    async def read_text_file(self, path, session_id, limit=None, line=None, **_: Any):
+        return ReadTextFileResponse(content=Path(path).read_text())
+
+    async def write_text_file(self, content, path, session_id, **_: Any):
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(content)
+        self.fs_writes.append(path)
+        return WriteTextFileResponse()
+
+    def kinds(self) -> list[str]:
+        return [u.session_update for u in self.updates]
+
+    def text(self, kind: str) -> str:
+        return "".join(u.content.text for u in self.updates if u.session_update == kind)
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    need_shared()
+    root = tmp_path_factory.mktemp("acp-agent-models")
+    models = {
+        name: str(scripted_model(root, script, name, tokenizer_from=QWEN3))
+        for name, script in SCRIPTS.items()
+    }
+    node = start_node(tmp_path_factory.mktemp("acp-agent-node"), list(models.values()))
+    gateway = start_gateway(tmp_path_factory.mktemp("acp-agent-gw"), {"n": node})
+    yield gateway, models
+    gateway.stop()
+    node.stop(signal.SIGTERM)
+
+
+def _env(gateway, tmp_path: Path, model: str) -> dict[str, str]:
+    return {
+        **os.environ,
+        "HELEXA_ACP_BASE_URL": gateway.v1,
+        "HELEXA_ACP_MODEL": model,
+        "HELEXA_ACP_MAX_ROUNDS": "2",
+        "XDG_DATA_HOME": str(tmp_path / "data"),
+        "XDG_CONFIG_HOME": str(tmp_path / "config"),
+        "HELEXA_CONFIG": str(tmp_path / "none.toml"),  # helexa acp never reads it
+    }
+
+
+async def _session(editor: Editor, env: dict, project: Path, work) -> Any:
+    async with spawn_agent_process(
+        lambda _agent: editor, sys.executable, "-m", "helexa.cli", "acp", env=env, cwd=project
+    ) as (conn, _proc):
+        caps = ClientCapabilities(
+            fs=FileSystemCapabilities(read_text_file=True, write_text_file=True)
+        )
+        init = await conn.initialize(protocol_version=PROTOCOL_VERSION, client_capabilities=caps)
+        assert init.agent_capabilities.load_session
+        return await asyncio.wait_for(work(conn), 240)
+
+
+def _project(tmp_path: Path) -> Path:
+    project = tmp_path / "project"
+    project.mkdir(exist_ok=True)
+    return project
+
+
+def test_a_prompt_streams_thoughts_and_text_and_the_session_lists_models_and_modes(
+    served, tmp_path
+):
+    gateway, models = served
+    editor, project = Editor(), _project(tmp_path)
+
+    async def work(conn):
+        session = await conn.new_session(cwd=str(project), mcp_servers=[])
+        answer = await conn.prompt(session_id=session.session_id, prompt=[text_block("2 + 2?")])
+        return session, answer
+
+    session, answer = asyncio.run(
+        _session(editor, _env(gateway, tmp_path, models["think"]), project, work)
+    )
+    assert answer.stop_reason == "end_turn"
+    assert "Let me count" in editor.text("agent_thought_chunk")
+    assert editor.text("agent_message_chunk").strip() == "The answer is 4."
+    [model_option, mode_option] = session.config_options
+    assert model_option.current_value == models["think"]
+    assert set(models.values()) <= {o.value for o in model_option.options}
+    assert {m.id for m in session.modes.available_modes} == {"default", "bypass", "plan"}
+    assert session.modes.current_mode_id == mode_option.current_value == "default"
+
+
+@pytest.mark.parametrize("allow", [True, False])
+def test_a_write_asks_permission_and_goes_through_the_editor(served, tmp_path, allow):
+    gateway, models = served
+    editor, project = Editor(allow=allow), _project(tmp_path)
+
+    async def work(conn):
+        session = await conn.new_session(cwd=str(project), mcp_servers=[])
+        return await conn.prompt(session_id=session.session_id, prompt=[text_block("write it")])
+
+    answer = asyncio.run(_session(editor, _env(gateway, tmp_path, models["writes"]), project, work))
+    assert answer.stop_reason == "max_turn_requests"  # the script calls again each round
+    assert len(editor.permissions) == 2 and editor.permissions[0].title.startswith("write_file")
+    out = project / "notes" / "out.txt"
+    statuses = [u.status for u in editor.updates if u.session_update == "tool_call_update"]
+    if allow:
+        assert out.read_text() == "written\n" and editor.fs_writes == [str(out)] * 2
+        assert statuses.count("completed") == 2
+    else:
+        assert not out.exists() and editor.fs_writes == []
+        assert statuses.count("failed") == 2
+
+
+def test_plan_mode_runs_no_command_and_bypass_runs_without_asking(served, tmp_path):
+    gateway, models = served
+    project = _project(tmp_path)
+    env = _env(gateway, tmp_path, models["runs"])
+
+    async def run_in(mode: str, editor: Editor):
+        async def work(conn):
+            session = await conn.new_session(cwd=str(project), mcp_servers=[])
+            await conn.set_session_mode(session_id=session.session_id, mode_id=mode)
+            return await conn.prompt(session_id=session.session_id, prompt=[text_block("run")])
+
+        return await _session(editor, env, project, work)
+
+    planner = Editor()
+    asyncio.run(run_in("plan", planner))
+    assert not (project / "ran.txt").exists() and not planner.permissions
+    failed = [u for u in planner.updates if getattr(u, "status", None) == "failed"]
+    assert failed and "plan mode runs no commands" in failed[0].content[0].content.text
+    bypasser = Editor()
+    asyncio.run(run_in("bypass", bypasser))
+    assert (project / "ran.txt").read_text() == "ran\n" and not bypasser.permissions
+
+
+def test_a_session_survives_the_agents_restart_and_is_replayed_on_load(served, tmp_path):
+    gateway, models = served
+    project = _project(tmp_path)
+    env = _env(gateway, tmp_path, models["think"])
+
+    async def first(conn):
+        session = await conn.new_session(cwd=str(project), mcp_servers=[])
+        await conn.prompt(session_id=session.session_id, prompt=[text_block("2 + 2, please?")])
+        return session.session_id
+
+    session_id = asyncio.run(_session(Editor(), env, project, first))
+    editor = Editor()
+
+    async def second(conn):
+        listed = await conn.list_sessions(cwd=str(project))
+        await conn.load_session(cwd=str(project), session_id=session_id, mcp_servers=[])
+        return listed
+
+    listed = asyncio.run(_session(editor, env, project, second))
+    assert [s.session_id for s in listed.sessions] == [session_id]
+    assert listed.sessions[0].title == "2 + 2, please?"
+    assert editor.kinds()[:2] == ["user_message_chunk", "agent_message_chunk"]
+    assert editor.text("agent_message_chunk").strip() == "The answer is 4."
