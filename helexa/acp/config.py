@@ -4,7 +4,7 @@ endpoint the environment alone.
 ```toml
 [[endpoints]]
 name = "home"                       # the model picker's prefix when there are several
-base_url = "http://gpu-box:8080/v1" # the API's root, `/v1` included
+base_url = "http://gpu-box:31313/v1" # the API's root, `/v1` included
 wire_api = "openai-chat"            # or "openai-responses", "anthropic-messages"
 api_key_env = "HELEXA_API_KEY"      # or api_key = "…"; neither: no key sent
 context_window = 32768              # optional: history is compacted to fit it
@@ -170,7 +170,7 @@ def _from_env(env: Mapping[str, str]) -> AcpConfig:
     if not env.get("HELEXA_ACP_BASE_URL"):
         problems.append(
             "no endpoint: write ~/.config/helexa/acp.toml (see helexa-acp.example.toml) or set "
-            "HELEXA_ACP_BASE_URL (e.g. http://127.0.0.1:8080/v1 for a local helexa gateway)"
+            "HELEXA_ACP_BASE_URL (e.g. http://127.0.0.1:31313/v1 for a local helexa gateway)"
         )
         raise AcpConfigError("environment", problems)
     table: dict[str, Any] = {
