@@ -56,6 +56,7 @@ from acp.schema import (
 )
 
 from helexa import __version__
+from helexa.acp.compaction import compact
 from helexa.acp.config import AcpConfig, model_selector, parse_selector
 from helexa.acp.paths import data_dir, inside, plan_dir
 from helexa.acp.store import Saved, Store
@@ -264,7 +265,8 @@ class HelexaAgent:
             system = Message("system", self._system_prompt(saved))
             text, calls, stop = "", {}, "stop"
             try:
-                async for e in wire.stream(model, [system, *saved.history], TOOLS):
+                sent = compact(system, saved.history, endpoint.context_window, endpoint.max_tokens)
+                async for e in wire.stream(model, sent, TOOLS):
                     if e.kind == "text":
                         text += e.text
                         await self._update(saved.id, update_agent_message_text(e.text))

@@ -40,6 +40,7 @@ SCRIPTS = {
     "writes": "I will write it.\n"
     + _call("write_file", {"path": "notes/out.txt", "content": "written\n"}),
     "runs": _call("bash", {"command": "echo ran > ran.txt"}),
+    "long": "word " * 3000,  # streams for a while: long enough to be cancelled
 }
 
 
@@ -216,3 +217,29 @@ def test_a_session_survives_the_agents_restart_and_is_replayed_on_load(served, t
     assert listed.sessions[0].title == "2 + 2, please?"
     assert editor.kinds()[:2] == ["user_message_chunk", "agent_message_chunk"]
     assert editor.text("agent_message_chunk").strip() == "The answer is 4."
+
+
+def test_cancel_stops_a_running_prompt_and_the_next_prompt_is_served(served, tmp_path):
+    gateway, models = served
+    project = _project(tmp_path)
+    editor = Editor()
+    env = _env(gateway, tmp_path, models["long"])
+
+    async def work(conn):
+        session = await conn.new_session(cwd=str(project), mcp_servers=[])
+        sid = session.session_id
+        running = asyncio.create_task(conn.prompt(session_id=sid, prompt=[text_block("talk")]))
+        while "agent_message_chunk" not in editor.kinds():
+            await asyncio.sleep(0.05)
+        await conn.cancel(session_id=sid)
+        cancelled = await running
+        chunks = len(editor.updates)
+        await conn.set_config_option(config_id="model", session_id=sid, value=models["think"])
+        after = await conn.prompt(session_id=sid, prompt=[text_block("2 + 2?")])
+        return cancelled, after, chunks
+
+    cancelled, after, chunks = asyncio.run(_session(editor, env, project, work))
+    assert cancelled.stop_reason == "cancelled"
+    assert chunks < 3000  # stopped long before the script's end
+    assert after.stop_reason == "end_turn"
+    assert editor.text("agent_message_chunk").endswith("The answer is 4.")
