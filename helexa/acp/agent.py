@@ -32,6 +32,7 @@ from acp import (
     start_tool_call,
     text_block,
     tool_content,
+    tool_terminal_ref,
     update_agent_message_text,
     update_agent_thought_text,
     update_tool_call,
@@ -60,7 +61,16 @@ from helexa.acp.compaction import compact
 from helexa.acp.config import AcpConfig, model_selector, parse_selector
 from helexa.acp.paths import data_dir, inside, plan_dir
 from helexa.acp.store import Saved, Store
-from helexa.acp.tools import BY_NAME, TOOLS, Files, LocalFiles, ToolResult, Workspace, call_tool
+from helexa.acp.tools import (
+    BY_NAME,
+    OUTPUT_CAP_BYTES,
+    TOOLS,
+    Files,
+    LocalFiles,
+    ToolResult,
+    Workspace,
+    call_tool,
+)
 from helexa.acp.wire import Message, ToolCall, Wire, WireError
 
 log = logging.getLogger(__name__)
@@ -124,6 +134,37 @@ class ClientFiles:
         await self.conn.write_text_file(session_id=self.session_id, path=str(path), content=text)
 
 
+class EditorTerminal:
+    """A command run in the editor's terminal (`terminal/*`), shown live in the tool call's
+    card; killed past its timeout."""
+
+    def __init__(self, conn: Any, session_id: str, call_id: str) -> None:
+        self.conn, self.session_id, self.call_id = conn, session_id, call_id
+
+    async def __call__(self, command: str, cwd: Path, timeout_s: float) -> tuple[int | None, str]:
+        sid = self.session_id
+        term = await self.conn.create_terminal(
+            session_id=sid, command="bash", args=["-c", command], cwd=str(cwd),
+            output_byte_limit=4 * OUTPUT_CAP_BYTES,
+        )  # fmt: skip
+        tid = term.terminal_id
+        try:
+            update = update_tool_call(self.call_id, content=[tool_terminal_ref(tid)])
+            await self.conn.session_update(session_id=sid, update=update)
+            try:
+                done = await asyncio.wait_for(
+                    self.conn.wait_for_terminal_exit(session_id=sid, terminal_id=tid), timeout_s
+                )
+                status = done.exit_code
+            except TimeoutError:
+                await self.conn.kill_terminal(session_id=sid, terminal_id=tid)
+                status = None
+            output = await self.conn.terminal_output(session_id=sid, terminal_id=tid)
+            return status, output.output
+        finally:
+            await self.conn.release_terminal(session_id=sid, terminal_id=tid)
+
+
 class HelexaAgent:
     def __init__(
         self, config: AcpConfig, store: Store | None = None, *, max_rounds: int = MAX_ROUNDS
@@ -136,6 +177,7 @@ class HelexaAgent:
         self.conn: Any = None
         self.models: list[str] | None = None  # the picker's ids, listed once
         self.fs_read = self.fs_write = False
+        self.terminals = False  # the editor runs commands (terminal/*)
 
     def on_connect(self, conn: Any) -> None:
         self.conn = conn
@@ -151,6 +193,7 @@ class HelexaAgent:
         fs = getattr(client_capabilities, "fs", None)
         self.fs_read = bool(getattr(fs, "read_text_file", False))
         self.fs_write = bool(getattr(fs, "write_text_file", False))
+        self.terminals = bool(getattr(client_capabilities, "terminal", False))
         return InitializeResponse(
             protocol_version=min(protocol_version, PROTOCOL_VERSION),
             agent_capabilities=AgentCapabilities(
@@ -306,7 +349,7 @@ class HelexaAgent:
                 call.id, _title(call), kind=kind, status="pending", raw_input=_raw(call.arguments)
             ),
         )
-        ws = self._workspace(saved)
+        ws = self._workspace(saved, call.id)
         refusal = self._refused_by_mode(saved, call, ws)
         asks = refusal is None and saved.mode == "default" and kind in ASKS
         if asks and not await self._allowed(saved.id, call, kind):
@@ -356,9 +399,10 @@ class HelexaAgent:
         return isinstance(outcome, AllowedOutcome) and outcome.option_id == "allow"
 
     # -- helpers -----------------------------------------------------------------------------
-    def _workspace(self, saved: Saved) -> Workspace:
+    def _workspace(self, saved: Saved, call_id: str) -> Workspace:
         files: Files = ClientFiles(self.conn, saved.id, read=self.fs_read, write=self.fs_write)
-        return Workspace(Path(saved.cwd), files)
+        run = EditorTerminal(self.conn, saved.id, call_id) if self.terminals else None
+        return Workspace(Path(saved.cwd), files, run=run)
 
     def _system_prompt(self, saved: Saved) -> str:
         text = SYSTEM_PROMPT.format(cwd=saved.cwd)

@@ -20,9 +20,14 @@ from acp import PROTOCOL_VERSION, spawn_agent_process, text_block
 from acp.schema import (
     AllowedOutcome,
     ClientCapabilities,
+    CreateTerminalResponse,
     FileSystemCapabilities,
+    KillTerminalResponse,
     ReadTextFileResponse,
+    ReleaseTerminalResponse,
     RequestPermissionResponse,
+    TerminalOutputResponse,
+    WaitForTerminalExitResponse,
     WriteTextFileResponse,
 )
 
@@ -80,6 +85,43 @@ class Editor:
         return "".join(u.content.text for u in self.updates if u.session_update == kind)
 
 
+class TerminalEditor(Editor):
+    """An editor that also runs the agent's commands in its own terminals."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.terminals: dict[str, Any] = {}
+        self.commands: list[list[str]] = []
+        self.released: list[str] = []
+
+    async def create_terminal(
+        self, command, session_id, args=None, cwd=None, env=None, output_byte_limit=None, **_: Any
+    ):
+        self.commands.append([command, *(args or [])])
+        proc = await asyncio.create_subprocess_exec(
+            command, *(args or []), cwd=cwd, stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.STDOUT,
+        )  # fmt: skip
+        tid = f"t{len(self.terminals)}"
+        self.terminals[tid] = proc
+        return CreateTerminalResponse(terminal_id=tid)
+
+    async def wait_for_terminal_exit(self, session_id, terminal_id, **_: Any):
+        return WaitForTerminalExitResponse(exit_code=await self.terminals[terminal_id].wait())
+
+    async def terminal_output(self, session_id, terminal_id, **_: Any):
+        out = await self.terminals[terminal_id].stdout.read()
+        return TerminalOutputResponse(output=out.decode(), truncated=False)
+
+    async def release_terminal(self, session_id, terminal_id, **_: Any):
+        self.released.append(terminal_id)
+        return ReleaseTerminalResponse()
+
+    async def kill_terminal(self, session_id, terminal_id, **_: Any):
+        self.terminals[terminal_id].kill()
+        return KillTerminalResponse()
+
+
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     need_shared()
@@ -112,7 +154,8 @@ async def _session(editor: Editor, env: dict, project: Path, work) -> Any:
         lambda _agent: editor, sys.executable, "-m", "helexa.cli", "acp", env=env, cwd=project
     ) as (conn, _proc):
         caps = ClientCapabilities(
-            fs=FileSystemCapabilities(read_text_file=True, write_text_file=True)
+            fs=FileSystemCapabilities(read_text_file=True, write_text_file=True),
+            terminal=isinstance(editor, TerminalEditor),
         )
         init = await conn.initialize(protocol_version=PROTOCOL_VERSION, client_capabilities=caps)
         assert init.agent_capabilities.load_session
@@ -243,3 +286,29 @@ def test_cancel_stops_a_running_prompt_and_the_next_prompt_is_served(served, tmp
     assert chunks < 3000  # stopped long before the script's end
     assert after.stop_reason == "end_turn"
     assert editor.text("agent_message_chunk").endswith("The answer is 4.")
+
+
+def test_commands_run_in_the_editors_terminal_when_it_offers_one(served, tmp_path):
+    gateway, models = served
+    project = _project(tmp_path)
+    editor = TerminalEditor()
+
+    async def work(conn):
+        session = await conn.new_session(cwd=str(project), mcp_servers=[])
+        await conn.set_session_mode(session_id=session.session_id, mode_id="bypass")
+        return await conn.prompt(session_id=session.session_id, prompt=[text_block("run")])
+
+    asyncio.run(_session(editor, _env(gateway, tmp_path, models["runs"]), project, work))
+    assert editor.commands[0] == ["bash", "-c", "echo ran > ran.txt"]
+    assert (project / "ran.txt").read_text() == "ran\n"
+    assert editor.released == list(editor.terminals)  # every terminal given back
+    shown = [
+        c.terminal_id
+        for u in editor.updates
+        if u.session_update == "tool_call_update"
+        for c in (u.content or [])
+        if getattr(c, "type", None) == "terminal"
+    ]
+    assert shown == list(editor.terminals)  # each shown live in its tool call's card
+    results = [u for u in editor.updates if getattr(u, "status", None) == "completed"]
+    assert results and results[0].content[0].content.text.startswith("exit status 0")
