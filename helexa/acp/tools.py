@@ -163,14 +163,20 @@ class Workspace:
 
 
 def parse_arguments(raw: str | dict[str, Any] | None) -> dict[str, Any]:
-    """A call's arguments as a model sent them (a JSON object, or its text); ToolError when
-    they are not an object."""
+    """A call's arguments as a model sent them (a JSON object, or its text), with the slips
+    weak models make repaired: a code fence around them, text after the object (`}}}`), the
+    object sent as a JSON string. ToolError (for the model to read) when no object is left."""
     if raw is None or raw == "":
         return {}
     if isinstance(raw, dict):
         return raw
+    text = raw.strip()
+    if text.startswith("```"):
+        text = text.strip("`").removeprefix("json").strip()
     try:
-        value = json.loads(raw)
+        value, _end = json.JSONDecoder().raw_decode(text)  # what follows the object: ignored
+        if isinstance(value, str):  # the object sent as a string
+            value, _end = json.JSONDecoder().raw_decode(value.strip())
     except (TypeError, ValueError) as e:
         raise ToolError(f"the arguments are not JSON ({e}); send a JSON object") from None
     if not isinstance(value, dict):

@@ -46,6 +46,15 @@ SCRIPTS = {
     + _call("write_file", {"path": "notes/out.txt", "content": "written\n"}),
     "runs": _call("bash", {"command": "echo ran > ran.txt"}),
     "long": "word " * 3000,  # streams for a while: long enough to be cancelled
+    "all_tools": "\n".join(
+        [
+            _call("list_dir", {"path": "."}),
+            _call("read_file", {"path": "README.md"}),
+            _call("edit_file", {"path": "README.md", "old_text": "hello", "new_text": "hi there"}),
+            _call("write_file", {"path": "new.txt", "content": "new\n"}),
+            _call("bash", {"command": "cat README.md new.txt"}),
+        ]
+    ),
 }
 
 
@@ -168,20 +177,20 @@ def _project(tmp_path: Path) -> Path:
     return project
 
 
+@pytest.mark.parametrize("wire", ["openai-chat", "openai-responses", "anthropic-messages"])
 def test_a_prompt_streams_thoughts_and_text_and_the_session_lists_models_and_modes(
-    served, tmp_path
+    served, tmp_path, wire
 ):
     gateway, models = served
     editor, project = Editor(), _project(tmp_path)
+    env = {**_env(gateway, tmp_path, models["think"]), "HELEXA_ACP_WIRE_API": wire}
 
     async def work(conn):
         session = await conn.new_session(cwd=str(project), mcp_servers=[])
         answer = await conn.prompt(session_id=session.session_id, prompt=[text_block("2 + 2?")])
         return session, answer
 
-    session, answer = asyncio.run(
-        _session(editor, _env(gateway, tmp_path, models["think"]), project, work)
-    )
+    session, answer = asyncio.run(_session(editor, env, project, work))
     assert answer.stop_reason == "end_turn"
     assert "Let me count" in editor.text("agent_thought_chunk")
     assert editor.text("agent_message_chunk").strip() == "The answer is 4."
@@ -312,3 +321,29 @@ def test_commands_run_in_the_editors_terminal_when_it_offers_one(served, tmp_pat
     assert shown == list(editor.terminals)  # each shown live in its tool call's card
     results = [u for u in editor.updates if getattr(u, "status", None) == "completed"]
     assert results and results[0].content[0].content.text.startswith("exit status 0")
+
+
+def test_a_model_calls_every_tool_in_one_answer(served, tmp_path):
+    gateway, models = served
+    project = _project(tmp_path)
+    (project / "README.md").write_text("hello\n")
+    editor = Editor()
+    env = {**_env(gateway, tmp_path, models["all_tools"]), "HELEXA_ACP_MAX_ROUNDS": "1"}
+
+    async def work(conn):
+        session = await conn.new_session(cwd=str(project), mcp_servers=[])
+        await conn.set_session_mode(session_id=session.session_id, mode_id="bypass")
+        return await conn.prompt(session_id=session.session_id, prompt=[text_block("go")])
+
+    asyncio.run(_session(editor, env, project, work))
+    started = [u for u in editor.updates if u.session_update == "tool_call"]
+    assert [u.title.split()[0] for u in started] == [
+        "list_dir", "read_file", "edit_file", "write_file", "bash",
+    ]  # fmt: skip
+    assert [u.kind for u in started] == ["search", "read", "edit", "edit", "execute"]
+    done = [u for u in editor.updates if getattr(u, "status", None) == "completed"]
+    results = [u.content[0].content.text for u in done]
+    assert len(results) == 5 and "README.md" in results[0] and results[1] == "hello\n"
+    assert results[4].splitlines() == ["exit status 0", "hi there", "new"]
+    assert (project / "README.md").read_text() == "hi there\n"
+    assert (project / "new.txt").read_text() == "new\n"

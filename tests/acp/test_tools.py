@@ -150,3 +150,15 @@ def test_plan_directories_are_per_project_and_stable(tmp_path):
     assert plan_dir(a, env).name.startswith("app-")
     assert inside(plan_dir(a, env) / "plan.md", plan_dir(a, env))
     assert not inside(plan_dir(a, env).parent / "x.md", plan_dir(a, env))
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        '{"path": "README.md"}}}',  # a brace too many
+        '```json\n{"path": "README.md"}\n```',  # fenced
+        '"{\\"path\\": \\"README.md\\"}"',  # the object as a JSON string
+    ],
+)
+def test_a_weak_models_slips_in_its_arguments_are_repaired(ws, raw):
+    assert _call(ws, "read_file", raw) == ("hello\n", False)
