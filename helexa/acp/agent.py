@@ -57,7 +57,7 @@ from acp.schema import (
 )
 
 from helexa import __version__
-from helexa.acp.compaction import compact
+from helexa.acp.compaction import compact, tools_tokens
 from helexa.acp.config import AcpConfig, model_selector, parse_selector
 from helexa.acp.paths import data_dir, inside, plan_dir
 from helexa.acp.store import Saved, Store
@@ -81,6 +81,7 @@ MODES = {
     "bypass": ("Bypass permissions", "Writes and runs commands without asking"),
     "plan": ("Plan", "Reads and plans: no commands, writes only into the plan directory"),
 }
+TOOLS_TOKENS = tools_tokens([t.openai() for t in TOOLS])
 ASKS = frozenset({"edit", "execute"})  # the tool kinds default mode asks permission for
 SYSTEM_PROMPT = """You are a coding agent working in the user's project at {cwd}.
 Use the tools to read, search, edit and run what you need; prefer small exact edits
@@ -308,7 +309,13 @@ class HelexaAgent:
             system = Message("system", self._system_prompt(saved))
             text, calls, stop = "", {}, "stop"
             try:
-                sent = compact(system, saved.history, endpoint.context_window, endpoint.max_tokens)
+                sent = compact(
+                    system,
+                    saved.history,
+                    endpoint.context_window,
+                    endpoint.max_tokens,
+                    TOOLS_TOKENS,
+                )
                 async for e in wire.stream(model, sent, TOOLS):
                     if e.kind == "text":
                         text += e.text

@@ -7,6 +7,7 @@ The saved transcript is never changed: only what is sent."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from dataclasses import replace
 
@@ -31,19 +32,25 @@ def budget(context_window: int, max_tokens: int | None) -> int:
 
 
 def compact(
-    system: Message, history: Sequence[Message], context_window: int | None, max_tokens: int | None
+    system: Message,
+    history: Sequence[Message],
+    context_window: int | None,
+    max_tokens: int | None,
+    fixed_tokens: int = 0,
 ) -> list[Message]:
     """`[system, *history]`, with older tool results and assistant prose elided until it
-    fits `budget(context_window, max_tokens)` (unchanged without a context window)."""
+    fits `budget(context_window, max_tokens)` less `fixed_tokens` (the tools' schemas, sent
+    with every round); unchanged without a context window. Should the last messages alone
+    not fit, their tool results are cut to what fits, with a note telling the model to read
+    the rest in smaller pieces."""
     out = [system, *history]
     if context_window is None:
         return out
-    limit = budget(context_window, max_tokens)
+    limit = budget(context_window, max_tokens) - fixed_tokens
     total = sum(tokens(m) for m in out)
-    if total <= limit:
-        return out
     tail_from = max(1, len(out) - KEEP_TAIL)
-    # tool results first (the bulk of an agent's history), then assistant prose; oldest first
+    # tool results first (the bulk of an agent's history), then assistant prose; oldest
+    # first; then, as a last resort, the tail's tool results
     for role in ("tool", "assistant"):
         for i in range(1, tail_from):
             if total <= limit:
@@ -57,7 +64,32 @@ def compact(
             elided = replace(m, content=marker, images=[])
             total -= tokens(m) - tokens(elided)
             out[i] = elided
+    for i in range(tail_from, len(out)):  # the tail's own tool results: cut to what fits
+        if total <= limit:
+            break
+        m = out[i]
+        if m.role != "tool":
+            continue
+        note = -(-len(_cut_note(len(m.content))) // CHARS_PER_TOKEN)
+        room = max(0, limit - (total - tokens(m)) - PER_MESSAGE_TOKENS - note - 1) * CHARS_PER_TOKEN
+        if room >= len(m.content):
+            continue
+        cut = replace(m, content=m.content[:room] + _cut_note(len(m.content) - room))
+        total -= tokens(m) - tokens(cut)
+        out[i] = cut
     return out
+
+
+def _cut_note(chars: int) -> str:
+    return (
+        f"\n[… the last {chars} characters were cut to fit the context window: read the rest "
+        "in smaller pieces (read_file with line and limit)]"
+    )
+
+
+def tools_tokens(schemas: object) -> int:
+    """What the tools' definitions take of every prompt."""
+    return -(-len(json.dumps(schemas)) // CHARS_PER_TOKEN)
 
 
 def _marker(m: Message) -> str:

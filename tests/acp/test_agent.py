@@ -139,6 +139,13 @@ def served(tmp_path_factory):
         name: str(scripted_model(root, script, name, tokenizer_from=QWEN3))
         for name, script in SCRIPTS.items()
     }
+    # a model with a 4096-token context that reads a file longer than that
+    reader = scripted_model(
+        root, _call("read_file", {"path": "big.txt"}), "reader", tokenizer_from=QWEN3
+    )
+    config = json.loads((reader / "config.json").read_text())
+    (reader / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 4096}))
+    models["reader"] = str(reader)
     node = start_node(tmp_path_factory.mktemp("acp-agent-node"), list(models.values()))
     gateway = start_gateway(tmp_path_factory.mktemp("acp-agent-gw"), {"n": node})
     yield gateway, models
@@ -347,3 +354,31 @@ def test_a_model_calls_every_tool_in_one_answer(served, tmp_path):
     assert results[4].splitlines() == ["exit status 0", "hi there", "new"]
     assert (project / "README.md").read_text() == "hi there\n"
     assert (project / "new.txt").read_text() == "new\n"
+
+
+@pytest.mark.parametrize("window", [None, 4096])
+def test_history_is_compacted_into_a_small_context_window(served, tmp_path, window):
+    """A tool result longer than the model's 4096-token context: the next round fails at
+    the endpoint unless `context_window` is set, and then is served."""
+    gateway, models = served
+    project = _project(tmp_path)
+    (project / "big.txt").write_text("word " * 5000)
+    editor = Editor()
+    env = {**_env(gateway, tmp_path, models["reader"]), "HELEXA_ACP_MAX_TOKENS": "256"}
+    if window:
+        env["HELEXA_ACP_CONTEXT_WINDOW"] = str(window)
+
+    async def work(conn):
+        session = await conn.new_session(cwd=str(project), mcp_servers=[])
+        await conn.set_session_mode(session_id=session.session_id, mode_id="bypass")
+        return await conn.prompt(session_id=session.session_id, prompt=[text_block("read it")])
+
+    answer = asyncio.run(_session(editor, env, project, work))
+    reads = [u for u in editor.updates if getattr(u, "status", None) == "completed"]
+    if window is None:
+        assert answer.stop_reason == "end_turn" and len(reads) == 1
+        assert "the model endpoint failed" in editor.text("agent_message_chunk")
+    else:  # round 2 was served, the long result elided from what was sent
+        assert answer.stop_reason == "max_turn_requests", editor.text("agent_message_chunk")
+        assert len(reads) == 2
+        assert "the model endpoint failed" not in editor.text("agent_message_chunk")

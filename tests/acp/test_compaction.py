@@ -56,3 +56,15 @@ def test_assistant_prose_goes_once_the_results_are_not_enough():
 def test_images_are_counted():
     with_image = Message("user", "look", images=[("image/png", "AAAA")])
     assert tokens(with_image) >= 512
+
+
+def test_when_the_tail_alone_is_too_long_its_tool_results_are_cut_to_fit():
+    history = [
+        Message("user", "Read big.txt."),
+        Message("assistant", "", [ToolCall("c0", "read_file", '{"path": "big.txt"}')]),
+        Message("tool", "word " * 4000, tool_call_id="c0"),  # the round's own result, last
+    ]
+    out = compact(SYSTEM, history, 4096, 1024, fixed_tokens=500)
+    assert sum(tokens(m) for m in out) <= budget(4096, 1024) - 500
+    assert out[3].content.startswith("word word") and "were cut to fit" in out[3].content
+    assert out[:3] == [SYSTEM, *history[:2]]
