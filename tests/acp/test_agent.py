@@ -382,3 +382,46 @@ def test_history_is_compacted_into_a_small_context_window(served, tmp_path, wind
         assert answer.stop_reason == "max_turn_requests", editor.text("agent_message_chunk")
         assert len(reads) == 2
         assert "the model endpoint failed" not in editor.text("agent_message_chunk")
+
+
+def test_plan_mode_writes_only_into_the_plan_directory(served, tmp_path):
+    gateway, models = served
+    project = _project(tmp_path)
+    editor = Editor()
+
+    async def work(conn):
+        session = await conn.new_session(cwd=str(project), mcp_servers=[])
+        await conn.set_session_mode(session_id=session.session_id, mode_id="plan")
+        return await conn.prompt(session_id=session.session_id, prompt=[text_block("write")])
+
+    asyncio.run(_session(editor, _env(gateway, tmp_path, models["writes"]), project, work))
+    assert not (project / "notes").exists() and not editor.permissions
+    failed = [u for u in editor.updates if getattr(u, "status", None) == "failed"]
+    text = failed[0].content[0].content.text
+    plans = tmp_path / "data" / "helexa" / "acp" / "plans"
+    assert text.startswith("plan mode writes only under") and str(plans) in text
+
+
+def test_an_endpoint_that_cannot_list_its_models_is_skipped(served, tmp_path):
+    gateway, models = served
+    project = _project(tmp_path)
+    endpoints = tmp_path / "acp.toml"
+    endpoints.write_text(
+        f'[[endpoints]]\nname = "down"\nbase_url = "http://127.0.0.1:9/v1"\n'
+        f'[[endpoints]]\nname = "gw"\nbase_url = "{gateway.v1}"\n'
+        f'default_model = "{models["think"]}"\n'
+    )
+    env = {**_env(gateway, tmp_path, models["think"]), "HELEXA_ACP_CONFIG": str(endpoints)}
+    editor = Editor()
+
+    async def work(conn):
+        session = await conn.new_session(cwd=str(project), mcp_servers=[])
+        answer = await conn.prompt(session_id=session.session_id, prompt=[text_block("2 + 2?")])
+        return session, answer
+
+    session, answer = asyncio.run(_session(editor, env, project, work))
+    picker = [o.value for o in session.config_options[0].options]
+    assert picker and all(v.startswith("gw:") for v in picker)  # prefixed: two endpoints
+    assert session.config_options[0].current_value == f"gw:{models['think']}"
+    assert answer.stop_reason == "end_turn"
+    assert editor.text("agent_message_chunk").strip() == "The answer is 4."
