@@ -425,3 +425,24 @@ def test_an_endpoint_that_cannot_list_its_models_is_skipped(served, tmp_path):
     assert session.config_options[0].current_value == f"gw:{models['think']}"
     assert answer.stop_reason == "end_turn"
     assert editor.text("agent_message_chunk").strip() == "The answer is 4."
+
+
+def test_a_new_prompt_ends_one_still_running(served, tmp_path):
+    gateway, models = served
+    project = _project(tmp_path)
+    editor = Editor()
+    env = _env(gateway, tmp_path, models["long"])
+
+    async def work(conn):
+        session = await conn.new_session(cwd=str(project), mcp_servers=[])
+        sid = session.session_id
+        first = asyncio.create_task(conn.prompt(session_id=sid, prompt=[text_block("talk")]))
+        while "agent_message_chunk" not in editor.kinds():
+            await asyncio.sleep(0.05)
+        await conn.set_config_option(config_id="model", session_id=sid, value=models["think"])
+        second = await conn.prompt(session_id=sid, prompt=[text_block("2 + 2?")])  # no cancel
+        return await first, second
+
+    first, second = asyncio.run(_session(editor, env, project, work))
+    assert first.stop_reason == "cancelled" and second.stop_reason == "end_turn"
+    assert editor.text("agent_message_chunk").endswith("The answer is 4.")
