@@ -26,7 +26,7 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from sqlalchemy import Connection, bindparam, delete, func, insert, select, update
 
@@ -42,9 +42,6 @@ from helexa.gateway.ledger import (
 )
 from helexa.protocol.images import ImageEstimate, estimate_images
 from helexa.protocol.wire import CHARS_PER_TOKEN, cost_usd, output_room
-
-if TYPE_CHECKING:
-    from helexa.gateway.purses import Purse
 
 log = logging.getLogger(__name__)
 
@@ -80,7 +77,7 @@ class Reservation:
     cost: float
     max_output: int  # what each choice may generate now (its max_tokens, maybe lowered)
     n: int = 1
-    purse: Purse | None = None  # drawn from this gateway's purse (purses.py), not a row
+    purse: object | None = None  # the purse it was drawn from (purses.py), not a row
 
 
 @dataclass(slots=True, frozen=True)
@@ -100,6 +97,30 @@ def database_unavailable(why: str) -> HelexaError:
     )
 
 
+class Drawing(Protocol):
+    """What the budgets ask of the purses requests draw on (purses.Purses)."""
+
+    async def draw(
+        self,
+        key: KeyInfo,
+        model: str,
+        prompt_tokens: int,
+        max_output: int,
+        price: tuple[float, float],
+        n: int = 1,
+    ) -> Reservation | None: ...
+
+    def settle_op(self, res: Reservation, row: dict[str, Any]) -> Callable[[Connection], Any]: ...
+
+    def release(self, res: Reservation) -> None: ...
+
+    def done(self, res: Reservation) -> None: ...
+
+    def outstanding(self) -> tuple[int, float]: ...
+
+    def retire_idle(self) -> None: ...
+
+
 class Budgets:
     def __init__(
         self, ledger: Ledger, *, lease_s: float = 30.0, database_timeout_s: float = 2.0
@@ -109,9 +130,8 @@ class Budgets:
         self.timeout_s = database_timeout_s
         self.gateway_id = "gw_" + uuid.uuid4().hex[:24]
         self._live: dict[str, Reservation] = {}  # this gateway's, not yet settled
-        from helexa.gateway.purses import Purses  # built on this module's reservations
-
-        self.purses = Purses(self)  # what requests draw on: a round trip per share, not each
+        # what requests draw on (purses.py, built on this module: it registers itself here)
+        self.purses: Drawing | None = None
         self._task: asyncio.Task[None] | None = None
         self._stopping = False
         self.expired_booked = 0  # reservations of stopped gateways this one booked
@@ -170,8 +190,9 @@ class Budgets:
         purse; the future is answered once it is durable."""
         if res is None or res.purse is None:
             return self.ledger.submit(self.settle_op(res, row), keep=True, lock=lock)
-        future = self.ledger.submit(self.purses.settle_op(res, row), keep=True, lock=lock)
-        self.purses.done(res)  # the purse's retirement, if any, queued behind it
+        purses = self._drawing()
+        future = self.ledger.submit(purses.settle_op(res, row), keep=True, lock=lock)
+        purses.done(res)  # the purse's retirement, if any, queued behind it
         return future
 
     def release(self, res: Reservation, lock: str) -> asyncio.Future[Any] | None:
@@ -179,15 +200,20 @@ class Budgets:
         purse, nothing to write)."""
         if res.purse is None:
             return self.ledger.submit(self.release_op(res), keep=True, lock=lock)
-        self.purses.release(res)
-        self.purses.done(res)
+        purses = self._drawing()
+        purses.release(res)
+        purses.done(res)
         return None
+
+    def _drawing(self) -> Drawing:
+        assert self.purses is not None, "a reservation drawn from a purse has its purses"
+        return self.purses
 
     def outstanding(self) -> tuple[int, float]:
         """Tokens and cost this gateway holds reserved for requests in flight and has not
         settled (a purse's free part is not: no request holds it)."""
         live = self._live.values()
-        drawn_tokens, drawn_cost = self.purses.outstanding()
+        drawn_tokens, drawn_cost = self.purses.outstanding() if self.purses else (0, 0.0)
         return (
             sum(r.tokens for r in live) + drawn_tokens,
             sum(r.cost for r in live) + drawn_cost,
@@ -227,7 +253,8 @@ class Budgets:
     async def stop(self) -> None:
         """Stop renewing the lease (the ledger is closed after: idle purses' rows are
         deleted with the last writes)."""
-        self.purses.retire_idle()
+        if self.purses is not None:
+            self.purses.retire_idle()
         self._stopping = True
         if self._task is not None:
             self._task.cancel()

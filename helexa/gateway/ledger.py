@@ -81,6 +81,11 @@ class Op:
     # (a reservation nobody will use): undoes it
     abandoned: Callable[[Any], None] | None = None
     awaited: bool = False  # its caller waits for it: its batch does not linger
+    quiet: bool = False  # housekeeping (a purse's retirement): kept, not counted as backlog
+
+    @property
+    def counted(self) -> bool:
+        return self.keep and not self.quiet
 
 
 @dataclass(slots=True)
@@ -160,13 +165,16 @@ class Ledger:
         lock: str = "",
         abandoned: Callable[[Any], None] | None = None,
         awaited: bool = False,
+        quiet: bool = False,
     ) -> asyncio.Future[Any]:
         """Queue one op; the future is answered once its batch committed (or failed).
-        `awaited`: its caller waits for it, so its batch is written without lingering."""
+        `awaited`: its caller waits for it, so its batch is written without lingering.
+        `quiet`: kept like a settlement but not counted in the backlog (housekeeping)."""
         future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         queue = self._queue
-        queue.ops.append(Op(run, future, keep, lock, abandoned, awaited))
-        queue.kept += keep
+        op = Op(run, future, keep, lock, abandoned, awaited, quiet)
+        queue.ops.append(op)
+        queue.kept += op.counted
         queue.awaited += awaited
         self._wake.set()
         if awaited or len(queue.ops) >= MAX_BATCH:
@@ -246,7 +254,7 @@ class Ledger:
             if isinstance(op.run, Deferred):
                 run = op.run.decide()
                 if run is None:  # nothing to do after all
-                    self._queue.kept -= op.keep
+                    self._queue.kept -= op.counted
                     if not op.future.done():
                         op.future.set_result(None)
                     continue
@@ -324,7 +332,7 @@ class Ledger:
         state.database_ok, state.failing_since = True, None
         state.batches += 1
         for op, (ok, value) in zip(batch, results, strict=True):
-            self._queue.kept -= op.keep
+            self._queue.kept -= op.counted
             if not ok:
                 state.dropped += 1
                 log.error("the database refused a write to the books; it is dropped: %s", value)

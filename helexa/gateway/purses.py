@@ -131,6 +131,7 @@ class Purses:
         self._current: dict[str, Purse] = {}  # by key id: where its next request draws
         self._open: dict[str, Purse] = {}  # by purse id: every purse not yet retired
         self.grows = 0  # grow ops a request waited for (a round trip on its path)
+        budgets.purses = self  # settlements and the metrics reach the purses through it
         self.top_ups = 0  # grow ops nobody waited for
 
     async def draw(
@@ -344,7 +345,10 @@ class Purses:
         if purse.retired or purse.users or purse.revivals != revivals:
             return
         self.ledger.submit(
-            Deferred(lambda: self._retire(purse, revivals, idle_s)), keep=True, lock=purse.key_id
+            Deferred(lambda: self._retire(purse, revivals, idle_s)),
+            keep=True,
+            lock=purse.key_id,
+            quiet=True,
         )
 
     def _retire(

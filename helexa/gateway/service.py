@@ -28,6 +28,7 @@ from helexa.gateway.metrics import GatewayMetrics
 from helexa.gateway.model_jobs import ModelJobs
 from helexa.gateway.poller import DatabaseSync, NodeCalls, Poller
 from helexa.gateway.proxy import Upstream
+from helexa.gateway.purses import Purses
 from helexa.gateway.retention import Retention
 from helexa.gateway.router import Router
 
@@ -114,6 +115,7 @@ def build_gateway(cfg: Config) -> Gateway:
     budgets = Budgets(
         ledger, lease_s=g.reservation_lease_s, database_timeout_s=g.database_timeout_s
     )
+    Purses(budgets)  # what metered requests draw on: it registers itself as budgets.purses
     accountant = Accountant(budgets, ledger, metrics)
     metrics.watch_books(ledger, budgets)
     return Gateway(

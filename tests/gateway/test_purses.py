@@ -19,7 +19,7 @@ from helexa.errors import HelexaError
 from helexa.gateway.budgets import LEASE_EXPIRED, Budgets
 from helexa.gateway.keys import KeyStore
 from helexa.gateway.ledger import LINGER_S, Ledger
-from helexa.gateway.purses import HEADROOM_SHARE, RETIRE_IDLE_S
+from helexa.gateway.purses import HEADROOM_SHARE, RETIRE_IDLE_S, Purses
 
 PRICE = (1.0, 2.0)  # USD per 1M prompt, output tokens
 
@@ -70,6 +70,7 @@ def test_back_to_back_requests_draw_on_one_purse_and_book_exactly(db):
         books = Ledger.over(db)
         books.start()
         budgets = Budgets(books)
+        Purses(budgets)
         seen: dict = {}
         for i in range(300):
             res = await budgets.purses.draw(key, "m", 40, 16, PRICE)
@@ -107,6 +108,7 @@ def test_many_requests_in_flight_on_one_key_share_the_purses_round_trips(db):
         books = Ledger.over(db)
         books.start()
         budgets = Budgets(books)
+        Purses(budgets)
 
         async def client() -> None:
             for _ in range(50):
@@ -138,6 +140,8 @@ def test_gateways_drawing_together_never_pass_a_cap(db):
     async def main() -> tuple[int, list[HelexaError], list[int]]:
         writers = [Ledger.over(make_engine(url)) for _ in range(3)]
         budgets = [Budgets(w) for w in writers]
+        for b in budgets:
+            Purses(b)
         for w in writers:
             w.start()
         used, refusals, peaks = 0, [], []
@@ -196,6 +200,7 @@ def test_near_the_cap_a_purse_holds_no_more_than_the_request_needs(db):
         books = Ledger.over(db)
         books.start()
         budgets = Budgets(books)
+        Purses(budgets)
         first = await budgets.purses.draw(key, "m", 100, 5000, (0.0, 0.0))
         reserved = _reserved(sessions)
         budgets.settle(first, _row(key, (100, 300)), key.id)
@@ -223,6 +228,7 @@ def test_a_cost_cap_bounds_a_purse_too(db):
         books = Ledger.over(db)
         books.start()
         budgets = Budgets(books)
+        Purses(budgets)
         cost, outs = 0.0, []
         try:
             while True:
@@ -254,6 +260,7 @@ def test_a_changed_cap_starts_a_new_purse(db):
         books = Ledger.over(db)
         books.start()
         budgets = Budgets(books)
+        Purses(budgets)
         held = await budgets.purses.draw(key, "m", 10, 10, PRICE)
         store.set_budget(key.id, cap_tokens=100)
         lowered = store.get(key.id)
@@ -287,6 +294,7 @@ def test_a_purse_booked_whole_by_another_gateway_is_never_booked_twice(db):
         stalled.start()
         alive.start()
         gone = Budgets(stalled, lease_s=1.0)
+        Purses(gone)
         first = await gone.purses.draw(key, "m", 30, 100, PRICE)
         second = await gone.purses.draw(key, "m", 30, 100, PRICE)  # one purse, still in use
         while any(p.topping for p in gone.purses._open.values()):  # its top-up written
@@ -297,6 +305,7 @@ def test_a_purse_booked_whole_by_another_gateway_is_never_booked_twice(db):
             s.execute(update(Reservation).values(created_at=old))
             s.execute(update(GatewayInstance).values(heartbeat_at=old))
         survivor = Budgets(alive, lease_s=1.0)
+        Purses(survivor)
         survivor.start()
         deadline = time.monotonic() + 10
         while not survivor.expired_booked and time.monotonic() < deadline:
