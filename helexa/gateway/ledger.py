@@ -82,6 +82,7 @@ class Op:
     abandoned: Callable[[Any], None] | None = None
     awaited: bool = False  # its caller waits for it: its batch does not linger
     quiet: bool = False  # housekeeping (a purse's retirement): kept, not counted as backlog
+    queued_at: float = field(default_factory=time.monotonic)
 
     @property
     def counted(self) -> bool:
@@ -150,8 +151,13 @@ class Ledger:
     # -- the queue ---------------------------------------------------------------------
     @property
     def backlog(self) -> int:
-        """Ops waiting to be written that must not be lost."""
-        return self._queue.kept
+        """Writes that must not be lost and that the database has not taken: every one while
+        it is failing; else those still queued past two gatherings (a settlement lingering
+        for its batch's company, by design, is not behind)."""
+        if not self.state.database_ok:
+            return self._queue.kept
+        due = time.monotonic() - 2 * LINGER_S
+        return sum(1 for op in self._queue.ops if op.counted and op.queued_at < due)
 
     @property
     def full(self) -> bool:
