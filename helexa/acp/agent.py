@@ -67,9 +67,11 @@ from helexa.acp.tools import (
     TOOLS,
     Files,
     LocalFiles,
+    ToolError,
     ToolResult,
     Workspace,
     call_tool,
+    parse_arguments,
 )
 from helexa.acp.wire import Message, ToolCall, Wire, WireError
 
@@ -382,12 +384,14 @@ class HelexaAgent:
         if call.name == "bash":
             return "plan mode runs no commands: read files and write the plan"
         if call.name in ("write_file", "edit_file"):
-            plans = plan_dir(Path(saved.cwd))
-            try:
-                path = ws.path(str(json.loads(call.arguments or "{}").get("path", "")))
-            except (ValueError, AttributeError):
+            try:  # read as the tool will read them, slips repaired alike
+                raw = parse_arguments(call.arguments)
+            except ToolError:
                 return None  # the tool itself reports the bad arguments
-            if not inside(path, plans):
+            if not isinstance(raw.get("path"), str):
+                return None
+            plans = plan_dir(Path(saved.cwd))
+            if not inside(ws.path(raw["path"]), plans):
                 return f"plan mode writes only under {plans}: write the plan there"
         return None
 

@@ -131,8 +131,8 @@ class Purses:
         self._current: dict[str, Purse] = {}  # by key id: where its next request draws
         self._open: dict[str, Purse] = {}  # by purse id: every purse not yet retired
         self.grows = 0  # grow ops a request waited for (a round trip on its path)
-        budgets.purses = self  # settlements and the metrics reach the purses through it
         self.top_ups = 0  # grow ops nobody waited for
+        budgets.purses = self  # settlements and the metrics reach the purses through it
 
     async def draw(
         self,
