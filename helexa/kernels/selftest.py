@@ -6,8 +6,9 @@
 Seeded inputs at awkward sizes (T=63, head and channel dims 60, E=6 experts, top-2, KV cache
 blocks of 16 with GQA group 2); one line per kernel: name, device, shapes, max abs error, max
 relative error (to the reference's largest magnitude), ok/FAIL. Exits 1 on any FAIL, 2 when
-triton is missing. `--perturb NAME` scales that kernel's Triton output by 1.01, to see a FAIL
-(the selftest's own test).
+triton is missing. `--only NAME[,NAME…]` checks those kernels alone (under the interpreter
+every kernel takes a minute or two); `--perturb NAME` scales that kernel's Triton output by
+1.01, to see a FAIL (the selftest's own test).
 """
 
 from __future__ import annotations
@@ -342,8 +343,14 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m helexa.kernels.selftest", description=__doc__)
     parser.add_argument("--device", choices=["cuda", "cpu"], help="default: cuda if present")
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    parser.add_argument("--only", help="comma-separated kernel names: check only these")
     parser.add_argument("--perturb", choices=KERNELS, help="spoil one kernel's output (tests)")
     args = parser.parse_args(argv)
+    only = set(KERNELS)
+    if args.only is not None:
+        only = {name.strip() for name in args.only.split(",") if name.strip()}
+        if unknown := sorted(only - set(KERNELS)):
+            parser.error(f"--only: unknown kernel(s) {', '.join(unknown)}; known: {KERNELS}")
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if device == "cuda" and not torch.cuda.is_available():
         print("selftest: --device cuda, but torch sees no CUDA device", file=sys.stderr)
@@ -362,6 +369,8 @@ def main(argv: list[str] | None = None) -> int:
     dtype = getattr(torch, args.dtype)
     failed = 0
     for case in cases(device, dtype):
+        if case.name not in only:
+            continue
         line = f"{case.name:<33} {device:<4} {args.dtype:<8} {case.shapes:<36}"
         try:
             want = case.run(False)

@@ -39,11 +39,17 @@ def test_selftest_passes_every_kernel_on_this_machine():
 
 @needs_triton
 def test_selftest_fails_when_one_kernel_is_off_by_a_percent():
-    run = selftest("--perturb", "fused_moe")
+    # two kernels, not all (the test above runs every one): the spoiled one fails alone
+    run = selftest("--only", "fused_moe,rms_norm", "--perturb", "fused_moe")
     assert run.returncode == 1
     verdicts = {line.split()[0]: line.split()[-1] for line in run.stdout.splitlines()}
-    assert verdicts.pop("fused_moe") == "FAIL"
-    assert set(verdicts.values()) == {"ok"}
+    assert verdicts == {"rms_norm": "ok", "fused_moe": "FAIL"}
+
+
+def test_selftest_refuses_a_kernel_it_does_not_know():
+    run = selftest("--only", "rms_norm,no_such_kernel")
+    assert run.returncode == 2
+    assert "unknown kernel(s) no_such_kernel" in run.stderr
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
