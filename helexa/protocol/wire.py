@@ -208,22 +208,31 @@ class SSEEvent:
 
 
 class SSEReader:
-    """An SSE byte stream in, however it is split into chunks; whole events out."""
+    """An SSE byte stream in, however it is split into chunks; whole events out. Each
+    chunk is split once (a node's chunk often holds many events), and an event of one
+    `data:` line, what every node and gateway stream sends, is read without a line split."""
 
     def __init__(self) -> None:
         self.buffer = b""
 
     def feed(self, chunk: bytes) -> list[SSEEvent]:
-        self.buffer = (self.buffer + chunk).replace(b"\r\n", b"\n")
+        buffer = self.buffer + chunk if self.buffer else chunk
+        if b"\r" in buffer:  # CRLF line ends (a "\r" at the end waits for its "\n")
+            buffer = buffer.replace(b"\r\n", b"\n")
+        blocks = buffer.split(b"\n\n")
+        self.buffer = blocks.pop()  # what follows the last blank line: not yet an event
         events = []
-        while b"\n\n" in self.buffer:
-            block, self.buffer = self.buffer.split(b"\n\n", 1)
-            name, data = None, []
+        for block in blocks:
+            if block.startswith(b"data:") and b"\n" not in block:
+                data = block[6:] if block.startswith(b"data: ") else block[5:]
+                events.append(SSEEvent(None, data.decode("utf-8", "replace")))
+                continue
+            name, lines = None, []
             for line in block.split(b"\n"):
                 if line.startswith(b"data:"):
-                    data.append(line[5:].removeprefix(b" "))
+                    lines.append(line[5:].removeprefix(b" "))
                 elif line.startswith(b"event:"):
                     name = line[6:].strip().decode("utf-8", "replace")
-            if data:
-                events.append(SSEEvent(name, b"\n".join(data).decode("utf-8", "replace")))
+            if lines:
+                events.append(SSEEvent(name, b"\n".join(lines).decode("utf-8", "replace")))
         return events

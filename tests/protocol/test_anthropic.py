@@ -583,6 +583,50 @@ def test_sse_payloads_survive_any_split_of_the_byte_stream(payloads, data):
     assert got == [json.dumps(p) for p in payloads] + ["[DONE]"]
 
 
+def _events_whole(wire: bytes) -> list[tuple[str | None, str]]:
+    """The events of a whole SSE byte stream, read the plain way (the reference)."""
+    out = []
+    for block in wire.replace(b"\r\n", b"\n").split(b"\n\n")[:-1]:
+        name, data = None, []
+        for line in block.split(b"\n"):
+            if line.startswith(b"event:"):
+                name = line[6:].strip().decode()
+            elif line.startswith(b"data:"):
+                data.append(line[5:].removeprefix(b" ").decode())
+        if data:
+            out.append((name, "\n".join(data)))
+    return out
+
+
+_sse_text = st.text(st.characters(blacklist_characters="\r\n"), max_size=8)
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    st.lists(
+        st.tuples(
+            st.none() | _sse_text, st.lists(_sse_text, min_size=0, max_size=3), st.booleans()
+        ),
+        max_size=6,
+    ),
+    st.data(),
+)
+def test_named_and_many_line_events_survive_any_split_of_the_byte_stream(events, data):
+    """Events with `event:` names, several `data:` lines (or none: a comment-only block),
+    CRLF or LF line ends, cut anywhere: the same events as the whole stream read at once."""
+    parts = []
+    for name, lines, crlf in events:
+        end = "\r\n" if crlf else "\n"
+        block = ([f"event: {name}"] if name is not None else []) + [f"data: {x}" for x in lines]
+        parts.append(end.join(block or [": comment"]) + end + end)
+    wire = "".join(parts).encode()
+    cuts = sorted(data.draw(st.sets(st.integers(0, len(wire)), max_size=8)))
+    reader, got = SSEReader(), []
+    for a, b in zip([0, *cuts], [*cuts, len(wire)], strict=True):
+        got += [(e.name, e.data) for e in reader.feed(wire[a:b])]
+    assert got == _events_whole(wire)
+
+
 _json = st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=5),
     lambda inner: (
