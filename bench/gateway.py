@@ -1,8 +1,10 @@
 """`python bench/gateway.py`: what the gateway adds in front of a node, beside LiteLLM proxy.
 
 One fake node (`bench/fake_node.py`, answers at once from a cache) and, in front of it, the
-helexa gateway and LiteLLM proxy, one worker each, all started here and always stopped at
-the end. For chat completions, streaming and not, each target gets (i) one client sending
+helexa gateway and LiteLLM proxy, one worker each, and the floor (`bench/floor_proxy.py`: a
+Python proxy on the gateway's event loop and parser that only relays bytes, so that what
+one more hop costs on this machine is read apart from what the gateway's own work costs),
+all started here and always stopped at the end. For chat completions, streaming and not, each target gets (i) one client sending
 requests back to back, the targets taking turns in blocks of 50, for latency percentiles,
 and (ii) wrk (or a Python load generator without it) at 4, 16 and 64 connections, the
 best of which is the highest request rate. "Added" latency is the target's percentile less the fake node's.
@@ -51,7 +53,7 @@ from helexa.bench.node import cpu_seconds  # noqa: E402  (after the path insert 
 
 MODEL = "fake-model"
 ANSWER = "Hello from the fake node."  # what bench/fake_node.py says
-TARGETS = ("direct", "helexa", "litellm")
+TARGETS = ("direct", "floor", "helexa", "litellm")
 MODES = ("non-stream", "stream")
 READY_TIMEOUT_S = 120.0
 CONTENDED_CPUS = 0.25
@@ -493,6 +495,13 @@ def start_targets(
     bases = {"direct": f"http://127.0.0.1:{node_port}"}
     helexa_env: dict[str, str] = {}
     wait_ready(procs["direct"], bases["direct"] + "/v1/models", lists_model, tmp / "fake_node.log")
+    if "floor" in args.only:
+        port = free_port()
+        floor_cmd = [sys.executable, str(ROOT / "bench" / "floor_proxy.py"), "--port", str(port)]
+        procs["floor"] = start(
+            [*floor_cmd, "--node-port", str(node_port)], tmp / "floor.log", args.proxy_cpu
+        )
+        bases["floor"] = f"http://127.0.0.1:{port}"
     if "helexa" in args.only:
         port, config = free_port(), tmp / "helexa.toml"
         helexa_config(config, port, free_port(), node_port)
@@ -517,7 +526,7 @@ def start_targets(
             [*cmd, "--num_workers", "1"], tmp / "litellm.log", args.proxy_cpu, env
         )
         bases["litellm"] = f"http://127.0.0.1:{port}"
-    for name in ("helexa", "litellm"):
+    for name in ("floor", "helexa", "litellm"):
         if name in procs:
             t0 = time.perf_counter()
             wait_ready(procs[name], bases[name] + "/v1/models", lists_model, tmp / f"{name}.log")
@@ -606,6 +615,10 @@ def format_report(rows: list[Row], metered: str | None = None) -> str:
                     f"helexa added first-content p50: {first:.2f} ms "
                     f"(aim <= {AIM_FIRST_CONTENT_MS:g} ms)"
                 )
+        floor = by.get(("floor", mode))
+        if h and floor:
+            over = h.latency.ms(0.5) - floor.latency.ms(0.5)
+            notes.append(f"helexa p50 over the floor (its own work), {mode}: {over:.2f} ms")
         at16 = next((t for t in (h.loads if h else []) if t.concurrency == 16), None)
         if at16 is not None and at16.latency_ms[0] > 0:
             spread = at16.latency_ms[1] / at16.latency_ms[0]
@@ -638,7 +651,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=[4, 16, 64],
         help="load runs' connections (4,16,64)",
     )
-    p.add_argument("--only", default=",".join(TARGETS), help="targets (direct,helexa,litellm)")
+    p.add_argument(
+        "--only", default=",".join(TARGETS), help="targets (direct,floor,helexa,litellm)"
+    )
     p.add_argument("--skip-litellm", action="store_true", help="leave LiteLLM out")
     p.add_argument("--litellm", help="litellm executable (PATH, else ../litellm-venv/bin)")
     p.add_argument("--loadgen", choices=("wrk", "python"), help="default: wrk when installed")
