@@ -28,7 +28,7 @@ TINY = {
     "attention": dict(H=4, KVH=2, D=32, block=16, decode=((1, 64), (3, 40)),
                       prefill=((1, 33, 0), (2, 9, 40)), rotate=40_000),
     # quick (the timed test): one row; every call at both row counts is the other test's
-    "quant": dict(shapes=((256, 48),), M=(1, 5), quick_M=(1,), rotate=20_000),
+    "quant": dict(shapes=((256, 48),), M=(1, 5), quick_M=(1,), rotate=10_000),
     "small": dict(N=3, hidden=64, Hq=4, Hk=2, D=32, I=48, vocab=1000, O=4, P=8),
 }  # fmt: skip
 # these update their state (or logits) in place: each call sees the last one's output
