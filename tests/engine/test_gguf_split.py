@@ -29,10 +29,10 @@ def test_a_split_file_loads_from_its_first_part_as_the_whole_file_does(parts):
         "-00002-of-00003.gguf",
         "-00003-of-00003.gguf",
     ]
-    with LLM(str(bundled_model_path()), kv_cache_memory_mb=64) as whole:
+    with LLM(str(bundled_model_path()), kv_cache_memory_mb=64, autotune=False) as whole:
         want = whole.chat(ASK, GREEDY)[0]
     for ref in (parts[0], parts[0].parent):  # the first part, or the folder of the parts
-        with LLM(str(ref), kv_cache_memory_mb=64) as split:
+        with LLM(str(ref), kv_cache_memory_mb=64, autotune=False) as split:
             got = split.chat(ASK, GREEDY)[0]
         assert got.token_ids == want.token_ids and "Paris" in got.text
 
@@ -54,11 +54,15 @@ def test_a_gguf_takes_a_given_tokenizer_only_where_it_is_the_files_vocabulary():
 
     need_shared(FIXTURE_MODELS)
     smol, qwen = FIXTURE_MODELS / "SmolLM2-135M-Instruct", FIXTURE_MODELS / "Qwen3-0.6B"
-    with LLM(str(bundled_model_path()), kv_cache_memory_mb=64) as own:
+    with LLM(str(bundled_model_path()), kv_cache_memory_mb=64, autotune=False) as own:
         want = own.chat(ASK, GREEDY)[0]
         assert own.engine.loaded.tokenizer_source == "gguf"
-    with LLM(str(bundled_model_path()), kv_cache_memory_mb=64, tokenizer=str(smol)) as base:
+    with LLM(
+        str(bundled_model_path()), kv_cache_memory_mb=64, tokenizer=str(smol), autotune=False
+    ) as base:
         assert base.engine.loaded.tokenizer_source == str(smol)
         assert base.chat(ASK, GREEDY)[0].token_ids == want.token_ids
-    with LLM(str(bundled_model_path()), kv_cache_memory_mb=64, tokenizer=str(qwen)) as other:
+    with LLM(
+        str(bundled_model_path()), kv_cache_memory_mb=64, tokenizer=str(qwen), autotune=False
+    ) as other:
         assert other.engine.loaded.tokenizer_source == "gguf"
