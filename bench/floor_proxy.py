@@ -1,22 +1,34 @@
-"""`python bench/floor_proxy.py --port P --node-port N`: the floor of a Python proxy.
+"""`python bench/floor_proxy.py --port P --node-port N [--asgi]`: the floors of a Python proxy.
 
-bench/gateway.py starts it as its `floor` target, beside the helexa gateway and LiteLLM:
-what one more hop through a Python process costs on this machine when the process does
-nothing but relay bytes. The same event loop the gateway runs (uvloop) and the same
-HTTP parser (httptools); no routing, auth, books, logs or header rewriting: each request
-goes to the node on the client connection's own keep-alive connection with its method,
-path and body, and the node's answer comes back to the client byte for byte as it
-arrives. What the gateway adds past this line is its own work, not the hop's.
+bench/gateway.py starts it as its `floor` and `floor-asgi` targets, beside the helexa
+gateway and LiteLLM, so that what the gateway adds is read against what any Python proxy
+here costs:
+
+- `floor`: one more hop through a process that does nothing but relay bytes, on the event
+  loop the gateway runs (uvloop) and its HTTP parser (httptools). No routing, auth, books,
+  logs or header rewriting: each request goes to the node on the client connection's own
+  keep-alive connection with its method, path and body, and the node's answer comes back
+  byte for byte as it arrives.
+- `floor-asgi` (`--asgi`): the same relay as an ASGI app under uvicorn (the server the
+  gateway runs, with its httptools protocol), through the gateway's own node client
+  (`helexa.gateway.node_http`). What it adds past `floor` is the server and ASGI layer;
+  what the gateway adds past it is the gateway's own work. GETs (the bench's readiness
+  check) are answered with the model list here.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-from typing import cast
+import sys
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any, cast
 
 import httptools
 import uvloop
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # helexa, from a checkout
 
 
 class _ToNode(asyncio.Protocol):
@@ -111,11 +123,58 @@ async def serve(port: int, node: tuple[str, int]) -> None:
         await server.serve_forever()
 
 
+MODELS = b'{"object":"list","data":[{"id":"fake-model","object":"model"}]}'
+
+
+def asgi_relay(node: str) -> Callable[..., Awaitable[None]]:
+    """The ASGI app of `--asgi`: each POST sent on through the gateway's node client, its
+    answer relayed chunk by chunk as it arrives."""
+    from helexa.gateway.node_http import NodePool
+
+    pool = NodePool()
+
+    async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] == "lifespan":
+            while (await receive())["type"] != "lifespan.shutdown":
+                await send({"type": "lifespan.startup.complete"})
+            await send({"type": "lifespan.shutdown.complete"})
+            return
+        body = (await receive()).get("body", b"")
+        if scope["method"] != "POST":
+            await send({"type": "http.response.start", "status": 200, "headers": JSON})
+            await send({"type": "http.response.body", "body": MODELS})
+            return
+        resp = await pool.post(node + scope["path"], body, dict(JSON_STR), 60.0)
+        kind = resp.headers.get("Content-Type", "application/json").encode()
+        headers = [(b"content-type", kind)]
+        await send({"type": "http.response.start", "status": resp.status, "headers": headers})
+        async for chunk in resp.iter_any():
+            await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        resp.release()
+        await send({"type": "http.response.body", "body": b""})
+
+    return app
+
+
+JSON = [(b"content-type", b"application/json")]
+JSON_STR = {"content-type": "application/json"}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--port", type=int, required=True)
     p.add_argument("--node-port", type=int, required=True)
+    p.add_argument("--asgi", action="store_true", help="an ASGI app under uvicorn")
     args = p.parse_args()
+    if args.asgi:
+        import uvicorn
+
+        app = asgi_relay(f"http://127.0.0.1:{args.node_port}")
+        uvicorn.run(
+            app, host="127.0.0.1", port=args.port, http="httptools", loop="uvloop",
+            log_level="warning", access_log=False,
+        )  # fmt: skip
+        return
     uvloop.run(serve(args.port, ("127.0.0.1", args.node_port)))
 
 

@@ -1,13 +1,15 @@
 """`python bench/gateway.py`: what the gateway adds in front of a node, beside LiteLLM proxy.
 
 One fake node (`bench/fake_node.py`, answers at once from a cache) and, in front of it, the
-helexa gateway and LiteLLM proxy, one worker each, and the floor (`bench/floor_proxy.py`: a
-Python proxy on the gateway's event loop and parser that only relays bytes, so that what
-one more hop costs on this machine is read apart from what the gateway's own work costs),
-all started here and always stopped at the end. For chat completions, streaming and not, each target gets (i) one client sending
-requests back to back, the targets taking turns in blocks of 50, for latency percentiles,
-and (ii) wrk (or a Python load generator without it) at 4, 16 and 64 connections, the
-best of which is the highest request rate. "Added" latency is the target's percentile less the fake node's.
+helexa gateway and LiteLLM proxy, one worker each, and two floors (`bench/floor_proxy.py`):
+`floor` only relays bytes, on the gateway's event loop and parser, and `floor-asgi` relays
+them as an ASGI app under uvicorn through the gateway's node client; so that what one more
+hop costs here, what the server and ASGI layer cost, and what the gateway's own work costs
+are read apart. All are started here and always stopped at the end. For chat completions,
+streaming and not, each target gets (i) one client sending requests back to back, the
+targets taking turns in blocks of 50, for latency percentiles, and (ii) wrk (or a Python
+load generator without it) at 4, 16 and 64 connections, the best of which is the highest
+request rate. "Added" latency is the target's percentile less the fake node's.
 
 CPUs: the proxy under test gets one CPU to itself; the fake node, the load generator and
 this script share the other (`taskset`), so both proxies compete on the same terms and the
@@ -53,7 +55,7 @@ from helexa.bench.node import cpu_seconds  # noqa: E402  (after the path insert 
 
 MODEL = "fake-model"
 ANSWER = "Hello from the fake node."  # what bench/fake_node.py says
-TARGETS = ("direct", "floor", "helexa", "litellm")
+TARGETS = ("direct", "floor", "floor-asgi", "helexa", "litellm")
 MODES = ("non-stream", "stream")
 READY_TIMEOUT_S = 120.0
 CONTENDED_CPUS = 0.25
@@ -495,13 +497,14 @@ def start_targets(
     bases = {"direct": f"http://127.0.0.1:{node_port}"}
     helexa_env: dict[str, str] = {}
     wait_ready(procs["direct"], bases["direct"] + "/v1/models", lists_model, tmp / "fake_node.log")
-    if "floor" in args.only:
+    for floor in ("floor", "floor-asgi"):
+        if floor not in args.only:
+            continue
         port = free_port()
-        floor_cmd = [sys.executable, str(ROOT / "bench" / "floor_proxy.py"), "--port", str(port)]
-        procs["floor"] = start(
-            [*floor_cmd, "--node-port", str(node_port)], tmp / "floor.log", args.proxy_cpu
-        )
-        bases["floor"] = f"http://127.0.0.1:{port}"
+        cmd = [sys.executable, str(ROOT / "bench" / "floor_proxy.py"), "--port", str(port)]
+        cmd += ["--node-port", str(node_port)] + (["--asgi"] if floor == "floor-asgi" else [])
+        procs[floor] = start(cmd, tmp / f"{floor}.log", args.proxy_cpu)
+        bases[floor] = f"http://127.0.0.1:{port}"
     if "helexa" in args.only:
         port, config = free_port(), tmp / "helexa.toml"
         helexa_config(config, port, free_port(), node_port)
@@ -526,7 +529,7 @@ def start_targets(
             [*cmd, "--num_workers", "1"], tmp / "litellm.log", args.proxy_cpu, env
         )
         bases["litellm"] = f"http://127.0.0.1:{port}"
-    for name in ("floor", "helexa", "litellm"):
+    for name in ("floor", "floor-asgi", "helexa", "litellm"):
         if name in procs:
             t0 = time.perf_counter()
             wait_ready(procs[name], bases[name] + "/v1/models", lists_model, tmp / f"{name}.log")
@@ -615,10 +618,10 @@ def format_report(rows: list[Row], metered: str | None = None) -> str:
                     f"helexa added first-content p50: {first:.2f} ms "
                     f"(aim <= {AIM_FIRST_CONTENT_MS:g} ms)"
                 )
-        floor = by.get(("floor", mode))
-        if h and floor:
-            over = h.latency.ms(0.5) - floor.latency.ms(0.5)
-            notes.append(f"helexa p50 over the floor (its own work), {mode}: {over:.2f} ms")
+        for floor, what in (("floor", "a bare relay"), ("floor-asgi", "uvicorn + ASGI")):
+            if h and (row := by.get((floor, mode))):
+                over = h.latency.ms(0.5) - row.latency.ms(0.5)
+                notes.append(f"helexa p50 over {floor} ({what}), {mode}: {over:.2f} ms")
         at16 = next((t for t in (h.loads if h else []) if t.concurrency == 16), None)
         if at16 is not None and at16.latency_ms[0] > 0:
             spread = at16.latency_ms[1] / at16.latency_ms[0]
@@ -652,7 +655,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="load runs' connections (4,16,64)",
     )
     p.add_argument(
-        "--only", default=",".join(TARGETS), help="targets (direct,floor,helexa,litellm)"
+        "--only", default=",".join(TARGETS), help="targets (direct,floor,floor-asgi,helexa,litellm)"
     )
     p.add_argument("--skip-litellm", action="store_true", help="leave LiteLLM out")
     p.add_argument("--litellm", help="litellm executable (PATH, else ../litellm-venv/bin)")
