@@ -56,7 +56,7 @@ class _FromClient(asyncio.Protocol):
         self.parser = httptools.HttpRequestParser(self)
         self.transport: asyncio.Transport | None = None
         self.upstream: _ToNode | None = None
-        self.connecting: asyncio.Task[None] | None = None
+        self.connecting: asyncio.Task[None] | None = None  # held: the loop keeps weak refs
         self.url = b""
         self.body: list[bytes] = []
 
@@ -124,6 +124,8 @@ async def serve(port: int, node: tuple[str, int]) -> None:
 
 
 MODELS = b'{"object":"list","data":[{"id":"fake-model","object":"model"}]}'
+JSON = [(b"content-type", b"application/json")]
+NODE_HEADERS = {"content-type": "application/json"}
 
 
 def asgi_relay(node: str) -> Callable[..., Awaitable[None]]:
@@ -144,7 +146,7 @@ def asgi_relay(node: str) -> Callable[..., Awaitable[None]]:
             await send({"type": "http.response.start", "status": 200, "headers": JSON})
             await send({"type": "http.response.body", "body": MODELS})
             return
-        resp = await pool.post(node + scope["path"], body, dict(JSON_STR), 60.0)
+        resp = await pool.post(node + scope["path"], body, NODE_HEADERS, 60.0)
         kind = resp.headers.get("Content-Type", "application/json").encode()
         headers = [(b"content-type", kind)]
         await send({"type": "http.response.start", "status": resp.status, "headers": headers})
@@ -154,10 +156,6 @@ def asgi_relay(node: str) -> Callable[..., Awaitable[None]]:
         await send({"type": "http.response.body", "body": b""})
 
     return app
-
-
-JSON = [(b"content-type", b"application/json")]
-JSON_STR = {"content-type": "application/json"}
 
 
 def main() -> None:

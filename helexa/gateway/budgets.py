@@ -190,7 +190,7 @@ class Budgets:
         purse; the future is answered once it is durable."""
         if res is None or res.purse is None:
             return self.ledger.submit(self.settle_op(res, row), keep=True, lock=lock)
-        purses = self._drawing()
+        purses = self.drawing()
         future = self.ledger.submit(purses.settle_op(res, row), keep=True, lock=lock)
         purses.done(res)  # the purse's retirement, if any, queued behind it
         return future
@@ -200,13 +200,14 @@ class Budgets:
         purse, nothing to write)."""
         if res.purse is None:
             return self.ledger.submit(self.release_op(res), keep=True, lock=lock)
-        purses = self._drawing()
+        purses = self.drawing()
         purses.release(res)
         purses.done(res)
         return None
 
-    def _drawing(self) -> Drawing:
-        assert self.purses is not None, "a reservation drawn from a purse has its purses"
+    def drawing(self) -> Drawing:
+        """The purses requests draw on (build_gateway gives every gateway's budgets theirs)."""
+        assert self.purses is not None, "Purses(budgets) registers them before any draw"
         return self.purses
 
     def outstanding(self) -> tuple[int, float]:

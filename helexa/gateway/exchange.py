@@ -236,9 +236,7 @@ class Exchanges:
         if isinstance(limit.get("context"), int):
             requested = min(requested, max(1, limit["context"] - ex.prompt_estimate))
         choices = 1 if path == RESPONSES_PATH else _choices(body.get("n"))
-        purses = self.budgets.purses
-        assert purses is not None, "build_gateway gives the budgets their purses"
-        ex.reservation = await purses.draw(
+        ex.reservation = await self.budgets.drawing().draw(
             key, ex.model, ex.prompt_estimate, requested, ex.price.bound, choices
         )
         if ex.reservation is not None:

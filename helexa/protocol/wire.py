@@ -224,7 +224,7 @@ class SSEReader:
         events = []
         for block in blocks:
             if block.startswith(b"data:") and b"\n" not in block:
-                data = block[6:] if block.startswith(b"data: ") else block[5:]
+                data = block[5:].removeprefix(b" ")
                 events.append(SSEEvent(None, data.decode("utf-8", "replace")))
                 continue
             name, lines = None, []
