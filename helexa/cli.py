@@ -172,6 +172,7 @@ def _serve(args: argparse.Namespace, cfg: Config) -> int:
         return _serve_node(args, cfg)
     from helexa.gateway.service import quiet_collector
     from helexa.web.gateway_app import create_gateway_apps
+    from helexa.web.gateway_lane import Lane, lane_protocol
 
     gw = cfg.gateway
     host = args.host or gw.host
@@ -199,6 +200,7 @@ def _serve(args: argparse.Namespace, cfg: Config) -> int:
         http=cfg.http,
         companions=[(metrics_app, gw.metrics_host, gw.metrics_port)],
         ready=ready,
+        protocol=lane_protocol(Lane(api)),  # the pass-through routes past ASGI
     )
 
 

@@ -33,14 +33,20 @@ def scope_header(scope: Any, name: bytes) -> str | None:
     return None
 
 
-async def send_envelope(send: Send, err: HelexaError) -> None:
-    """`err` as a whole ASGI response (the OpenAI envelope, its status and headers), for
-    the layers below the apps that answer without a handler."""
+def envelope(err: HelexaError) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
+    """`err` as a whole answer: its status, headers and the OpenAI envelope."""
     body = json.dumps(err.to_envelope(), separators=(",", ":")).encode()
     headers = [(b"content-type", b"application/json")]
     headers += [(k.lower().encode(), v.encode()) for k, v in err.headers().items()]
     headers.append((b"content-length", str(len(body)).encode()))
-    await send({"type": "http.response.start", "status": err.status, "headers": headers})
+    return err.status, headers, body
+
+
+async def send_envelope(send: Send, err: HelexaError) -> None:
+    """`err` as a whole ASGI response, for the layers below the apps that answer without
+    a handler."""
+    status, headers, body = envelope(err)
+    await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": body})
 
 

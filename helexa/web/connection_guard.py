@@ -40,12 +40,15 @@ STALL_SEND_BUFFER = 256 << 10
 
 
 def guarded_protocol(
-    header_timeout_s: float, write_timeout_s: float | None
+    header_timeout_s: float,
+    write_timeout_s: float | None,
+    before: tuple[type[HttpToolsProtocol], ...] = (),
 ) -> type[HttpToolsProtocol]:
-    """A protocol class for `uvicorn.Config(http=...)` with these deadlines."""
+    """A protocol class for `uvicorn.Config(http=...)` with these deadlines, and `before`
+    (subclasses of uvicorn's protocol, such as the gateway's lane) in front of them."""
     httptools_impl.service_unavailable = _overloaded  # the app uvicorn runs past the limit
     deadlines = {"header_timeout_s": header_timeout_s, "write_timeout_s": write_timeout_s}
-    return type("GuardedProtocol", (_HeaderDeadline, _StallDeadline), deadlines)
+    return type("GuardedProtocol", (*before, _HeaderDeadline, _StallDeadline), deadlines)
 
 
 class _Guard(HttpToolsProtocol):

@@ -118,6 +118,26 @@ class GatewayASGI:
         self.cors = cors
         self.state = app.state
 
+    def response_headers(
+        self, headers: Headers, rid: bytes, origin: str | None, path: str
+    ) -> Headers:
+        """An answer's headers as they leave the door: its request id (the sane one), and
+        CORS's when configured (never on the console's pages)."""
+        headers = [(k, v) for k, v in headers if k.lower() != _REQUEST_ID]
+        headers.append((_REQUEST_ID, rid))
+        if self.cors is not None and not path.startswith("/admin"):
+            headers = self.cors.response_headers(headers, origin)
+        return headers
+
+    def count(self, path: str, method: str, status: int, record: RequestRecord) -> None:
+        """The request is over: counted, and its log line written (API requests; now, or
+        when its exchange with a node settles)."""
+        route = path if path in ROUTES else "other"
+        self.metrics.child(self.metrics.requests, route, str(status)).inc()
+        record.status = status
+        if path.startswith("/v1/") and method != "OPTIONS":
+            record.end()
+
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
@@ -125,8 +145,9 @@ class GatewayASGI:
         path: str = scope["path"]
         rid = request_id(scope_header(scope, _REQUEST_ID))
         # the handlers (and the node, through them) see the sane id, never the client's raw one
+        rid_bytes = rid.encode()
         scope["headers"] = [(k, v) for k, v in scope["headers"] if k.lower() != _REQUEST_ID]
-        scope["headers"].append((_REQUEST_ID, rid.encode()))
+        scope["headers"].append((_REQUEST_ID, rid_bytes))
         record = RequestRecord(rid)
         scope.setdefault("state", {})[RECORD_STATE] = record
         origin = scope_header(scope, b"origin")
@@ -137,12 +158,7 @@ class GatewayASGI:
             nonlocal status
             if message["type"] == "http.response.start":
                 status = message["status"]
-                headers = [
-                    (k, v) for k, v in message.get("headers", []) if k.lower() != _REQUEST_ID
-                ]
-                headers.append((_REQUEST_ID, rid.encode()))
-                if cors is not None:
-                    headers = cors.response_headers(headers, origin)
+                headers = self.response_headers(message.get("headers", []), rid_bytes, origin, path)
                 message = {**message, "headers": headers}
             await send(message)
 
@@ -153,7 +169,7 @@ class GatewayASGI:
                     origin, scope_header(scope, b"access-control-request-headers") or ""
                 )
                 status = code  # answered here, before any handler or auth
-                headers.append((_REQUEST_ID, rid.encode()))
+                headers.append((_REQUEST_ID, rid_bytes))
                 await send({"type": "http.response.start", "status": code, "headers": headers})
                 await send({"type": "http.response.body", "body": body})
                 return
@@ -162,8 +178,4 @@ class GatewayASGI:
             else:
                 await self.app(scope, receive, wrapped_send)
         finally:
-            route = path if path in ROUTES else "other"
-            self.metrics.child(self.metrics.requests, route, str(status)).inc()
-            record.status = status
-            if path.startswith("/v1/") and scope["method"] != "OPTIONS":
-                record.end()  # written now, or when its exchange with a node settles
+            self.count(path, scope["method"], status, record)

@@ -14,14 +14,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any
+from typing import Any, Protocol
 
 import aiohttp
 import msgspec
 
 from helexa.errors import HelexaError, invalid_request
 from helexa.gateway.exchange import Reply
-from helexa.gateway.request_log import RECORD_STATE
+from helexa.gateway.request_log import RECORD_STATE, RequestRecord
 from helexa.gateway.service import Gateway
 from helexa.logs import event
 from helexa.web.common import helexa_error, parse_json_body, send_envelope
@@ -78,7 +78,7 @@ def client_error(exc: Exception, method: str, path: str) -> HelexaError:
     return err
 
 
-def _headers(scope: dict[str, Any]) -> dict[str, str]:
+def request_headers(scope: dict[str, Any]) -> dict[str, str]:
     """The request's headers by lower-case name (the first of a repeated one)."""
     out: dict[str, str] = {}
     for k, v in scope["headers"]:
@@ -112,7 +112,9 @@ async def _read_body(receive: Any, limit: int) -> bytes | None:
     return b"".join(parts)
 
 
-def _start(reply: Reply, length: int | None = None) -> dict[str, Any]:
+def head_headers(reply: Reply, length: int | None = None) -> list[tuple[bytes, bytes]]:
+    """The answer's headers for the client: the node's (less hop-by-hop ones), its
+    content type (a text type with its charset) and, for a whole answer, its length."""
     media_type = reply.media_type
     if media_type.startswith("text/"):
         media_type += "; charset=utf-8"
@@ -120,39 +122,96 @@ def _start(reply: Reply, length: int | None = None) -> dict[str, Any]:
     headers.append((b"content-type", media_type.encode("latin-1")))
     if length is not None:
         headers.append((b"content-length", str(length).encode()))
-    return {"type": "http.response.start", "status": reply.status, "headers": headers}
+    return headers
 
 
-async def _client_left(send: Any) -> None:
-    """The answer to a client that has gone: into the void (the server drops it), for the
-    log line and the request counter."""
-    await send({"type": "http.response.start", "status": CLIENT_LEFT, "headers": []})
-    await send({"type": "http.response.body", "body": b""})
+class Wire(Protocol):
+    """Where a pass-through request is read from and answered to: ASGI messages
+    (`AsgiWire`), or the socket itself (`gateway_lane.LaneWire`). Once `watch`ed, a client
+    that leaves before the answer is whole cancels the request's task and sets `left`; a
+    disconnect once `answered` is set changes nothing."""
+
+    left: bool
+    answered: bool
+
+    async def body(self, limit: int) -> bytes | None:
+        """The whole request body; None past `limit` bytes; ClientLeft when the client goes."""
+        ...
+
+    def watch(self) -> None: ...
+
+    def unwatch(self) -> None: ...
+
+    async def start(self, status: int, headers: list[tuple[bytes, bytes]]) -> None: ...
+
+    async def send(self, chunk: bytes) -> None:
+        """A part of the answer's body, more to come."""
+        ...
+
+    async def end(self, chunk: bytes = b"") -> None:
+        """The answer's last part: the answer is whole."""
+        ...
+
+    async def gone(self) -> None:
+        """The answer to a client that has gone: a 499 into the void (the server drops it),
+        for the log line and the request counter."""
+        ...
+
+    async def error(self, err: HelexaError) -> None:
+        """`err` as the whole answer: the OpenAI envelope, its status and headers."""
+        ...
 
 
-class _Watch:
-    """Cancels the request's task when its client leaves before the answer is whole."""
+class AsgiWire:
+    """A pass-through request as ASGI messages (the Litestar door, and a server without
+    the lane); once watched, a task waits for the client's disconnect."""
 
-    __slots__ = ("answered", "left", "task")
+    __slots__ = ("answered", "left", "receive", "send_", "task")
 
-    def __init__(self, receive: Any) -> None:
-        self.answered = False  # the last byte is on its way: a disconnect now changes nothing
+    def __init__(self, receive: Any, send: Any) -> None:
+        self.receive = receive
+        self.send_ = send
+        self.answered = False
         self.left = False
-        self.task = asyncio.ensure_future(self._wait(receive, asyncio.current_task()))
+        self.task: asyncio.Future[None] | None = None
 
-    async def _wait(self, receive: Any, request: asyncio.Task[Any] | None) -> None:
-        while (await receive())["type"] != "http.disconnect":
+    async def body(self, limit: int) -> bytes | None:
+        return await _read_body(self.receive, limit)
+
+    def watch(self) -> None:
+        self.task = asyncio.ensure_future(self._wait(asyncio.current_task()))
+
+    async def _wait(self, request: asyncio.Task[Any] | None) -> None:
+        while (await self.receive())["type"] != "http.disconnect":
             pass
         if not self.answered and request is not None:
             self.left = True
             request.cancel()
 
-    def stop(self) -> None:
-        self.task.cancel()
+    def unwatch(self) -> None:
+        if self.task is not None:
+            self.task.cancel()
+
+    async def start(self, status: int, headers: list[tuple[bytes, bytes]]) -> None:
+        await self.send_({"type": "http.response.start", "status": status, "headers": headers})
+
+    async def send(self, chunk: bytes) -> None:
+        await self.send_({**_MORE, "body": chunk})
+
+    async def end(self, chunk: bytes = b"") -> None:
+        await self.send_({"type": "http.response.body", "body": chunk})
+
+    async def gone(self) -> None:
+        await self.send_({"type": "http.response.start", "status": CLIENT_LEFT, "headers": []})
+        await self.send_({"type": "http.response.body", "body": b""})
+
+    async def error(self, err: HelexaError) -> None:
+        await send_envelope(self.send_, err)
 
 
 class Passthrough:
-    """The ASGI app for `PASSTHROUGH_PATHS` (POST), over one gateway."""
+    """The pass-through routes (POST `PASSTHROUGH_PATHS`) over one gateway: an ASGI app,
+    and `serve` over any `Wire`."""
 
     def __init__(self, gateway: Gateway) -> None:
         self.gateway = gateway
@@ -160,58 +219,65 @@ class Passthrough:
         self.limit = self.max_body_mb << 20
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
-        path: str = scope["path"]
+        record = scope.get("state", {}).get(RECORD_STATE)
+        await self.serve(AsgiWire(receive, send), scope["path"], request_headers(scope), record)
+
+    async def serve(
+        self, wire: Wire, path: str, headers: dict[str, str], record: RequestRecord | None
+    ) -> None:
+        """Authenticate, read the body, open the exchange, relay or read the node's answer.
+        A client that leaves cancels the work (and so the node's request); every failure
+        is the OpenAI envelope, logged as `_handle_error` logs it."""
         try:
-            headers = _headers(scope)
             principal = await self.gateway.auth.authenticate(headers)
-            raw = await _read_body(receive, self.limit)
+            raw = await wire.body(self.limit)
             if raw is None:
                 raise too_large(self.max_body_mb)
             body = body_object(raw)
         except ClientLeft:
-            await _client_left(send)
+            await wire.gone()
             return
         except Exception as exc:
-            await send_envelope(send, client_error(exc, "POST", path))
+            await wire.error(client_error(exc, "POST", path))
             return
-        watch = _Watch(receive)
+        wire.watch()
         started = False
         try:
             exchanges = self.gateway.exchanges
-            record = scope["state"].get(RECORD_STATE)
             reply = await exchanges.open(principal, path, body, raw, headers, record)
             if reply.is_stream:
-                await send(_start(reply))
+                await wire.start(reply.status, head_headers(reply))
                 started = True
                 async for chunk in exchanges.relay(reply):
-                    if watch.answered:
+                    if wire.answered:
                         continue  # the answer's end went out; what is left is the books'
-                    await send({**_MORE, "body": chunk})
                     if reply.ends_with(chunk):  # the end out before the books read it
-                        watch.answered = True
-                        await send({"type": "http.response.body", "body": b""})
-                if not watch.answered:
-                    watch.answered = True
-                    await send({"type": "http.response.body", "body": b""})
+                        wire.answered = True
+                        await wire.end(chunk)
+                    else:
+                        await wire.send(chunk)
+                if not wire.answered:
+                    wire.answered = True
+                    await wire.end()
             else:
                 data, arrived = await exchanges.fetch(reply)
-                watch.answered = True
+                wire.answered = True
                 try:  # the answer out first, then its books (however the sending ends)
-                    await send(_start(reply, len(data)))
+                    await wire.start(reply.status, head_headers(reply, len(data)))
                     started = True
-                    await send({"type": "http.response.body", "body": data})
+                    await wire.end(data)
                 finally:
                     exchanges.settle_whole(reply, data, arrived)
         except asyncio.CancelledError:
             current = asyncio.current_task()
-            if not watch.left or current is None:
+            if not wire.left or current is None:
                 raise  # not the client leaving: the server's own cancellation
             current.uncancel()
             if not started:
-                await _client_left(send)
+                await wire.gone()
         except Exception as exc:
             if started:
                 raise  # the head is out: the connection is cut, as any server would
-            await send_envelope(send, client_error(exc, "POST", path))
+            await wire.error(client_error(exc, "POST", path))
         finally:
-            watch.stop()
+            wire.unwatch()

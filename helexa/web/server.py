@@ -16,6 +16,7 @@ from types import FrameType
 
 import uvicorn
 from litestar.types import ASGIApp
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from helexa.config import HttpConfig
 from helexa.systemd import notify
@@ -90,14 +91,17 @@ def serve(
     on_exit: Callable[[], None] | None = None,
     companions: list[tuple[ASGIApp, str, int]] | None = None,
     ready: Callable[[], Awaitable[str | None]] | None = None,
+    protocol: type[HttpToolsProtocol] | None = None,
 ) -> int:
     """Serve until a signal; returns the process exit code. `http` sets the connection
     limits; `write_timeout_s` cuts a client that reads nothing for that long; `ready`,
     awaited once every listener is bound, says when (and with what status line) to tell
-    systemd READY=1."""
+    systemd READY=1; `protocol`, a subclass of uvicorn's, goes in front of the guards on
+    the main listener (the gateway's lane)."""
     http = http or HttpConfig()
     others = [_Companion(_config(a, h, p, 1.0, http, None)) for a, h, p in companions or []]
-    config = _config(app, host, port, drain_timeout_s, http, write_timeout_s)
+    before = (protocol,) if protocol is not None else ()
+    config = _config(app, host, port, drain_timeout_s, http, write_timeout_s, before)
     main = _Server(config, on_exit, ready, others)
     if not others:
         main.run()
@@ -128,12 +132,13 @@ def _config(
     drain_timeout_s: float,
     http: HttpConfig,
     write_timeout_s: float | None,
+    before: tuple[type[HttpToolsProtocol], ...] = (),
 ) -> uvicorn.Config:
     return uvicorn.Config(
         app,
         host=host,
         port=port,
-        http=guarded_protocol(http.header_timeout_s, write_timeout_s),
+        http=guarded_protocol(http.header_timeout_s, write_timeout_s, before),
         log_config=None,  # helexa configures logging once, in the CLI
         access_log=False,
         timeout_graceful_shutdown=max(1, round(drain_timeout_s)),

@@ -1,0 +1,266 @@
+"""The gateway's own lane for its hot path: the OpenAI pass-through routes (POST
+`PASSTHROUGH_PATHS`) answered on the socket, under uvicorn's HTTP protocol but past ASGI.
+
+uvicorn still reads the request (httptools) and keeps the connection: keep-alive,
+pipelining, flow control, the header deadline, `limit_concurrency`, graceful shutdown. Every
+other route is ASGI as before. For these requests its protocol starts `Lane.serve` in place
+of the ASGI app, which does what `GatewayASGI` and the ASGI pass-through did, the same way
+(a sane `x-request-id`, CORS, the request counter, the one log line; the same answers and
+envelopes), without what cost more than the gateway's own work on an anonymous request:
+
+- no ASGI messages (a dict each, its headers checked again) and no wrapped `send`;
+- no task per request waiting for the client's disconnect: the connection's
+  `connection_lost` cancels the request's task itself;
+- the answer's head leaves with its first body part in one write (a whole answer, or a
+  stream that came whole, in one), never held past the loop turn it was made in.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+from typing import Any
+
+from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
+
+from helexa.errors import HelexaError
+from helexa.gateway.request_log import RequestRecord
+from helexa.logs import request_id
+from helexa.protocol.wire import REQUEST_ID_HEADER
+from helexa.web.common import envelope
+from helexa.web.gateway_asgi import GatewayASGI
+from helexa.web.gateway_passthrough import (
+    CLIENT_LEFT,
+    PASSTHROUGH_PATHS,
+    ClientLeft,
+    request_headers,
+)
+
+log = logging.getLogger("uvicorn.error")  # where uvicorn logs an app's failure
+
+Headers = list[tuple[bytes, bytes]]
+_VALUE = re.compile(b"[\x00-\x08\x0a-\x1f\x7f]")  # what uvicorn refuses in a header value
+_CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
+_LAST_CHUNK = b"0\r\n\r\n"
+_SERVER_ERROR: Headers = [
+    (b"content-type", b"text/plain; charset=utf-8"),
+    (b"content-length", b"21"),
+    (b"connection", b"close"),
+]
+
+
+class LaneWire:
+    """One pass-through request on its connection: its body read from uvicorn's cycle, its
+    answer written to the transport (chunked when it has no length)."""
+
+    __slots__ = (
+        "answered",
+        "chunked",
+        "cycle",
+        "extra",
+        "head",
+        "left",
+        "loop",
+        "protocol",
+        "started",
+        "status",
+        "task",
+        "transport",
+        "watching",
+    )
+
+    def __init__(self, protocol: LaneProtocol, cycle: Any) -> None:
+        self.protocol = protocol
+        self.cycle = cycle  # uvicorn's RequestResponseCycle: body, keep-alive, completion
+        self.transport: asyncio.Transport = protocol.transport
+        self.loop = protocol.loop
+        self.task: asyncio.Task[None] | None = None
+        self.answered = False
+        self.left = False
+        self.watching = False
+        self.started = False
+        self.chunked = False
+        self.status = 500
+        self.head: bytes | None = None  # made, not yet written
+        self.extra: Any = None  # (outer, request id, origin, path): the door's headers
+
+    # -- the request -------------------------------------------------------------------
+    async def body(self, limit: int) -> bytes | None:
+        cycle = self.cycle
+        if cycle.waiting_for_100_continue and not self.transport.is_closing():
+            self.transport.write(_CONTINUE)
+            cycle.waiting_for_100_continue = False
+        while cycle.more_body and not cycle.disconnected:
+            if len(cycle.body) > limit:
+                return None
+            self.protocol.flow.resume_reading()
+            await cycle.message_event.wait()
+            cycle.message_event.clear()
+        if cycle.disconnected:
+            raise ClientLeft
+        body = bytes(cycle.body)
+        return body if len(body) <= limit else None
+
+    def watch(self) -> None:
+        self.watching = True
+
+    def unwatch(self) -> None:
+        self.watching = False
+
+    def client_left(self) -> None:
+        """The connection is gone: a watched request not yet answered is cancelled."""
+        task = self.task
+        if self.watching and not self.answered and task is not None and not task.done():
+            self.left = True
+            task.cancel()
+
+    # -- the answer --------------------------------------------------------------------
+    async def start(self, status: int, headers: Headers) -> None:
+        self.status = status
+        if self.cycle.disconnected:
+            return
+        self.started = True
+        self.head = self._head(status, headers)
+        self.loop.call_soon(self._flush)  # unless a body part takes it along this turn
+
+    async def send(self, chunk: bytes) -> None:
+        if self.protocol.flow.write_paused and not self.cycle.disconnected:
+            await self.protocol.flow.drain()
+        if self.cycle.disconnected or not chunk:
+            return
+        self._write(b"%x\r\n%b\r\n" % (len(chunk), chunk) if self.chunked else chunk)
+
+    async def end(self, chunk: bytes = b"") -> None:
+        cycle = self.cycle
+        if self.protocol.flow.write_paused and not cycle.disconnected:
+            await self.protocol.flow.drain()
+        if cycle.disconnected:
+            return
+        if self.chunked:
+            chunk = (b"%x\r\n%b\r\n" % (len(chunk), chunk) if chunk else b"") + _LAST_CHUNK
+        self._write(chunk)
+        cycle.response_complete = True
+        cycle.message_event.set()
+        if not cycle.keep_alive:
+            self.transport.close()
+        cycle.on_response()  # the next pipelined request, or the keep-alive timer
+
+    async def gone(self) -> None:
+        self.status = CLIENT_LEFT  # nobody to write it to: for the log line and the count
+
+    async def error(self, err: HelexaError) -> None:
+        status, headers, body = envelope(err)
+        await self.start(status, headers)
+        await self.end(body)
+
+    def _head(self, status: int, headers: Headers) -> bytes:
+        outer, rid, origin, path = self.extra
+        parts = [STATUS_LINE[status]]
+        for name, value in self.protocol.server_state.default_headers:
+            parts += (name, b": ", value, b"\r\n")
+        length = False
+        for name, value in outer.response_headers(headers, rid, origin, path):
+            if _VALUE.search(value):
+                raise RuntimeError(f"header {name!r} holds a control character")
+            if name == b"content-length":
+                length = True
+            elif name == b"connection" and b"close" in value.lower():
+                self.cycle.keep_alive = False
+                continue  # said once, below
+            parts += (name, b": ", value, b"\r\n")
+        if not self.cycle.keep_alive:
+            parts.append(b"connection: close\r\n")
+        if not length:
+            self.chunked = True
+            parts.append(b"transfer-encoding: chunked\r\n")
+        parts.append(b"\r\n")
+        return b"".join(parts)
+
+    def _write(self, data: bytes) -> None:
+        head = self.head
+        if head is not None:
+            self.head = None
+            data = head + data
+        self.transport.write(data)
+
+    def _flush(self) -> None:
+        if self.head is not None and not self.cycle.disconnected:
+            self._write(b"")
+
+    def finish(self) -> None:
+        """The request's task is over: an answer never started is uvicorn's plain 500, one
+        never finished cuts the connection (as uvicorn does for an ASGI app)."""
+        cycle = self.cycle
+        cycle.on_response = lambda: None
+        if cycle.response_complete or cycle.disconnected:
+            return
+        if not self.started:
+            self.status = 500
+            self.transport.write(
+                b"".join([STATUS_LINE[500], *(n + b": " + v + b"\r\n" for n, v in _SERVER_ERROR)])
+                + b"\r\nInternal Server Error"
+            )
+        self._flush()
+        self.transport.close()
+
+
+class Lane:
+    """Serves the pass-through routes on a `LaneProtocol` connection: the door's work of
+    `GatewayASGI` (`outer`) around its pass-through's `serve`."""
+
+    def __init__(self, outer: GatewayASGI) -> None:
+        self.outer = outer
+        self.passthrough = outer.passthrough
+
+    @staticmethod
+    def takes(scope: dict[str, Any]) -> bool:
+        return scope["method"] == "POST" and scope["path"] in PASSTHROUGH_PATHS
+
+    async def serve(self, wire: LaneWire) -> None:
+        scope = wire.cycle.scope
+        path: str = scope["path"]
+        headers = request_headers(scope)
+        rid = request_id(headers.get(REQUEST_ID_HEADER))
+        headers[REQUEST_ID_HEADER] = rid  # the node sees the sane id, never the client's raw one
+        record = RequestRecord(rid)
+        wire.extra = (self.outer, rid.encode(), headers.get("origin"), path)
+        try:
+            await self.passthrough.serve(wire, path, headers, record)
+        except asyncio.CancelledError:
+            raise  # the server's own (its shutdown's): the connection goes with it
+        except Exception as exc:
+            log.error("Exception in ASGI application\n", exc_info=exc)
+        finally:
+            wire.finish()
+            self.outer.count(path, "POST", wire.status, record)
+
+
+class LaneProtocol(HttpToolsProtocol):
+    """uvicorn's protocol with the lane: `lane`'s requests past ASGI (set on a subclass,
+    `lane_protocol`); the rest as uvicorn runs them."""
+
+    lane: Lane | None = None
+    _lane_wire: LaneWire | None = None
+
+    def _start_asgi_task(self, cycle: Any, app: Any) -> None:
+        lane = self.lane
+        if lane is None or app is not self.app or not lane.takes(cycle.scope):
+            super()._start_asgi_task(cycle, app)  # the 503 past limit_concurrency too
+            return
+        wire = self._lane_wire = LaneWire(self, cycle)
+        task = wire.task = self.loop.create_task(lane.serve(wire))
+        task.add_done_callback(self.tasks.discard)
+        self.tasks.add(task)  # a graceful shutdown waits for it
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        super().connection_lost(exc)
+        wire = self._lane_wire
+        if wire is not None:
+            self._lane_wire = None
+            wire.client_left()
+
+
+def lane_protocol(lane: Lane) -> type[LaneProtocol]:
+    """The mixin `helexa.web.server.serve` puts in front of its guarded protocol."""
+    return type("GatewayLaneProtocol", (LaneProtocol,), {"lane": lane})
