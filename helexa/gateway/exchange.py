@@ -25,7 +25,7 @@ from helexa.gateway.budgets import DATABASE_RETRY_AFTER_S, Budgets, estimate_pro
 from helexa.gateway.edge import advice, check_context
 from helexa.gateway.metrics import GatewayMetrics
 from helexa.gateway.node_http import NodeResponse
-from helexa.gateway.proxy import Upstream, forward_headers, response_headers, warn
+from helexa.gateway.proxy import DROP_RESPONSE, Upstream, forward_headers, warn
 from helexa.gateway.request_log import RequestRecord
 from helexa.gateway.router import Route, Router
 from helexa.protocol.wire import (
@@ -42,7 +42,7 @@ from helexa.protocol.wire import (
 )
 
 # The client's credentials stay at the gateway.
-_CREDENTIALS = ("authorization", "x-api-key")
+_CREDENTIALS = frozenset({"authorization", "x-api-key"})
 RESPONSES_PATH = "/v1/responses"
 log = logging.getLogger(__name__)
 _encoder = msgspec.json.Encoder()
@@ -118,8 +118,8 @@ class Exchanges:
         """The client's headers for the node: its key, any `x-helexa-*` claims and `drop`
         removed, the authenticated principal and `x-helexa-via` stamped. `x-request-id`
         (made sane by the web layer) goes along; the node's own key is added per route."""
-        dropped = {*_CREDENTIALS, *drop}
-        headers = {k: v for k, v in forward_headers(client).items() if k.lower() not in dropped}
+        dropped = _CREDENTIALS if not drop else _CREDENTIALS | {d.lower() for d in drop}
+        headers = forward_headers(client, dropped)
         headers[VIA_HEADER] = "gateway"
         if principal.key is not None:
             headers[ACCOUNT_HEADER] = principal.key.account_id
@@ -142,7 +142,7 @@ class Exchanges:
         node's unread answer; it is settled however it ends, even when never read (the
         request's log line settles what its handler left)."""
         model = body["model"]
-        routes = await self._routes(principal, body, client_headers, record)
+        routes = await self._routes(principal, body, client_headers, record, raw)
         if self.accountant.ledger.full:
             raise service_unavailable(
                 "the gateway's books are behind: the database has not taken its last "
@@ -186,7 +186,8 @@ class Exchanges:
             raise
         self.router.begin(route)
         ex.route = route
-        reply = Reply(ex, resp, path, _client_headers(resp, route), _media_type(resp))
+        headers, media_type = _client_head(resp, route)
+        reply = Reply(ex, resp, path, headers, media_type)
         ex.closer = resp.close
         return reply
 
@@ -196,6 +197,7 @@ class Exchanges:
         body: dict[str, Any],
         client_headers: Mapping[str, str],
         record: RequestRecord | None,
+        raw: bytes | None = None,
     ) -> list[Route]:
         """The request's candidate routes, once its scope and its prompt's size pass."""
         model = body["model"]
@@ -204,7 +206,7 @@ class Exchanges:
         routes = await self.router.routes(model)
         context = context_limit(routes)
         try:
-            check_context(body, context)
+            check_context(body, context, raw)
         except HelexaError as e:
             hint = advice(client_headers.get("user-agent"), e, context)
             if hint:
@@ -452,16 +454,21 @@ def _note_model(record: RequestRecord | None, model: str) -> None:
         record.model = model
 
 
-def _client_headers(resp: NodeResponse, route: Route) -> dict[str, str]:
-    out = response_headers(resp.headers)
-    out["x-helexa-node"] = route.node.name  # which replica answered
-    for name in ("Content-Type", "content-type"):
-        out.pop(name, None)
-    return out
-
-
-def _media_type(resp: NodeResponse) -> str:
-    media_type = resp.headers.get("Content-Type", "application/json")
-    if media_type.startswith("text/"):  # Litestar adds "; charset=utf-8" to text types itself
+def _client_head(resp: NodeResponse, route: Route) -> tuple[dict[str, str], str]:
+    """The node's headers for the client (less hop-by-hop ones and Content-Type, plus
+    x-helexa-node: which replica answered) and its media type, bare for text types (the
+    web layer adds the charset): one pass over the head as it came."""
+    out: dict[str, str] = {}
+    media_type = None
+    for name, value in resp.raw_headers:
+        lower = name.lower()
+        if lower == "content-type":
+            media_type = value if media_type is None else media_type
+        elif lower not in DROP_RESPONSE:
+            out[name] = value
+    out["x-helexa-node"] = route.node.name
+    if media_type is None:
+        media_type = "application/json"
+    elif media_type.startswith("text/"):
         media_type = media_type.split(";", 1)[0]
-    return media_type
+    return out, media_type

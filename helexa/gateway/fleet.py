@@ -5,6 +5,7 @@ The poller writes it; the router and `/v1/models` read it. Plain data, no I/O.
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -114,9 +115,11 @@ class NodeView:
         }
 
 
+@functools.lru_cache(maxsize=1024)
 def with_reachable_host(advertised: str, configured: str) -> str:
     """`advertised` with its host taken from `configured` when it names a loopback address:
-    a node behind NAT or bound to 0.0.0.0 does not know how the gateway reaches it."""
+    a node behind NAT or bound to 0.0.0.0 does not know how the gateway reaches it. (Asked
+    on every request, of a handful of distinct pairs: kept.)"""
     adv = urlsplit(advertised.rstrip("/"))
     if adv.hostname not in LOOPBACK_HOSTS:
         return advertised.rstrip("/")

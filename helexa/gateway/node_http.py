@@ -15,6 +15,7 @@ while answering is `TimeoutError`.
 from __future__ import annotations
 
 import asyncio
+import functools
 import ssl
 import time
 from collections import deque
@@ -89,7 +90,6 @@ class _Connection(asyncio.Protocol):
         response = self.response
         assert response is not None
         response.status = self.parser.get_status_code()
-        response.headers = CIMultiDictProxy(CIMultiDict(response.raw_headers))
         if not response.head.done():
             response.head.set_result(None)
 
@@ -131,8 +131,8 @@ class NodeResponse:
         self.conn = conn
         self.idle_timeout_s = idle_timeout_s
         self.status = 0
-        self.raw_headers: list[tuple[str, str]] = []
-        self.headers: CIMultiDictProxy[str] = CIMultiDictProxy(CIMultiDict())
+        self.raw_headers: list[tuple[str, str]] = []  # as they came, names as the node wrote them
+        self._headers: CIMultiDictProxy[str] | None = None
         self.head: asyncio.Future[None] = loop.create_future()
         self.chunks: deque[bytes] = deque()
         self.buffered = 0
@@ -145,6 +145,14 @@ class NodeResponse:
         self._waiter: asyncio.Future[None] | None = None
         self._done = False
         self._timer: asyncio.TimerHandle | None = loop.call_later(idle_timeout_s, self._idle_check)
+
+    @property
+    def headers(self) -> CIMultiDictProxy[str]:
+        """The head's headers, case-blind (made when first asked for: the proxy's hot path
+        reads `raw_headers` once instead)."""
+        if self._headers is None:
+            self._headers = CIMultiDictProxy(CIMultiDict(self.raw_headers))
+        return self._headers
 
     # -- filled by the connection -------------------------------------------------------------
     def push(self, body: bytes) -> None:
@@ -341,6 +349,7 @@ class NodePool:
         self._idle.clear()
 
 
+@functools.lru_cache(maxsize=1024)  # a handful of distinct URLs, each split on every request
 def _split(url: str) -> tuple[str, str, int, str]:
     parts = urlsplit(url)
     scheme = parts.scheme.lower()

@@ -34,7 +34,7 @@ _DROP_REQUEST = {
     "accept-encoding",  # the gateway reads usage from the body: ask for it uncompressed
     "proxy-authorization",
 }
-_DROP_RESPONSE = {
+DROP_RESPONSE = {
     "content-length",
     "connection",
     "keep-alive",
@@ -58,18 +58,17 @@ def warn(what: str, route: Route, path: str, **fields: object) -> None:
     )
 
 
-def forward_headers(headers: Mapping[str, str]) -> dict[str, str]:
-    """The client's headers for the node, less hop-by-hop ones and any client-sent
-    `x-helexa-*` principal claims (the gateway stamps its own)."""
-    return {
-        k: v
-        for k, v in headers.items()
-        if k.lower() not in _DROP_REQUEST and not k.lower().startswith(PRINCIPAL_PREFIX)
-    }
-
-
-def response_headers(headers: Mapping[str, str]) -> dict[str, str]:
-    return {k: v for k, v in headers.items() if k.lower() not in _DROP_RESPONSE}
+def forward_headers(
+    headers: Mapping[str, str], drop: frozenset[str] = frozenset()
+) -> dict[str, str]:
+    """The client's headers for the node, less hop-by-hop ones, any client-sent
+    `x-helexa-*` principal claims (the gateway stamps its own) and `drop` (lower case)."""
+    out = {}
+    for k, v in headers.items():
+        name = k.lower()
+        if name not in _DROP_REQUEST and name not in drop and not name.startswith(PRINCIPAL_PREFIX):
+            out[k] = v
+    return out
 
 
 class Upstream:

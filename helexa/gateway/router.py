@@ -95,7 +95,8 @@ class Router:
             if model_id not in self.catalogue and not loading:
                 raise model_not_found(model)
             replicas = [await self._cold_load(model_id, loading)]
-        replicas.sort(key=lambda n: (self._busy(n, node_id), n.name))
+        if len(replicas) > 1:
+            replicas.sort(key=lambda n: (self._busy(n, node_id), n.name))
         return [Route(n, node_id, n.inference_url(node_id)) for n in replicas]
 
     @property

@@ -180,8 +180,9 @@ def test_a_key_scoped_to_other_models_is_told_its_model_does_not_exist(gateway):
 
 def test_a_prompt_past_the_context_is_refused_at_the_edge_with_advice_for_its_client(gateway):
     async def work(gw: Gateway) -> None:
-        body, raw = chat()
+        body, _ = chat()
         body["messages"][0]["content"] = "word " * 8192  # ~10,240 tokens; the node has 8,192
+        raw = msgspec.json.encode(body)  # the bytes as received are the body's
         await gw.exchanges.open(ANONYMOUS, CHAT, body, raw, {"user-agent": "opencode/0.5"})
 
     with pytest.raises(HelexaError) as refused:

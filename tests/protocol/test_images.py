@@ -9,10 +9,13 @@ import json
 import math
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from PIL import Image
 
+from helexa.errors import HelexaError
 from helexa.gateway.budgets import TEMPLATE_MARGIN_TOKENS, estimate_prompt_tokens
-from helexa.gateway.edge import estimate_tokens, message_chars
+from helexa.gateway.edge import check_context, estimate_tokens, message_chars, most_tokens
 from helexa.protocol.images import (
     MAX_IMAGE_TOKENS,
     MIN_IMAGE_TOKENS,
@@ -134,3 +137,63 @@ def test_the_edge_counts_an_unreadable_image_as_the_fewest_tokens_an_image_can_b
     image = {"type": "input_image", "image_url": "https://example.com/a.png"}
     assert estimate_tokens({"input": [{"role": "user", "content": [image]}]}) == MIN_IMAGE_TOKENS
     assert MIN_IMAGE_TOKENS == 64
+
+
+_SMALL_PNG = b64("PNG", (64, 64))
+_IMAGES = st.sampled_from(
+    [
+        openai_part(_SMALL_PNG),
+        openai_part(b64("PNG", (3000, 2000))),  # at the most tokens an image can be
+        anthropic_block(_SMALL_PNG),
+        {"type": "input_image", "image_url": "https://example.com/a.png"},
+        {"type": "image", "source": {"type": "url", "url": "https://example.com/b.png"}},
+    ]
+)
+_TEXT_PARTS = st.builds(lambda t: {"type": "text", "text": t}, st.text(max_size=300))
+_CONTENT = st.one_of(
+    st.text(max_size=2000),
+    st.lists(st.one_of(_TEXT_PARTS, _IMAGES), max_size=6),
+    st.lists(  # Claude Code's tool results, images inside
+        st.builds(
+            lambda parts: {"type": "tool_result", "tool_use_id": "t", "content": parts},
+            st.lists(st.one_of(_TEXT_PARTS, _IMAGES), max_size=3),
+        ),
+        max_size=2,
+    ),
+)
+_BODIES = st.builds(
+    lambda key, messages: {"model": "m", key: messages},
+    st.sampled_from(["messages", "input"]),
+    st.lists(st.builds(lambda c: {"role": "user", "content": c}, _CONTENT), max_size=5),
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(body=_BODIES, ascii_only=st.booleans(), slack=st.integers(-3, 3))
+def test_the_bound_read_off_the_bytes_never_lets_an_overage_past_the_edge(body, ascii_only, slack):
+    """The edge skips its walk over a body whose bytes show it cannot pass the context; the
+    bound is never under the estimate, so the check refuses exactly what the walk refuses."""
+    raw = json.dumps(body, ensure_ascii=ascii_only).encode()
+    estimate = estimate_tokens(body)
+    bound = most_tokens(raw)
+    assert bound is None or estimate <= bound
+    context = max(1, estimate + slack)
+
+    def refused(*args) -> bool:
+        try:
+            check_context(*args)
+        except HelexaError:
+            return True
+        return False
+
+    assert refused(body, context, raw) == refused(body, context) == (estimate > context)
+
+
+def test_a_small_body_of_many_images_is_still_walked_and_refused():
+    body = {"messages": [{"role": "user", "content": [openai_part(_SMALL_PNG)] * 20}]}
+    raw = json.dumps(body).encode()
+    assert estimate_tokens(body) == 20 * 64
+    with pytest.raises(HelexaError) as e:
+        check_context(body, 20 * 64 - 1, raw)
+    assert e.value.code == "context_length_exceeded"
+    check_context(body, 20 * 64, raw)
