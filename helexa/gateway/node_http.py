@@ -89,7 +89,12 @@ class _Connection(asyncio.Protocol):
     def on_headers_complete(self) -> None:
         response = self.response
         assert response is not None
-        response.status = self.parser.get_status_code()
+        status = self.parser.get_status_code()
+        if 100 <= status < 200:  # an interim answer (100 Continue, 103 Early Hints): the
+            response.raw_headers.clear()  # answer proper comes after it
+            response.interim = True
+            return
+        response.status = status
         if not response.head.done():
             response.head.set_result(None)
 
@@ -100,6 +105,9 @@ class _Connection(asyncio.Protocol):
     def on_message_complete(self) -> None:
         response = self.response
         assert response is not None
+        if response.interim:
+            response.interim = False
+            return
         response.ended(self.parser.should_keep_alive())
 
     # -- the pool's side -------------------------------------------------------------------
@@ -140,6 +148,7 @@ class NodeResponse:
         self.complete = False
         self.keep_alive = False
         self.received = False
+        self.interim = False  # parsing an interim (1xx) answer
         self.error: BaseException | None = None
         self.last_read = loop.time()
         self._waiter: asyncio.Future[None] | None = None

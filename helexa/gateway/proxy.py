@@ -32,6 +32,7 @@ _DROP_REQUEST = {
     "te",
     "upgrade",
     "accept-encoding",  # the gateway reads usage from the body: ask for it uncompressed
+    "expect",  # the gateway has the whole body before it asks a node: nothing to wait for
     "proxy-authorization",
 }
 DROP_RESPONSE = {

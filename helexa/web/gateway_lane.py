@@ -25,6 +25,7 @@ from typing import Any
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
 from helexa.errors import HelexaError
+from helexa.gateway.exchange import Reply
 from helexa.gateway.request_log import RequestRecord
 from helexa.logs import request_id
 from helexa.protocol.wire import REQUEST_ID_HEADER
@@ -34,6 +35,7 @@ from helexa.web.gateway_passthrough import (
     CLIENT_LEFT,
     PASSTHROUGH_PATHS,
     ClientLeft,
+    head_headers,
     request_headers,
 )
 
@@ -117,11 +119,48 @@ class LaneWire:
 
     # -- the answer --------------------------------------------------------------------
     async def start(self, status: int, headers: Headers) -> None:
+        outer, rid, origin, path = self.extra
+        self._begin(status, *_lines(outer.response_headers(headers, rid, origin, path)))
+
+    async def reply(self, reply: Reply, length: int | None = None) -> None:
+        """The head of a node's answer. A node's headers are the same answer after answer,
+        so they are rendered and checked once (`_NODE_HEADS`), and only the request's own
+        (its id and length) are added."""
+        outer, rid, _, _ = self.extra
+        if outer.cors is not None:  # CORS's headers depend on the request's origin
+            await self.start(reply.status, head_headers(reply, length))
+            return
+        key = (reply.status, reply.media_type, *_without_id(reply.headers))
+        lines = _NODE_HEADS.get(key)
+        if lines is None:
+            lines = _lines(head_headers(reply))
+            if len(_NODE_HEADS) >= MAX_NODE_HEADS:
+                _NODE_HEADS.clear()
+            _NODE_HEADS[key] = lines
+        text, _, close = lines
+        own = b"x-request-id: " + rid + b"\r\n"
+        if length is not None:
+            own += b"content-length: %d\r\n" % length
+        self._begin(reply.status, text + own, length is not None, close)
+
+    def _begin(self, status: int, lines: bytes, has_length: bool, close: bool) -> None:
+        """The head made (the status line, uvicorn's date and server headers, `lines`, the
+        framing), to go out with the first body part, or at the end of this loop turn."""
         self.status = status
-        if self.cycle.disconnected:
+        cycle = self.cycle
+        if cycle.disconnected:
             return
         self.started = True
-        self.head = self._head(status, headers)
+        if close:
+            cycle.keep_alive = False
+        parts = [STATUS_LINE[status], _defaults(self.protocol.server_state.default_headers), lines]
+        if not cycle.keep_alive:
+            parts.append(b"connection: close\r\n")
+        if not has_length:
+            self.chunked = True
+            parts.append(b"transfer-encoding: chunked\r\n")
+        parts.append(b"\r\n")
+        self.head = b"".join(parts)
         self.loop.call_soon(self._flush)  # unless a body part takes it along this turn
 
     async def send(self, chunk: bytes) -> None:
@@ -154,29 +193,6 @@ class LaneWire:
         await self.start(status, headers)
         await self.end(body)
 
-    def _head(self, status: int, headers: Headers) -> bytes:
-        outer, rid, origin, path = self.extra
-        parts = [STATUS_LINE[status]]
-        for name, value in self.protocol.server_state.default_headers:
-            parts += (name, b": ", value, b"\r\n")
-        length = False
-        for name, value in outer.response_headers(headers, rid, origin, path):
-            if _VALUE.search(value):
-                raise RuntimeError(f"header {name!r} holds a control character")
-            if name == b"content-length":
-                length = True
-            elif name == b"connection" and b"close" in value.lower():
-                self.cycle.keep_alive = False
-                continue  # said once, below
-            parts += (name, b": ", value, b"\r\n")
-        if not self.cycle.keep_alive:
-            parts.append(b"connection: close\r\n")
-        if not length:
-            self.chunked = True
-            parts.append(b"transfer-encoding: chunked\r\n")
-        parts.append(b"\r\n")
-        return b"".join(parts)
-
     def _write(self, data: bytes) -> None:
         head = self.head
         if head is not None:
@@ -203,6 +219,39 @@ class LaneWire:
             )
         self._flush()
         self.transport.close()
+
+
+MAX_NODE_HEADS = 256  # distinct node heads kept rendered (nodes × models × kinds of answer)
+_NODE_HEADS: dict[tuple[Any, ...], tuple[bytes, bool, bool]] = {}
+_DEFAULTS: list[Any] = [None, b""]  # uvicorn's default headers (a new list each second), rendered
+
+
+def _lines(headers: Headers) -> tuple[bytes, bool, bool]:
+    """Headers as head lines, each value checked as uvicorn checks it; whether they give the
+    body's length, and whether they close the connection (said once, by the framing)."""
+    parts: list[bytes] = []
+    has_length = close = False
+    for name, value in headers:
+        if _VALUE.search(value):
+            raise RuntimeError(f"header {name!r} holds a control character")
+        if name == b"content-length":
+            has_length = True
+        elif name == b"connection" and b"close" in value.lower():
+            close = True
+            continue
+        parts += (name, b": ", value, b"\r\n")
+    return b"".join(parts), has_length, close
+
+
+def _defaults(headers: list[tuple[bytes, bytes]]) -> bytes:
+    if _DEFAULTS[0] is not headers:
+        _DEFAULTS[:] = [headers, b"".join(n + b": " + v + b"\r\n" for n, v in headers)]
+    return _DEFAULTS[1]  # type: ignore[no-any-return]
+
+
+def _without_id(headers: dict[str, str]) -> list[tuple[str, str]]:
+    """A node's headers less its echo of the request's id (each answer's own)."""
+    return [(k, v) for k, v in headers.items() if k.lower() != REQUEST_ID_HEADER]
 
 
 class Lane:

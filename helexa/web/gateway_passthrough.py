@@ -144,6 +144,10 @@ class Wire(Protocol):
 
     async def start(self, status: int, headers: list[tuple[bytes, bytes]]) -> None: ...
 
+    async def reply(self, reply: Reply, length: int | None = None) -> None:
+        """The head of a node's answer (`head_headers`)."""
+        ...
+
     async def send(self, chunk: bytes) -> None:
         """A part of the answer's body, more to come."""
         ...
@@ -194,6 +198,9 @@ class AsgiWire:
 
     async def start(self, status: int, headers: list[tuple[bytes, bytes]]) -> None:
         await self.send_({"type": "http.response.start", "status": status, "headers": headers})
+
+    async def reply(self, reply: Reply, length: int | None = None) -> None:
+        await self.start(reply.status, head_headers(reply, length))
 
     async def send(self, chunk: bytes) -> None:
         await self.send_({**_MORE, "body": chunk})
@@ -246,7 +253,7 @@ class Passthrough:
             exchanges = self.gateway.exchanges
             reply = await exchanges.open(principal, path, body, raw, headers, record)
             if reply.is_stream:
-                await wire.start(reply.status, head_headers(reply))
+                await wire.reply(reply)
                 started = True
                 async for chunk in exchanges.relay(reply):
                     if wire.answered:
@@ -263,7 +270,7 @@ class Passthrough:
                 data, arrived = await exchanges.fetch(reply)
                 wire.answered = True
                 try:  # the answer out first, then its books (however the sending ends)
-                    await wire.start(reply.status, head_headers(reply, len(data)))
+                    await wire.reply(reply, len(data))
                     started = True
                     await wire.end(data)
                 finally:

@@ -102,6 +102,34 @@ def test_sized_answers_come_whole_and_one_connection_carries_them_all():
     assert connections == 1
 
 
+def test_interim_answers_before_the_answer_are_passed_over():
+    """A node may send `100 Continue` or `103 Early Hints` before its answer: the answer is
+    what comes after them, on a connection that still carries the next exchange."""
+
+    async def interim_first(reader, writer):
+        while (got := await _request(reader)) is not None:
+            writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+            writer.write(b"HTTP/1.1 103 Early Hints\r\nLink: </a.css>; rel=preload\r\n\r\n")
+            writer.write(_sized(got[1]))
+            await writer.drain()
+
+    async def main():
+        server = Server(interim_first)
+        async with server as url:
+            pool = NodePool()
+            seen = []
+            for i in range(2):
+                resp = await pool.post(url + "/v1/x", b'{"n":%d}' % i, {}, 10)
+                seen.append((resp.status, "link" in resp.headers, await resp.read()))
+                resp.release()
+            pool.close()
+            return seen, server.connections
+
+    seen, connections = run(main)
+    assert seen == [(200, False, b'{"n":0}'), (200, False, b'{"n":1}')]
+    assert connections == 1
+
+
 def test_a_node_on_an_ipv6_address_gets_a_bracketed_host_header():
     heads = []
 
