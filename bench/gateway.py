@@ -55,7 +55,8 @@ from helexa.bench.node import cpu_seconds  # noqa: E402  (after the path insert 
 
 MODEL = "fake-model"
 ANSWER = "Hello from the fake node."  # what bench/fake_node.py says
-TARGETS = ("direct", "floor", "floor-asgi", "helexa", "litellm")
+TARGETS = ("direct", "floor", "floor-asgi", "helexa", "helexa-base", "litellm")
+BASE = "helexa-base"  # `--against DIR`: the gateway of another checkout, beside this one
 MODES = ("non-stream", "stream")
 READY_TIMEOUT_S = 120.0
 CONTENDED_CPUS = 0.25
@@ -415,13 +416,15 @@ def measure_throughput(
 
 
 # -- the targets ---------------------------------------------------------------------------
-def helexa_config(path: Path, port: int, metrics_port: int, node_port: int) -> None:
+def helexa_config(
+    path: Path, port: int, metrics_port: int, node_port: int, state: str = "state"
+) -> None:
     path.write_text(
         "[gateway]\n"
         f'listen = "127.0.0.1:{port}"\n'
         f'metrics_listen = "127.0.0.1:{metrics_port}"\n'
         "[node]\n"
-        f"state_dir = {json.dumps(str(path.parent / 'state'))}\n"
+        f"state_dir = {json.dumps(str(path.parent / state))}\n"
         "[[nodes]]\n"
         'name = "fake"\n'
         f'endpoint = "http://127.0.0.1:{node_port}"\n'
@@ -515,6 +518,16 @@ def start_targets(
         )
         bases["helexa"] = f"http://127.0.0.1:{port}"
         helexa_env = env
+    if BASE in args.only:  # the same, its code from the other checkout
+        port, config = free_port(), tmp / f"{BASE}.toml"
+        helexa_config(config, port, free_port(), node_port, state=f"{BASE}-state")
+        env = {k: v for k, v in os.environ.items() if not k.startswith("HELEXA_")}
+        env["PYTHONPATH"] = str(args.against)
+        cmd = [sys.executable, "-m", "helexa.cli", "serve", "--role", "gateway"]
+        procs[BASE] = start(
+            [*cmd, "--config", str(config)], tmp / f"{BASE}.log", args.proxy_cpu, env
+        )
+        bases[BASE] = f"http://127.0.0.1:{port}"
     if "litellm" in args.only:
         port, config = free_port(), tmp / "litellm.yaml"
         litellm_config(config, node_port)
@@ -529,7 +542,7 @@ def start_targets(
             [*cmd, "--num_workers", "1"], tmp / "litellm.log", args.proxy_cpu, env
         )
         bases["litellm"] = f"http://127.0.0.1:{port}"
-    for name in ("floor", "floor-asgi", "helexa", "litellm"):
+    for name in ("floor", "floor-asgi", "helexa", BASE, "litellm"):
         if name in procs:
             t0 = time.perf_counter()
             wait_ready(procs[name], bases[name] + "/v1/models", lists_model, tmp / f"{name}.log")
@@ -618,6 +631,12 @@ def format_report(rows: list[Row], metered: str | None = None) -> str:
                     f"helexa added first-content p50: {first:.2f} ms "
                     f"(aim <= {AIM_FIRST_CONTENT_MS:g} ms)"
                 )
+        if h and (base := by.get((BASE, mode))):
+            over = h.latency.ms(0.5) - base.latency.ms(0.5)
+            notes.append(f"helexa p50 over {BASE} (--against), {mode}: {over:+.2f} ms")
+            if mode == "stream":
+                first = h.latency.ms(0.5, first=True) - base.latency.ms(0.5, first=True)
+                notes.append(f"helexa first-content p50 over {BASE}: {first:+.2f} ms")
         for floor, what in (("floor", "a bare relay"), ("floor-asgi", "uvicorn + ASGI")):
             if h and (row := by.get((floor, mode))):
                 over = h.latency.ms(0.5) - row.latency.ms(0.5)
@@ -655,7 +674,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="load runs' connections (4,16,64)",
     )
     p.add_argument(
-        "--only", default=",".join(TARGETS), help="targets (direct,floor,floor-asgi,helexa,litellm)"
+        "--only",
+        default=",".join(t for t in TARGETS if t != BASE),
+        help="targets (direct,floor,floor-asgi,helexa,litellm; helexa-base with --against)",
     )
     p.add_argument("--skip-litellm", action="store_true", help="leave LiteLLM out")
     p.add_argument("--litellm", help="litellm executable (PATH, else ../litellm-venv/bin)")
@@ -667,10 +688,26 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         action="store_true",
         help="helexa requests carry an API key with a 10**12-token budget",
     )
+    p.add_argument(
+        "--against",
+        metavar="DIR",
+        type=Path,
+        help=f"also run the gateway of the helexa checkout in DIR ({BASE}), in the same "
+        "blocks: before and after in one run",
+    )
     args = p.parse_args(argv)
     args.only = [t.strip() for t in args.only.split(",") if t.strip()]
     if unknown := set(args.only) - set(TARGETS):
         p.error(f"unknown targets {sorted(unknown)}; known: {list(TARGETS)}")
+    if args.against is not None:
+        if not (args.against / "helexa" / "cli.py").is_file():
+            p.error(f"--against {args.against}: no helexa checkout there (helexa/cli.py)")
+        if args.metered:
+            p.error("--against runs its gateway unmetered: leave out --metered")
+        if BASE not in args.only:
+            args.only.insert(args.only.index("helexa") + 1 if "helexa" in args.only else 0, BASE)
+    elif BASE in args.only:
+        p.error(f"{BASE} is the gateway of --against DIR: give the directory")
     if args.skip_litellm and "litellm" in args.only:
         args.only.remove("litellm")
     if args.requests < 1 or args.duration <= 0 or args.warmup < 0:
