@@ -111,7 +111,13 @@ class LaneWire:
         self.watching = False
 
     def client_left(self) -> None:
-        """The connection is gone: a watched request not yet answered is cancelled."""
+        """The connection is gone: nothing more is written, and a watched request not yet
+        answered is cancelled. (uvicorn tells only the connection's newest cycle, which is
+        not this request's when the client pipelined another behind it.)"""
+        cycle = self.cycle
+        if not cycle.response_complete:
+            cycle.disconnected = True
+            cycle.message_event.set()
         task = self.task
         if self.watching and not self.answered and task is not None and not task.done():
             self.left = True
