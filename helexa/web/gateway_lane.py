@@ -159,7 +159,11 @@ class LaneWire:
         self.started = True
         if close:
             cycle.keep_alive = False
-        parts = [STATUS_LINE[status], _defaults(self.protocol.server_state.default_headers), lines]
+        parts = [
+            STATUS_LINE[status],
+            _Defaults.of(self.protocol.server_state.default_headers),
+            lines,
+        ]
         if not cycle.keep_alive:
             parts.append(b"connection: close\r\n")
         if not has_length:
@@ -229,7 +233,6 @@ class LaneWire:
 
 MAX_NODE_HEADS = 256  # distinct node heads kept rendered (nodes × models × kinds of answer)
 _NODE_HEADS: dict[tuple[Any, ...], tuple[bytes, bool, bool]] = {}
-_DEFAULTS: list[Any] = [None, b""]  # uvicorn's default headers (a new list each second), rendered
 
 
 def _lines(headers: Headers) -> tuple[bytes, bool, bool]:
@@ -249,10 +252,18 @@ def _lines(headers: Headers) -> tuple[bytes, bool, bool]:
     return b"".join(parts), has_length, close
 
 
-def _defaults(headers: list[tuple[bytes, bytes]]) -> bytes:
-    if _DEFAULTS[0] is not headers:
-        _DEFAULTS[:] = [headers, b"".join(n + b": " + v + b"\r\n" for n, v in headers)]
-    return _DEFAULTS[1]  # type: ignore[no-any-return]
+class _Defaults:
+    """uvicorn's default headers (its date and server), rendered once for each list of them
+    (it makes a new one every second)."""
+
+    source: list[tuple[bytes, bytes]] | None = None
+    text = b""
+
+    @classmethod
+    def of(cls, headers: list[tuple[bytes, bytes]]) -> bytes:
+        if cls.source is not headers:
+            cls.source, cls.text = headers, b"".join(n + b": " + v + b"\r\n" for n, v in headers)
+        return cls.text
 
 
 def _without_id(headers: dict[str, str]) -> list[tuple[str, str]]:
@@ -285,7 +296,7 @@ class Lane:
         except asyncio.CancelledError:
             raise  # the server's own (its shutdown's): the connection goes with it
         except Exception as exc:
-            log.error("Exception in ASGI application\n", exc_info=exc)
+            log.error("Exception in the gateway's lane\n", exc_info=exc)
         finally:
             wire.finish()
             self.outer.count(path, "POST", wire.status, record)
