@@ -44,6 +44,7 @@ log = logging.getLogger("uvicorn.error")  # where uvicorn logs an app's failure
 Headers = list[tuple[bytes, bytes]]
 _VALUE = re.compile(b"[\x00-\x08\x0a-\x1f\x7f]")  # what uvicorn refuses in a header value
 _CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
+_REQUEST_ID = REQUEST_ID_HEADER.encode()
 _LAST_CHUNK = b"0\r\n\r\n"
 _SERVER_ERROR: Headers = [
     (b"content-type", b"text/plain; charset=utf-8"),
@@ -138,8 +139,8 @@ class LaneWire:
             return
         key = (reply.status, reply.media_type, *_without_id(reply.headers))
         lines = _NODE_HEADS.get(key)
-        if lines is None:
-            lines = _lines(head_headers(reply))
+        if lines is None:  # the node's echo of the request's id is each answer's own
+            lines = _lines([(k, v) for k, v in head_headers(reply) if k != _REQUEST_ID])
             if len(_NODE_HEADS) >= MAX_NODE_HEADS:
                 _NODE_HEADS.clear()
             _NODE_HEADS[key] = lines

@@ -101,7 +101,9 @@ def test_every_door_gives_the_same_answers_streams_and_errors(tmp_path, node):
     async def work(outer, litestar, lane, model):
         seen = []
         for client in (outer, litestar, lane):
-            whole = await client.post("/v1/chat/completions", json=_chat(model))
+            whole = await client.post(
+                "/v1/chat/completions", json=_chat(model), headers={"x-request-id": "trace-1"}
+            )
             stream = await client.post(
                 "/v1/chat/completions", json=_chat(model, stream=True, max_tokens=64)
             )
@@ -130,6 +132,8 @@ def test_every_door_gives_the_same_answers_streams_and_errors(tmp_path, node):
         through_lane,
     ):
         assert whole.status_code == 200
+        assert whole.headers["x-request-id"] == "trace-1"  # once: the node's echo is not added
+        assert "," not in stream.headers["x-request-id"]
         assert whole.headers["content-type"] == "application/json"
         assert whole.headers["x-helexa-node"] == "n"
         assert whole.json()["choices"][0]["message"]["content"] == SCRIPT
