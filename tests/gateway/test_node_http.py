@@ -6,6 +6,7 @@ that break off, a node that goes silent, a refused connection, and backpressure.
 from __future__ import annotations
 
 import asyncio
+import functools
 import re
 import socket
 from collections.abc import Awaitable, Callable
@@ -75,10 +76,10 @@ def run(main):
     return asyncio.run(asyncio.wait_for(main(), 30))
 
 
-async def _echo_forever(reader, writer):
-    """A keep-alive node: every request answered with its own body."""
+async def _echo_forever(reader, writer, before: bytes = b""):
+    """A keep-alive node: every request answered with its own body (after `before`)."""
     while (got := await _request(reader)) is not None:
-        writer.write(_sized(got[1]))
+        writer.write(before + _sized(got[1]))
         await writer.drain()
 
 
@@ -106,15 +107,13 @@ def test_interim_answers_before_the_answer_are_passed_over():
     """A node may send `100 Continue` or `103 Early Hints` before its answer: the answer is
     what comes after them, on a connection that still carries the next exchange."""
 
-    async def interim_first(reader, writer):
-        while (got := await _request(reader)) is not None:
-            writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
-            writer.write(b"HTTP/1.1 103 Early Hints\r\nLink: </a.css>; rel=preload\r\n\r\n")
-            writer.write(_sized(got[1]))
-            await writer.drain()
+    interim = (
+        b"HTTP/1.1 100 Continue\r\n\r\n"
+        b"HTTP/1.1 103 Early Hints\r\nLink: </a.css>; rel=preload\r\n\r\n"
+    )
 
     async def main():
-        server = Server(interim_first)
+        server = Server(functools.partial(_echo_forever, before=interim))
         async with server as url:
             pool = NodePool()
             seen = []
