@@ -43,6 +43,10 @@ class _Connection(asyncio.Protocol):
         self.parser = httptools.HttpResponseParser(self)
         self.idle_since = 0.0
         self.lost = False
+        # the idle deadline of its answers: one timer per connection, re-armed only when
+        # it fires (or for an answer due sooner), not one made and cancelled per answer
+        self._timer: asyncio.TimerHandle | None = None
+        self._due = 0.0
 
     # -- the transport's callbacks --------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -110,6 +114,32 @@ class _Connection(asyncio.Protocol):
             return
         response.ended(self.parser.should_keep_alive())
 
+    # -- the answer's idle deadline -------------------------------------------------------
+    def watch(self, response: NodeResponse) -> None:
+        """Cut `response` when its node is silent for its idle timeout."""
+        due = response.last_read + response.idle_timeout_s
+        if self._timer is None or due < self._due:
+            if self._timer is not None:
+                self._timer.cancel()
+            self._due = due
+            self._timer = self.loop.call_at(due, self._idle_check)
+
+    def _idle_check(self) -> None:
+        self._timer = None
+        response = self.response
+        if response is None or response.complete or response.error is not None:
+            return  # nothing waits on the node now: the next answer arms it again
+        now = self.loop.time()
+        if response.paused:  # the client is slow, not the node
+            response.last_read = now
+        due = response.last_read + response.idle_timeout_s
+        if due > now:
+            self._due = due
+            self._timer = self.loop.call_at(due, self._idle_check)
+            return
+        response.fail(TimeoutError(f"the node sent nothing for {response.idle_timeout_s:g}s"))
+        self.close()
+
     # -- the pool's side -------------------------------------------------------------------
     def usable(self, now: float) -> bool:
         transport = self.transport
@@ -123,6 +153,9 @@ class _Connection(asyncio.Protocol):
     def close(self) -> None:
         self.lost = True
         self.pool.forget(self)
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
         if self.transport is not None:
             self.transport.abort()
 
@@ -132,7 +165,7 @@ class NodeResponse:
     whole (`read`) or chunk by chunk (`iter_any`). `release` hands a wholly read
     connection back to the pool; `close` drops it (and so the node's request). A node
     silent for `idle_timeout_s` while answering (not counting while a slow client holds
-    its bytes back) fails it with TimeoutError."""
+    its bytes back) fails it with TimeoutError (`_Connection.watch`)."""
 
     def __init__(self, conn: _Connection, idle_timeout_s: float) -> None:
         loop = conn.loop
@@ -153,7 +186,6 @@ class NodeResponse:
         self.last_read = loop.time()
         self._waiter: asyncio.Future[None] | None = None
         self._done = False
-        self._timer: asyncio.TimerHandle | None = loop.call_later(idle_timeout_s, self._idle_check)
 
     @property
     def headers(self) -> CIMultiDictProxy[str]:
@@ -175,13 +207,11 @@ class NodeResponse:
     def ended(self, keep_alive: bool) -> None:
         self.complete = True
         self.keep_alive = keep_alive
-        self._stop_timer()
         self.wake()
 
     def fail(self, error: BaseException) -> None:
         if self.error is None:
             self.error = error
-        self._stop_timer()
         if not self.head.done():
             self.head.set_exception(error)
             self.head.exception()  # retrieved here: `_send` re-raises it where awaited
@@ -191,25 +221,6 @@ class NodeResponse:
         waiter = self._waiter
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
-
-    def _idle_check(self) -> None:
-        self._timer = None
-        if self.complete or self.error is not None:
-            return
-        loop = self.conn.loop
-        if self.paused:  # the client is slow, not the node
-            self.last_read = loop.time()
-        left = self.last_read + self.idle_timeout_s - loop.time()
-        if left > 0:
-            self._timer = loop.call_later(left, self._idle_check)
-            return
-        self.fail(TimeoutError(f"the node sent nothing for {self.idle_timeout_s:g}s"))
-        self.conn.close()
-
-    def _stop_timer(self) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
 
     # -- read by the exchange -----------------------------------------------------------------
     async def _next(self) -> bytes | None:
@@ -251,7 +262,6 @@ class NodeResponse:
         if self._done:
             return
         self._done = True
-        self._stop_timer()
         conn = self.conn
         conn.response = None
         if self.complete and self.keep_alive and self.error is None and not conn.lost:
@@ -264,7 +274,6 @@ class NodeResponse:
         if self._done:
             return
         self._done = True
-        self._stop_timer()
         self.conn.response = None
         self.conn.close()
 
@@ -300,6 +309,7 @@ class NodePool:
         response = NodeResponse(conn, idle_timeout_s)
         conn.response = response
         conn.parser = httptools.HttpResponseParser(conn)
+        conn.watch(response)
         assert conn.transport is not None
         conn.transport.write(head + body)
         try:

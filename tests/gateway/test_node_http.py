@@ -288,6 +288,38 @@ def test_a_node_silent_past_the_idle_timeout_is_cut():
     assert 0.25 < run(main) < 3
 
 
+def test_the_idle_deadline_follows_each_answer_on_a_reused_connection():
+    """One connection's answers share its timer: an answer with a shorter timeout than the
+    one before it is still cut on time, and a quick answer after a slow start is not cut."""
+
+    async def main():
+        async def node(reader, writer):
+            await _request(reader)  # the first: answered at once
+            writer.write(_sized(b"first"))
+            await writer.drain()
+            await _request(reader)  # the second: its head, then silence
+            writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n" + _chunk(b"x"))
+            await writer.drain()
+            await reader.read()
+
+        async with Server(node) as url:
+            pool = NodePool()
+            resp = await pool.post(url + "/a", b"{}", {}, 600)
+            assert await resp.read() == b"first"
+            resp.release()
+            resp = await pool.post(url + "/b", b"{}", {}, 0.3)  # the same connection
+            loop = asyncio.get_running_loop()
+            started = loop.time()
+            with pytest.raises(TimeoutError):
+                await resp.read()
+            waited = loop.time() - started
+            resp.close()
+            pool.close()
+            return waited
+
+    assert 0.25 < run(main) < 3
+
+
 def test_a_refused_connection_is_a_connection_error():
     async def main():
         server = await asyncio.start_server(lambda r, w: None, "127.0.0.1", 0)
