@@ -30,6 +30,7 @@ from helexa.gateway.request_log import RequestRecord
 from helexa.logs import request_id
 from helexa.protocol.wire import REQUEST_ID_HEADER
 from helexa.web.common import envelope
+from helexa.web.eager import eager_task
 from helexa.web.gateway_asgi import GatewayASGI
 from helexa.web.gateway_passthrough import (
     CLIENT_LEFT,
@@ -280,14 +281,10 @@ class Lane:
         self.outer = outer
         self.passthrough = outer.passthrough
 
-    @staticmethod
-    def takes(scope: dict[str, Any]) -> bool:
-        return scope["method"] == "POST" and scope["path"] in PASSTHROUGH_PATHS
-
     async def serve(self, wire: LaneWire) -> None:
-        scope = wire.cycle.scope
-        path: str = scope["path"]
-        headers = request_headers(scope)
+        cycle = wire.cycle
+        path = cycle.path
+        headers = request_headers(cycle.headers)
         rid = request_id(headers.get(REQUEST_ID_HEADER))
         headers[REQUEST_ID_HEADER] = rid  # the node sees the sane id, never the client's raw one
         record = RequestRecord(rid)
@@ -303,20 +300,124 @@ class Lane:
             self.outer.count(path, "POST", wire.status, record)
 
 
+class LaneCycle:
+    """A lane request on its connection, read without an ASGI scope: its path and headers,
+    and the state uvicorn's protocol reads and sets on its own cycle under these names (its
+    body, pipelining, flow control, keep-alive timer, disconnect and drain work on it as
+    they do on an ASGI request)."""
+
+    __slots__ = (
+        "body",
+        "disconnected",
+        "headers",
+        "keep_alive",
+        "message_event",
+        "more_body",
+        "on_response",
+        "path",
+        "response_complete",
+        "waiting_for_100_continue",
+    )
+
+    def __init__(
+        self,
+        path: str,
+        headers: Headers,
+        expect_100_continue: bool,
+        keep_alive: bool,
+        on_response: Any,
+    ) -> None:
+        self.path = path
+        self.headers = headers  # (lower-case name, value) as they came
+        self.waiting_for_100_continue = expect_100_continue
+        self.keep_alive = keep_alive
+        self.on_response = on_response  # the next pipelined request, or the keep-alive timer
+        self.message_event = asyncio.Event()
+        self.body = bytearray()
+        self.more_body = True
+        self.disconnected = False
+        self.response_complete = False
+
+
+_TARGETS = {p.encode(): p for p in PASSTHROUGH_PATHS}  # a lane request's whole target
+
+
 class LaneProtocol(HttpToolsProtocol):
-    """uvicorn's protocol with the lane: `lane`'s requests past ASGI (set on a subclass,
-    `lane_protocol`); the rest as uvicorn runs them."""
+    """uvicorn's protocol with the lane (set on a subclass, `lane_protocol`): a POST to a
+    pass-through path is read into a `LaneCycle` and served by `lane` past ASGI; the rest
+    (and a lane request past `limit_concurrency`, for its 503) as uvicorn runs them, their
+    ASGI scope made only for them."""
 
     lane: Lane | None = None
     _lane_wire: LaneWire | None = None
+    _lane_next: LaneCycle | None = None  # read whole, or as far as the bytes came; not started
+
+    def on_message_begin(self) -> None:
+        self.url = b""
+        self.expect_100_continue = False
+        self.headers = []
+        self.scope = None  # type: ignore[assignment]  # made in on_headers_complete if needed
+
+    def on_headers_complete(self) -> None:
+        parser = self.parser
+        path = _TARGETS.get(self.url)
+        if (
+            path is None
+            or self.lane is None
+            or parser.get_method() != b"POST"
+            or parser.should_upgrade()
+            or self._over_limit()
+        ):
+            self._make_scope()
+            super().on_headers_complete()
+            return
+        existing = self.cycle
+        cycle = self.cycle = LaneCycle(  # type: ignore[assignment]
+            path,
+            self.headers,
+            self.expect_100_continue,
+            parser.get_http_version() != "1.0" and parser.should_keep_alive(),
+            self.on_response_complete,
+        )
+        if existing is None or existing.response_complete:
+            self._lane_next = cycle  # started once the bytes that came are read
+        else:  # pipelined behind a request not yet answered
+            self.flow.pause_reading()
+            self.pipeline.appendleft((cycle, self.app))  # type: ignore[arg-type]
+
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        cycle = self._lane_next
+        if cycle is not None:  # its body read, as much of it as came
+            self._lane_next = None
+            if not self.transport.is_closing():  # (not a 400 for what came after it)
+                self._start_lane(cycle, eager=True)
+
+    def _over_limit(self) -> bool:
+        limit = self.limit_concurrency
+        return limit is not None and (len(self.connections) >= limit or len(self.tasks) >= limit)
+
+    def _make_scope(self) -> None:
+        """uvicorn's ASGI scope for this request, as its `on_message_begin` makes it."""
+        url, headers, expect = self.url, self.headers, self.expect_100_continue
+        super().on_message_begin()
+        self.url, self.headers, self.expect_100_continue = url, headers, expect
+        self.scope["headers"] = headers
 
     def _start_asgi_task(self, cycle: Any, app: Any) -> None:
-        lane = self.lane
-        if lane is None or app is not self.app or not lane.takes(cycle.scope):
-            super()._start_asgi_task(cycle, app)  # the 503 past limit_concurrency too
-            return
+        if isinstance(cycle, LaneCycle):  # a pipelined lane request's turn (in a task)
+            self._start_lane(cycle, eager=False)
+        else:
+            super()._start_asgi_task(cycle, app)
+
+    def _start_lane(self, cycle: LaneCycle, eager: bool) -> None:
+        """The request's task. Eager from the connection's own callback: its first step
+        (auth, body, routing, the node asked) runs now, not in the loop's next turn."""
+        assert self.lane is not None
         wire = self._lane_wire = LaneWire(self, cycle)
-        task = wire.task = self.loop.create_task(lane.serve(wire))
+        serve = self.lane.serve(wire)
+        task = eager_task(self.loop, serve) if eager else self.loop.create_task(serve)
+        wire.task = task
         task.add_done_callback(self.tasks.discard)
         self.tasks.add(task)  # a graceful shutdown waits for it
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Iterable
 from typing import Any, Protocol
 
 import aiohttp
@@ -78,10 +79,11 @@ def client_error(exc: Exception, method: str, path: str) -> HelexaError:
     return err
 
 
-def request_headers(scope: dict[str, Any]) -> dict[str, str]:
-    """The request's headers by lower-case name (the first of a repeated one)."""
+def request_headers(raw: Iterable[tuple[bytes, bytes]]) -> dict[str, str]:
+    """The request's headers (an ASGI scope's) by lower-case name (the first of a repeated
+    one)."""
     out: dict[str, str] = {}
-    for k, v in scope["headers"]:
+    for k, v in raw:
         name = k.decode("latin-1").lower()
         if name not in out:
             out[name] = v.decode("latin-1")
@@ -227,7 +229,9 @@ class Passthrough:
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         record = scope.get("state", {}).get(RECORD_STATE)
-        await self.serve(AsgiWire(receive, send), scope["path"], request_headers(scope), record)
+        await self.serve(
+            AsgiWire(receive, send), scope["path"], request_headers(scope["headers"]), record
+        )
 
     async def serve(
         self, wire: Wire, path: str, headers: dict[str, str], record: RequestRecord | None
