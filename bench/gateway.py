@@ -104,15 +104,30 @@ def free_port() -> int:
 
 
 def start(
-    cmd: list[str], log: Path, cpu: int | None, env: dict[str, str] | None = None
+    cmd: list[str],
+    log: Path,
+    cpu: int | None,
+    env: dict[str, str] | None = None,
+    cwd: Path = ROOT,
 ) -> subprocess.Popen:
     """`cmd` in its own session (so that its children stop with it), pinned to `cpu`."""
     if cpu is not None:
         cmd = ["taskset", "-c", str(cpu), *cmd]
     with log.open("wb") as f:
         return subprocess.Popen(
-            cmd, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=ROOT, start_new_session=True
+            cmd, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=cwd, start_new_session=True
         )
+
+
+def imports_from(checkout: Path, env: dict[str, str]) -> None:
+    """Exit unless `python -m` run in `checkout` with `env` imports helexa from there (a
+    `python -m` puts its working directory first on sys.path, before PYTHONPATH)."""
+    where = subprocess.run(
+        [sys.executable, "-c", "import helexa; print(helexa.__file__)"],
+        env=env, cwd=checkout, capture_output=True, text=True, check=True,
+    ).stdout.strip()  # fmt: skip
+    if not Path(where).resolve().is_relative_to(checkout.resolve()):
+        sys.exit(f"{BASE} would import helexa from {where}, not from {checkout}")
 
 
 def stop(proc: subprocess.Popen) -> None:
@@ -523,9 +538,10 @@ def start_targets(
         helexa_config(config, port, free_port(), node_port, state=f"{BASE}-state")
         env = {k: v for k, v in os.environ.items() if not k.startswith("HELEXA_")}
         env["PYTHONPATH"] = str(args.against)
+        imports_from(args.against, env)
         cmd = [sys.executable, "-m", "helexa.cli", "serve", "--role", "gateway"]
         procs[BASE] = start(
-            [*cmd, "--config", str(config)], tmp / f"{BASE}.log", args.proxy_cpu, env
+            [*cmd, "--config", str(config)], tmp / f"{BASE}.log", args.proxy_cpu, env, args.against
         )
         bases[BASE] = f"http://127.0.0.1:{port}"
     if "litellm" in args.only:
@@ -700,6 +716,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if unknown := set(args.only) - set(TARGETS):
         p.error(f"unknown targets {sorted(unknown)}; known: {list(TARGETS)}")
     if args.against is not None:
+        args.against = args.against.resolve()
         if not (args.against / "helexa" / "cli.py").is_file():
             p.error(f"--against {args.against}: no helexa checkout there (helexa/cli.py)")
         if args.metered:
