@@ -30,7 +30,6 @@ from helexa.gateway.request_log import RequestRecord
 from helexa.logs import request_id
 from helexa.protocol.wire import REQUEST_ID_HEADER
 from helexa.web.common import envelope
-from helexa.web.eager import eager_task
 from helexa.web.gateway_asgi import GatewayASGI
 from helexa.web.gateway_passthrough import (
     CLIENT_LEFT,
@@ -350,7 +349,6 @@ class LaneProtocol(HttpToolsProtocol):
 
     lane: Lane | None = None
     _lane_wire: LaneWire | None = None
-    _lane_next: LaneCycle | None = None  # read whole, or as far as the bytes came; not started
 
     def on_message_begin(self) -> None:
         self.url = b""
@@ -380,18 +378,10 @@ class LaneProtocol(HttpToolsProtocol):
             self.on_response_complete,
         )
         if existing is None or existing.response_complete:
-            self._lane_next = cycle  # started once the bytes that came are read
+            self._start_lane(cycle)
         else:  # pipelined behind a request not yet answered
             self.flow.pause_reading()
             self.pipeline.appendleft((cycle, self.app))  # type: ignore[arg-type]
-
-    def data_received(self, data: bytes) -> None:
-        super().data_received(data)
-        cycle = self._lane_next
-        if cycle is not None:  # its body read, as much of it as came
-            self._lane_next = None
-            if not self.transport.is_closing():  # (not a 400 for what came after it)
-                self._start_lane(cycle, eager=True)
 
     def _over_limit(self) -> bool:
         limit = self.limit_concurrency
@@ -405,19 +395,15 @@ class LaneProtocol(HttpToolsProtocol):
         self.scope["headers"] = headers
 
     def _start_asgi_task(self, cycle: Any, app: Any) -> None:
-        if isinstance(cycle, LaneCycle):  # a pipelined lane request's turn (in a task)
-            self._start_lane(cycle, eager=False)
+        if isinstance(cycle, LaneCycle):  # a pipelined lane request's turn
+            self._start_lane(cycle)
         else:
             super()._start_asgi_task(cycle, app)
 
-    def _start_lane(self, cycle: LaneCycle, eager: bool) -> None:
-        """The request's task. Eager from the connection's own callback: its first step
-        (auth, body, routing, the node asked) runs now, not in the loop's next turn."""
+    def _start_lane(self, cycle: LaneCycle) -> None:
         assert self.lane is not None
         wire = self._lane_wire = LaneWire(self, cycle)
-        serve = self.lane.serve(wire)
-        task = eager_task(self.loop, serve) if eager else self.loop.create_task(serve)
-        wire.task = task
+        task = wire.task = self.loop.create_task(self.lane.serve(wire))
         task.add_done_callback(self.tasks.discard)
         self.tasks.add(task)  # a graceful shutdown waits for it
 
