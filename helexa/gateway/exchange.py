@@ -34,6 +34,7 @@ from helexa.protocol.wire import (
     DEFAULT_MAX_OUTPUT_TOKENS,
     EXCHANGE_HEADER,
     KEY_HEADER,
+    REQUEST_ID_HEADER,
     VIA_HEADER,
     Price,
     SpendBudget,
@@ -259,7 +260,7 @@ class Exchanges:
         arrived = 0.0
         try:
             try:
-                async for chunk in resp.iter_any():
+                while (chunk := await resp.part()) is not None:  # (no generator per answer)
                     unread, arrived = chunk, time.monotonic()
                     yield chunk
                     unread = None
@@ -454,17 +455,22 @@ def _note_model(record: RequestRecord | None, model: str) -> None:
         record.model = model
 
 
+# not passed on from a node's head: hop-by-hop ones, and its echo of the request's id (each
+# door sets the request's own)
+_NOT_PASSED = frozenset({*DROP_RESPONSE, REQUEST_ID_HEADER})
+
+
 def _client_head(resp: NodeResponse, route: Route) -> tuple[dict[str, str], str]:
-    """The node's headers for the client (less hop-by-hop ones and Content-Type, plus
-    x-helexa-node: which replica answered) and its media type, bare for text types (the
-    web layer adds the charset): one pass over the head as it came."""
+    """The node's headers for the client (less hop-by-hop ones, its request-id echo and
+    Content-Type, plus x-helexa-node: which replica answered) and its media type, bare for
+    text types (the web layer adds the charset): one pass over the head as it came."""
     out: dict[str, str] = {}
     media_type = None
     for name, value in resp.raw_headers:
         lower = name.lower()
         if lower == "content-type":
             media_type = value if media_type is None else media_type
-        elif lower not in DROP_RESPONSE:
+        elif lower not in _NOT_PASSED:
             out[name] = value
     out["x-helexa-node"] = route.node.name
     if media_type is None:

@@ -162,7 +162,7 @@ class _Connection(asyncio.Protocol):
 
 class NodeResponse:
     """A node's answer: its status and headers once its head has come, then its body,
-    whole (`read`) or chunk by chunk (`iter_any`). `release` hands a wholly read
+    whole (`read`) or part by part as it comes (`part`). `release` hands a wholly read
     connection back to the pool; `close` drops it (and so the node's request). A node
     silent for `idle_timeout_s` while answering (not counting while a slow client holds
     its bytes back) fails it with TimeoutError (`_Connection.watch`)."""
@@ -223,7 +223,7 @@ class NodeResponse:
             waiter.set_result(None)
 
     # -- read by the exchange -----------------------------------------------------------------
-    async def _next(self) -> bytes | None:
+    async def part(self) -> bytes | None:
         """The body bytes that have come since the last call (waiting for some); None at
         its end. What arrived together is relayed together: one write to the client."""
         while True:
@@ -248,12 +248,12 @@ class NodeResponse:
                 self._waiter = None
 
     async def iter_any(self) -> AsyncIterator[bytes]:
-        while (chunk := await self._next()) is not None:
+        while (chunk := await self.part()) is not None:
             yield chunk
 
     async def read(self) -> bytes:
         parts = []
-        while (chunk := await self._next()) is not None:
+        while (chunk := await self.part()) is not None:
             parts.append(chunk)
         return b"".join(parts)
 

@@ -44,7 +44,6 @@ log = logging.getLogger("uvicorn.error")  # where uvicorn logs an app's failure
 Headers = list[tuple[bytes, bytes]]
 _VALUE = re.compile(b"[\x00-\x08\x0a-\x1f\x7f]")  # what uvicorn refuses in a header value
 _CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
-_REQUEST_ID = REQUEST_ID_HEADER.encode()
 _LAST_CHUNK = b"0\r\n\r\n"
 _SERVER_ERROR: Headers = [
     (b"content-type", b"text/plain; charset=utf-8"),
@@ -137,10 +136,10 @@ class LaneWire:
         if outer.cors is not None:  # CORS's headers depend on the request's origin
             await self.start(reply.status, head_headers(reply, length))
             return
-        key = (reply.status, reply.media_type, *_without_id(reply.headers))
+        key = (reply.status, reply.media_type, *reply.headers.items())
         lines = _NODE_HEADS.get(key)
-        if lines is None:  # the node's echo of the request's id is each answer's own
-            lines = _lines([(k, v) for k, v in head_headers(reply) if k != _REQUEST_ID])
+        if lines is None:
+            lines = _lines(head_headers(reply))
             if len(_NODE_HEADS) >= MAX_NODE_HEADS:
                 _NODE_HEADS.clear()
             _NODE_HEADS[key] = lines
@@ -265,11 +264,6 @@ class _Defaults:
         if cls.source is not headers:
             cls.source, cls.text = headers, b"".join(n + b": " + v + b"\r\n" for n, v in headers)
         return cls.text
-
-
-def _without_id(headers: dict[str, str]) -> list[tuple[str, str]]:
-    """A node's headers less its echo of the request's id (each answer's own)."""
-    return [(k, v) for k, v in headers.items() if k.lower() != REQUEST_ID_HEADER]
 
 
 class Lane:
