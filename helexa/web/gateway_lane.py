@@ -147,11 +147,18 @@ class LaneWire:
         own = b"x-request-id: " + rid + b"\r\n"
         if length is not None:
             own += b"content-length: %d\r\n" % length
-        self._begin(reply.status, text + own, length is not None, close)
+        # a whole answer, or a stream with bytes already here, has its first part written
+        # in this turn, which takes the head along; a stream still waiting gets it now
+        resp = reply.resp
+        held = length is not None or bool(resp.chunks) or resp.complete
+        self._begin(reply.status, text + own, length is not None, close, held)
 
-    def _begin(self, status: int, lines: bytes, has_length: bool, close: bool) -> None:
+    def _begin(
+        self, status: int, lines: bytes, has_length: bool, close: bool, held: bool = False
+    ) -> None:
         """The head made (the status line, uvicorn's date and server headers, `lines`, the
-        framing), to go out with the first body part, or at the end of this loop turn."""
+        framing), to go out with the first body part: `held` when one is sure to follow in
+        this turn of the loop, else at the end of the turn at the latest."""
         self.status = status
         cycle = self.cycle
         if cycle.disconnected:
@@ -171,7 +178,8 @@ class LaneWire:
             parts.append(b"transfer-encoding: chunked\r\n")
         parts.append(b"\r\n")
         self.head = b"".join(parts)
-        self.loop.call_soon(self._flush)  # unless a body part takes it along this turn
+        if not held:
+            self.loop.call_soon(self._flush)  # unless a body part takes it along this turn
 
     async def send(self, chunk: bytes) -> None:
         if self.protocol.flow.write_paused and not self.cycle.disconnected:
