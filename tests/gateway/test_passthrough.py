@@ -196,10 +196,17 @@ def test_a_client_that_leaves_mid_body_is_answered_499_into_the_void(tmp_path):
     assert sent[0]["status"] == 499
 
 
-def _raw_request(model: str, *, stream: bool = False, extra: str = "", version: str = "1.1"):
+def _raw_request(
+    model: str,
+    *,
+    stream: bool = False,
+    extra: str = "",
+    version: str = "1.1",
+    target: str = "/v1/chat/completions",
+):
     body = json.dumps(_chat(model, stream=stream, max_tokens=16)).encode()
     head = (
-        f"POST /v1/chat/completions HTTP/{version}\r\nHost: gw\r\n"
+        f"POST {target} HTTP/{version}\r\nHost: gw\r\n"
         f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n{extra}\r\n"
     )
     return head.encode(), body
@@ -266,3 +273,26 @@ def test_the_lane_keeps_http_11_pipelining_100_continue_and_10_close(tmp_path, n
     assert h4["connection"] == "close" and closed
     assert json.loads(b4)["choices"][0]["message"]["content"] == SCRIPT
     assert len({h1["x-request-id"], h2["x-request-id"], h4["x-request-id"]}) == 3
+
+
+def test_lane_and_asgi_requests_share_a_connection_in_order(tmp_path, node):
+    """On one connection, pipelined: a lane request, an ASGI one (the model list), a POST
+    to a pass-through path with a query string (served by ASGI, as any target the lane does
+    not take whole), and a lane request again; each answered, in the order sent."""
+
+    async def work(outer, litestar, lane, model):
+        reader, writer = await asyncio.open_connection(lane.base_url.host, lane.base_url.port)
+        chat = _raw_request(model)
+        query = _raw_request(model, target="/v1/chat/completions?trace=1")
+        listing = b"GET /v1/models HTTP/1.1\r\nHost: gw\r\n\r\n"
+        writer.write(b"".join([*chat, listing, *query, *chat]))
+        answers = [await _read_answer(reader) for _ in range(4)]
+        writer.close()
+        return answers
+
+    answers = _doors(tmp_path, node, work)
+    assert [a[0] for a in answers] == ["HTTP/1.1 200 OK"] * 4
+    for i in (0, 2, 3):
+        assert json.loads(answers[i][2])["choices"][0]["message"]["content"] == SCRIPT
+    assert [m["id"] for m in json.loads(answers[1][2])["data"]]
+    assert len({a[1]["x-request-id"] for a in answers}) == 4
