@@ -115,6 +115,10 @@ class NodeView:
         }
 
 
+def _name(node: NodeView) -> str:
+    return node.name
+
+
 @functools.lru_cache(maxsize=1024)
 def with_reachable_host(advertised: str, configured: str) -> str:
     """`advertised` with its host taken from `configured` when it names a loopback address:
@@ -147,4 +151,7 @@ class Fleet:
 
     def replicas(self, model_id: str) -> list[NodeView]:
         """Nodes serving `model_id` now, sorted by name."""
-        return sorted((n for n in self.nodes.values() if n.loaded(model_id)), key=lambda n: n.name)
+        found = [n for n in self.nodes.values() if n.loaded(model_id)]
+        if len(found) > 1:  # (asked on every request: one replica is the common case)
+            found.sort(key=_name)
+        return found
