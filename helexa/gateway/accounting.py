@@ -22,7 +22,7 @@ from helexa.gateway.metrics import GatewayMetrics
 from helexa.gateway.request_log import RequestRecord
 from helexa.gateway.router import Route
 from helexa.logs import new_id
-from helexa.protocol.wire import Price, SSEReader
+from helexa.protocol.wire import FREE, Price, SSEReader
 
 _decode = msgspec.json.Decoder().decode
 # Responses API events whose `delta` is generated text (answer, reasoning, call arguments)
@@ -164,7 +164,7 @@ class Exchange:
     route: Route | None = None  # once a node took it
     reservation: Reservation | None = None
     prompt_estimate: int = 0
-    price: Price = field(default_factory=Price)  # the catalogue's, USD per 1M tokens
+    price: Price = FREE  # the catalogue's, USD per 1M tokens
     started: float = field(default_factory=time.monotonic)
     tally: Tally = field(default_factory=Tally)
     record: RequestRecord | None = None  # the request's log line, held open until settled

@@ -33,10 +33,10 @@ from helexa.protocol.wire import (
     BUDGET_HEADER,
     DEFAULT_MAX_OUTPUT_TOKENS,
     EXCHANGE_HEADER,
+    FREE,
     KEY_HEADER,
     REQUEST_ID_HEADER,
     VIA_HEADER,
-    Price,
     SpendBudget,
     sse_data,
     sse_event,
@@ -154,7 +154,7 @@ class Exchanges:
         _note_model(record, concrete)  # the ledger's name for it, not an alias
         ex = Exchange(concrete, principal)
         entry = self.router.catalogue.get(concrete)
-        ex.price = entry.cost.price() if entry else Price()
+        ex.price = entry.cost.price() if entry else FREE
         rewrite = routes[0].model_id != model  # an alias, or a catalogue id known by source
         body["model"] = routes[0].model_id
         if principal.key is not None and principal.key.budget is not None:

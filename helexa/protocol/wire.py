@@ -99,6 +99,9 @@ class Price:
         return max(self.input, self.cache_read, self.cache_write), self.output
 
 
+FREE = Price()  # a model the catalogue does not price (one instance: making one costs ~1 µs)
+
+
 def output_room(
     prompt_tokens: int,
     tokens_left: int | None,
