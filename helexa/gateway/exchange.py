@@ -445,9 +445,12 @@ def _cut_event(path: str, node: str) -> bytes:
 
 def context_limit(routes: list[Route]) -> int | None:
     """The smallest context any candidate replica advertises (None when none says)."""
-    limits = [(r.node.models.get(r.model_id) or {}).get("limit", {}).get("context") for r in routes]
-    known = [n for n in limits if isinstance(n, int)]
-    return min(known) if known else None
+    least = None
+    for r in routes:
+        n = (r.node.models.get(r.model_id) or {}).get("limit", {}).get("context")
+        if isinstance(n, int) and (least is None or n < least):
+            least = n
+    return least
 
 
 def _note_model(record: RequestRecord | None, model: str) -> None:

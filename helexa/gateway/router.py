@@ -31,7 +31,7 @@ class NodeClient(Protocol):
     async def refresh(self, node: NodeView) -> None: ...
 
 
-@dataclass(slots=True, frozen=True)
+@dataclass(slots=True)  # (not frozen: made on every request, and a frozen one costs 2x)
 class Route:
     """Where one request goes: the node, the model id the node knows, its base URL."""
 
