@@ -8,6 +8,8 @@ of the ASGI app, which does what `GatewayASGI` and the ASGI pass-through did, th
 (a sane `x-request-id`, CORS, the request counter, the one log line; the same answers and
 envelopes), without what cost more than the gateway's own work on an anonymous request:
 
+- no ASGI scope or uvicorn cycle: the request is read into a `LaneCycle` (its path and
+  headers as they came, and the state uvicorn's protocol keeps on a cycle);
 - no ASGI messages (a dict each, its headers checked again) and no wrapped `send`;
 - no task per request waiting for the client's disconnect: the connection's
   `connection_lost` cancels the request's task itself;
