@@ -6,6 +6,7 @@ The poller writes it; the router and `/v1/models` read it. Plain data, no I/O.
 from __future__ import annotations
 
 import functools
+import operator
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -115,10 +116,6 @@ class NodeView:
         }
 
 
-def _name(node: NodeView) -> str:
-    return node.name
-
-
 @functools.lru_cache(maxsize=1024)
 def with_reachable_host(advertised: str, configured: str) -> str:
     """`advertised` with its host taken from `configured` when it names a loopback address:
@@ -153,5 +150,5 @@ class Fleet:
         """Nodes serving `model_id` now, sorted by name."""
         found = [n for n in self.nodes.values() if n.loaded(model_id)]
         if len(found) > 1:  # (asked on every request: one replica is the common case)
-            found.sort(key=_name)
+            found.sort(key=operator.attrgetter("name"))
         return found

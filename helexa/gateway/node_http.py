@@ -223,6 +223,11 @@ class NodeResponse:
             waiter.set_result(None)
 
     # -- read by the exchange -----------------------------------------------------------------
+    @property
+    def ready(self) -> bool:
+        """Whether `part` would return now, without waiting for the node."""
+        return bool(self.chunks) or self.complete or self.error is not None
+
     async def part(self) -> bytes | None:
         """The body bytes that have come since the last call (waiting for some); None at
         its end. What arrived together is relayed together: one write to the client."""

@@ -149,10 +149,9 @@ class LaneWire:
         own = b"x-request-id: " + rid + b"\r\n"
         if length is not None:
             own += b"content-length: %d\r\n" % length
-        # a whole answer, or a stream with bytes already here, has its first part written
-        # in this turn, which takes the head along; a stream still waiting gets it now
-        resp = reply.resp
-        held = length is not None or bool(resp.chunks) or resp.complete
+        # a whole answer, or a stream whose next part is here, has that part written in
+        # this turn, which takes the head along; a stream still waiting gets it now
+        held = length is not None or reply.resp.ready
         self._begin(reply.status, text + own, length is not None, close, held)
 
     def _begin(

@@ -80,8 +80,8 @@ def client_error(exc: Exception, method: str, path: str) -> HelexaError:
 
 
 def request_headers(raw: Iterable[tuple[bytes, bytes]]) -> dict[str, str]:
-    """The request's headers (an ASGI scope's) by lower-case name (the first of a repeated
-    one)."""
+    """A request's raw headers (as an ASGI scope or the lane holds them) by lower-case name
+    (the first of a repeated one)."""
     out: dict[str, str] = {}
     for k, v in raw:
         name = k.decode("latin-1").lower()
